@@ -1,0 +1,98 @@
+"""The interface every algorithm implements, on top of a functional view of one global model.
+
+A federated algorithm differs from another in three places only, and a subclass overrides just
+those: ``local_update`` (what a sampled client does with the global parameters),
+``aggregate`` (how the server combines the clients' results) and the personalization hooks
+(``personal_params``, ``adaptation_context``, ``prediction_context``) used by the one
+test-time procedure that all methods share (fedmeta.evaluation).
+
+Models are used as pure functions of a parameter dict (``torch.func.functional_call``), so a
+client is data plus a seed: no per-client module copies, and the same code can later be
+vmapped over the clients of a round.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from fedmeta.data.federation import Client
+
+Params = dict[str, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
+Context = tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+@dataclass
+class ClientUpdate:
+    client_id: int
+    params: Params  # the client's result, detached
+    weight: float  # its share in the aggregate
+    loss: float  # the training loss it reports
+
+
+def trainable_copy(params: Params) -> Params:
+    """Fresh leaf tensors with gradients, starting from ``params``."""
+    return {name: p.detach().clone().requires_grad_() for name, p in params.items()}
+
+
+class Algorithm(L.LightningModule):
+    """A federated method around one global model ``self.model``."""
+
+    def __init__(self, model: nn.Module, cfg):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+
+    # ---- the model as a function of its parameters -------------------------------------------
+    def global_params(self) -> Params:
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
+        return functional_call(self.model, params, (x,))
+
+    def loss(self, params: Params, batch: Batch, context: Context = None) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(params, x, context), y)
+
+    # ---- federated training ------------------------------------------------------------------
+    @abstractmethod
+    def local_update(self, client: Client, round_: int) -> ClientUpdate:
+        """Run a sampled client's local work from the current global parameters."""
+
+    def aggregate(self, updates: list[ClientUpdate], all_reduce: Callable = lambda tree: tree) -> None:
+        """Weighted mean of the clients' parameters (FedAvg). ``all_reduce`` sums across ranks."""
+        total = torch.tensor(float(sum(u.weight for u in updates)), device=self.device)
+        summed = {name: sum(u.weight * u.params[name] for u in updates) if updates else torch.zeros_like(p)
+                  for name, p in self.global_params().items()}
+        summed, total = all_reduce((summed, total))
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(summed[name] / total)
+
+    # ---- the shared test-time personalization (fedmeta.evaluation) ---------------------------
+    def personal_params(self, client: Client) -> Params:
+        """Where a new client's personalization starts: the global model by default."""
+        return trainable_copy(self.global_params())
+
+    def adaptation_context(self, batch: Batch) -> Context:
+        """The context a personalization step on ``batch`` conditions on (none for plain models)."""
+        return None
+
+    def prediction_context(self, x: torch.Tensor, last_batch: Batch) -> Context:
+        """The context used to classify held-out ``x`` after adapting on ``last_batch``."""
+        return None
+
+    # ---- the whole federation state, for checkpoints ----------------------------------------
+    def federation_state(self) -> dict:
+        return {"model": self.model.state_dict()}
+
+    def load_federation_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])

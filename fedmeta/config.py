@@ -1,0 +1,116 @@
+"""Configuration: YAML files in configs/ composed and overridden with OmegaConf.
+
+``compose(["dataset=rmnist", "method=cafeme", "federation.rounds=100"])`` merges, in order:
+configs/config.yaml, dataset/<d>.yaml, partition/<p>.yaml (default: the data set's), method/<m>.yaml
+(after the file it ``inherits``), variant/<v>.yaml (for methods with variants), then every other
+``key=value``. Keys that do not exist are refused, so a typo cannot pass silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fedmeta.errors import FedmetaError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GROUPS = ("dataset", "partition", "method", "variant")
+GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant"}
+PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+
+
+def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
+    return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+
+
+def _load_group(group: str, name: str, config_dir: Path) -> DictConfig:
+    path = config_dir / group / f"{name}.yaml"
+    if not path.exists():
+        raise FedmetaError(f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}")
+    cfg = OmegaConf.load(path)
+    parent = cfg.pop("inherits", None)
+    return OmegaConf.merge(_load_group(group, parent, config_dir), cfg) if parent else cfg
+
+
+def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """The fully merged configuration for ``overrides`` (``key=value`` strings)."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise FedmetaError(f"overrides must be key=value, got {bad[0]!r}")
+    choice = dict.fromkeys(GROUPS)
+    settings = []
+    for override in overrides:
+        key, value = override.split("=", 1)
+        if key in GROUPS:
+            choice[key] = value
+        else:
+            settings.append(override)
+    try:
+        cli = OmegaConf.from_dotlist(settings)
+    except OmegaConfBaseException as exc:
+        raise FedmetaError(f"cannot parse overrides: {exc}".splitlines()[0]) from None
+    base = OmegaConf.load(config_dir / "config.yaml")
+
+    dataset = _load_group("dataset", choice["dataset"] or base.defaults.dataset, config_dir)
+    partition = _load_group("partition", choice["partition"] or dataset.pop("default_partition"), config_dir)
+    dataset.pop("default_partition", None)
+    method = _load_group("method", choice["method"] or base.defaults.method, config_dir)
+    layers = [base, dataset, partition, method]
+    variant = choice["variant"] or base.defaults.variant
+    if method.method.get("variants", False):
+        layers.append(_load_group("variant", variant, config_dir))
+    elif choice["variant"] and choice["variant"] != "paper":
+        raise FedmetaError(f"method {method.method.name!r} has no variants: drop variant={variant}")
+    cfg = OmegaConf.merge(*layers)
+    cfg.variant = variant if method.method.get("variants", False) else "paper"
+    del cfg["defaults"]
+    OmegaConf.set_struct(cfg, True)
+    try:
+        cfg = OmegaConf.merge(cfg, cli)
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
+        raise FedmetaError(f"unknown or invalid config key {key!r}: see configs/ for the keys that exist") from None
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise FedmetaError(message)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range checks that the YAML types cannot express; each failure is one line."""
+    fed, pers = cfg.federation, cfg.personalization
+    _require(fed.num_clients >= 2, f"federation.num_clients must be ≥ 2, got {fed.num_clients}")
+    _require(0 < fed.num_new_clients < fed.num_clients,
+             f"federation.num_new_clients must be between 1 and num_clients-1, got {fed.num_new_clients}")
+    train_clients = fed.num_clients - fed.num_new_clients
+    _require(1 <= fed.clients_per_round <= train_clients,
+             f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}")
+    _require(fed.rounds >= 1, f"federation.rounds must be ≥ 1, got {fed.rounds}")
+    _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
+    _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
+    _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,
+             "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 1")
+    if cfg.partition.name == "dirichlet":
+        _require(cfg.partition.alpha > 0, f"partition.alpha must be > 0, got {cfg.partition.alpha}")
+    for key in ("inner_lr", "outer_lr", "local_lr"):
+        if key in cfg.method:
+            _require(cfg.method[key] > 0, f"method.{key} must be > 0, got {cfg.method[key]}")
+    if cfg.method.algorithm == "cafeme":
+        _require(cfg.method.modulation in ("c0", "c1", "c2"), f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}")
+        _require(cfg.method.context in ("labelled", "transductive"),
+                 f"method.context must be labelled or transductive, got {cfg.method.context!r}")
+        _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
+    _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {PRECISIONS}, got {cfg.fabric.precision!r}")
+    _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}")
+
+
+def run_name(cfg: DictConfig) -> Path:
+    """runs/<dataset>-<partition>/<method>[-<variant>]/seed<seed>/ — fixed so scripts can rely on it."""
+    method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+    return Path(f"{cfg.dataset.name}-{cfg.partition.name}") / method / f"seed{cfg.seed}"

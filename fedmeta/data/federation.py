@@ -1,0 +1,98 @@
+"""Clients: index sets into one shared data tensor plus a seed — never model copies.
+
+A client's batches come from a generator seeded by (run seed, client id, round, purpose), so a
+client's work is the same whichever process or order runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedmeta.data.datasets import ImageDataset
+from fedmeta.data.partition import partition
+from fedmeta.errors import FedmetaError
+
+TRAIN_PURPOSE, PERSONALIZE_PURPOSE = 0, 1
+
+
+@dataclass
+class Client:
+    id: int
+    pers: torch.Tensor  # indices of the personalization split D_pers
+    held_out: torch.Tensor  # indices of the held-out split D_eval
+    seed: int
+    data: "Federation" = field(repr=False)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pers) + len(self.held_out)
+
+    def generator(self, round_: int, purpose: int = TRAIN_PURPOSE) -> torch.Generator:
+        state = np.random.SeedSequence([self.seed, self.id, round_, purpose]).generate_state(1)[0]
+        return torch.Generator().manual_seed(int(state))
+
+    def indices(self, split: str) -> torch.Tensor:
+        """Sample indices of ``split``: "pers", "held_out" or "all"."""
+        return {"pers": self.pers, "held_out": self.held_out, "all": torch.cat([self.pers, self.held_out])}[split]
+
+    def batch(self, split: str, size: int | None, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch drawn without replacement from ``split``; ``size=None`` takes the whole split."""
+        indices = self.indices(split)
+        if size is not None and size < len(indices):
+            indices = indices[torch.randperm(len(indices), generator=generator)[:size]]
+        return self.data.take(indices)
+
+    def epoch(self, split: str, batch_size: int, generator: torch.Generator):
+        """One shuffled pass over ``split`` in batches of ``batch_size``."""
+        indices = self.indices(split)
+        for chunk in indices[torch.randperm(len(indices), generator=generator)].split(batch_size):
+            yield self.data.take(chunk)
+
+
+class Federation:
+    """The data tensors (on the training device) and the clients that index them."""
+
+    def __init__(self, dataset: ImageDataset, parts: list[np.ndarray], num_new_clients: int,
+                 held_out_fraction: float, seed: int, device: torch.device | str = "cpu"):
+        if not 0 < num_new_clients < len(parts):
+            raise FedmetaError(f"num_new_clients must be between 1 and {len(parts) - 1}, got {num_new_clients}")
+        if not 0 < held_out_fraction < 1:
+            raise FedmetaError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
+        self.x = dataset.x.to(device)
+        self.y = dataset.y.to(device)
+        self.num_classes = dataset.num_classes
+        rng = np.random.default_rng([seed, 0x5E11])
+        clients = []
+        for client_id, indices in enumerate(parts):
+            indices = rng.permutation(indices)
+            n_held_out = int(round(len(indices) * held_out_fraction))
+            if n_held_out < 1 or n_held_out >= len(indices):
+                raise FedmetaError(f"client {client_id} has {len(indices)} samples, too few for a personalization and a held-out split: use fewer clients")
+            clients.append(Client(client_id, torch.from_numpy(indices[n_held_out:]), torch.from_numpy(indices[:n_held_out]), seed, self))
+        new_ids = set(rng.choice(len(parts), size=num_new_clients, replace=False).tolist())
+        self.train_clients = [c for c in clients if c.id not in new_ids]
+        self.new_clients = [c for c in clients if c.id in new_ids]
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = indices.to(self.x.device, non_blocking=True)
+        return self.x[indices], self.y[indices]
+
+    def sample_round(self, round_: int, clients_per_round: int, seed: int) -> list[Client]:
+        """The M clients of a round, drawn without replacement by a round-seeded generator."""
+        generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, round_, 0xC11E]).generate_state(1)[0]))
+        chosen = torch.randperm(len(self.train_clients), generator=generator)[:clients_per_round]
+        return [self.train_clients[i] for i in chosen.tolist()]
+
+
+def build_federation(dataset: ImageDataset, partition_cfg: dict, num_clients: int, num_new_clients: int,
+                     held_out_fraction: float, seed: int, device="cpu") -> Federation:
+    params = {k: v for k, v in partition_cfg.items() if k != "name"}
+    groups = dataset.groups.numpy() if dataset.groups is not None else None
+    try:
+        parts = partition(partition_cfg["name"], dataset.y.numpy(), groups, num_clients, seed, **params)
+    except TypeError as exc:
+        raise FedmetaError(f"partition {partition_cfg['name']!r} got an unknown option: {exc}") from None
+    return Federation(dataset, parts, num_new_clients, held_out_fraction, seed, device)

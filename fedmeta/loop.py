@@ -1,0 +1,98 @@
+"""The federated loop, run by Lightning Fabric: config → data → clients → rounds → metrics → runs/.
+
+Each round samples M training clients; rank r of the Fabric world runs clients r, r+W, …; the
+server aggregate is an all-reduce of the weighted client results, so any number of processes
+computes the same global model. Every ``eval_every`` rounds and at the end, the new clients run
+the shared personalization procedure (fedmeta.evaluation).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from fedmeta.algorithms import build_algorithm
+from fedmeta.config import run_name
+from fedmeta.data import build_federation, load_dataset
+from fedmeta.data.sources import data_dir
+from fedmeta.errors import FedmetaError
+from fedmeta.evaluation import evaluate_new_clients
+from fedmeta.runs import RunRecorder, wandb_logger
+
+
+def make_fabric(cfg: DictConfig, loggers=()) -> Fabric:
+    f = cfg.fabric
+    try:
+        fabric = Fabric(accelerator=f.accelerator, devices=f.devices, strategy=f.strategy, precision=f.precision,
+                        loggers=list(loggers))
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise FedmetaError(f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision") from None
+    fabric.launch()
+    return fabric
+
+
+def train(cfg: DictConfig, show_progress: bool = True) -> dict:
+    """Run one experiment end to end and return its summary (also written to summary.json)."""
+    started = time.perf_counter()
+    run_dir = Path(cfg.output.root) / run_name(cfg)
+    logger = wandb_logger(cfg, run_dir, f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}")
+    fabric = make_fabric(cfg, [logger] if logger else [])
+    fabric.seed_everything(cfg.seed, verbose=False)
+
+    dataset = load_dataset(cfg.dataset.name, data_dir(cfg.dataset.dir), cfg.seed, **cfg.dataset.options)
+    fed = cfg.federation
+    federation = build_federation(dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients,
+                                  fed.held_out_fraction, cfg.seed, device=fabric.device)
+    algorithm = fabric.to_device(build_algorithm(cfg, federation.num_classes))
+    recorder = RunRecorder(run_dir, cfg, fabric)
+
+    def all_reduce(tree):
+        return fabric.all_reduce(tree, reduce_op="sum") if fabric.world_size > 1 else tree
+
+    round_seconds, result = [], None
+    bar = tqdm(range(1, fed.rounds + 1), desc=f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}",
+               disable=not (show_progress and fabric.is_global_zero), unit="round")
+    for round_ in bar:
+        tick = time.perf_counter()
+        clients = federation.sample_round(round_, fed.clients_per_round, cfg.seed)
+        with fabric.autocast():
+            updates = [algorithm.local_update(c, round_) for c in clients[fabric.global_rank::fabric.world_size]]
+        for update in updates:
+            if not math.isfinite(update.loss):
+                raise FedmetaError(f"round {round_}: client {update.client_id} produced a non-finite loss ({update.loss}): "
+                                   "lower the learning rates or use fabric.precision=32-true")
+        algorithm.aggregate(updates, all_reduce)
+        loss = all_reduce(torch.tensor(sum(u.loss for u in updates), device=fabric.device)).item() / len(clients)
+        round_seconds.append(time.perf_counter() - tick)
+
+        row = {"round": round_, "train_loss": loss, "round_seconds": round_seconds[-1],
+               "eval_accuracy": "", "eval_accuracy_std": "", "eval_step0_accuracy": ""}
+        if round_ % fed.eval_every == 0 or round_ == fed.rounds:
+            with fabric.autocast():
+                result = evaluate_new_clients(algorithm, federation.new_clients, cfg.personalization, federation.num_classes)
+            row.update(eval_accuracy=result.accuracy, eval_accuracy_std=result.accuracy_std, eval_step0_accuracy=result.curve[0])
+            recorder.log_curve(round_, result.curve)
+        recorder.log_round(row)
+        bar.set_postfix(loss=f"{loss:.3f}", acc="-" if result is None else f"{result.accuracy:.3f}")
+
+    fabric.save(run_dir / "checkpoint.ckpt", {"federation": algorithm.federation_state(), "round": fed.rounds,
+                                              "method": cfg.method.name, "dataset": cfg.dataset.name})
+    summary = {
+        "dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
+        "variant": cfg.variant, "seed": cfg.seed,
+        "accuracy": result.accuracy, "accuracy_std": result.accuracy_std, "curve": result.curve,
+        "rounds": fed.rounds, "seconds": time.perf_counter() - started,
+        "seconds_per_round": statistics.median(round_seconds),
+        "new_clients": len(federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
+    }
+    recorder.save_summary(summary)
+    for lg in fabric.loggers:
+        lg.finalize("success")
+    return summary

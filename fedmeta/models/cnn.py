@@ -1,0 +1,79 @@
+"""The base network f_ψ: conv blocks → dense blocks → linear head (SPEC §6).
+
+BatchNorm uses batch statistics only (``track_running_stats=False``), so a model is its
+parameters alone: no buffers to carry between clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: int | str) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding),
+        nn.BatchNorm2d(out_channels, track_running_stats=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+    )
+
+
+def dense_block(in_units: int, out_units: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(in_units, out_units), nn.BatchNorm1d(out_units, track_running_stats=False), nn.ReLU())
+
+
+class ConvFeatures(nn.Module):
+    """The conv blocks shared in shape by the base network and the modulator's extractor h_x."""
+
+    def __init__(self, in_channels: int, image_size: int, conv_channels: Sequence[int], kernel_size: int, padding: int | str):
+        super().__init__()
+        channels = [in_channels, *conv_channels]
+        self.blocks = nn.ModuleList(conv_block(a, b, kernel_size, padding) for a, b in zip(channels, channels[1:]))
+        with torch.no_grad():
+            self.flat_dim = self(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
+
+    def forward(self, x: torch.Tensor, after_block: Callable | None = None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if after_block is not None:
+                x = after_block(i, x)
+        return x.flatten(1)
+
+
+class ConvNet(nn.Module):
+    """f_ψ. ``forward(x, gate)`` calls ``gate(layer, activation)`` after every hidden layer,
+    which is where CAFeMe's modulation layers sit; without a gate it is a plain CNN."""
+
+    def __init__(self, in_channels: int, image_size: int, num_classes: int, conv_channels: Sequence[int],
+                 kernel_size: int, padding: int | str, dense_units: Sequence[int]):
+        super().__init__()
+        self.features = ConvFeatures(in_channels, image_size, conv_channels, kernel_size, padding)
+        units = [self.features.flat_dim, *dense_units]
+        self.dense = nn.ModuleList(dense_block(a, b) for a, b in zip(units, units[1:]))
+        self.head = nn.Linear(units[-1], num_classes)
+        self.conv_channels = list(conv_channels)
+        self.dense_units = list(dense_units)
+
+    def hidden_sizes(self, include_flatten: bool = False) -> list[int]:
+        """Width of each modulated layer, in forward order (channels for conv, units for dense)."""
+        return self.conv_channels + ([self.features.flat_dim] if include_flatten else []) + self.dense_units
+
+    def forward(self, x: torch.Tensor, gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                gate_flatten: bool = False) -> torch.Tensor:
+        keep = gate or (lambda _, a: a)
+        x = self.features(x, keep)
+        layer = len(self.conv_channels)
+        if gate_flatten:
+            x = keep(layer, x)
+            layer += 1
+        for i, block in enumerate(self.dense):
+            x = keep(layer + i, block(x))
+        return self.head(x)
+
+
+def build_base_net(model_cfg, in_channels: int, image_size: int, num_classes: int) -> ConvNet:
+    return ConvNet(in_channels, image_size, num_classes, model_cfg["conv_channels"], model_cfg["kernel_size"],
+                   model_cfg["padding"], model_cfg["dense_units"])
