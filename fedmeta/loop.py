@@ -24,14 +24,13 @@ from fedmeta.data import build_federation, load_dataset
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import evaluate_new_clients
-from fedmeta.runs import RunRecorder, wandb_logger
+from fedmeta.runs import RunRecorder
 
 
-def make_fabric(cfg: DictConfig, loggers=()) -> Fabric:
+def make_fabric(cfg: DictConfig) -> Fabric:
     f = cfg.fabric
     try:
-        fabric = Fabric(accelerator=f.accelerator, devices=f.devices, strategy=f.strategy, precision=f.precision,
-                        loggers=list(loggers))
+        fabric = Fabric(accelerator=f.accelerator, devices=f.devices, strategy=f.strategy, precision=f.precision)
     except (ValueError, RuntimeError, TypeError) as exc:
         raise FedmetaError(f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision") from None
     fabric.launch()
@@ -42,16 +41,16 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
     """Run one experiment end to end and return its summary (also written to summary.json)."""
     started = time.perf_counter()
     run_dir = Path(cfg.output.root) / run_name(cfg)
-    logger = wandb_logger(cfg, run_dir, f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}")
-    fabric = make_fabric(cfg, [logger] if logger else [])
+    fabric = make_fabric(cfg)
     fabric.seed_everything(cfg.seed, verbose=False)
 
-    dataset = load_dataset(cfg.dataset.name, data_dir(cfg.dataset.dir), cfg.seed, **cfg.dataset.options)
+    dataset = load_dataset(cfg.dataset.name, data_dir(cfg.dataset.dir), cfg.seed, download=cfg.dataset.download,
+                           **cfg.dataset.options)
     fed = cfg.federation
     federation = build_federation(dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients,
                                   fed.held_out_fraction, cfg.seed, device=fabric.device)
     algorithm = fabric.to_device(build_algorithm(cfg, federation.num_classes))
-    recorder = RunRecorder(run_dir, cfg, fabric)
+    recorder = RunRecorder(run_dir, cfg, fabric.is_global_zero)
 
     def all_reduce(tree):
         return fabric.all_reduce(tree, reduce_op="sum") if fabric.world_size > 1 else tree
@@ -92,7 +91,5 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
         "seconds_per_round": statistics.median(round_seconds),
         "new_clients": len(federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
     }
-    recorder.save_summary(summary)
-    for lg in fabric.loggers:
-        lg.finalize("success")
+    recorder.finish(summary)
     return summary

@@ -36,14 +36,14 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, name: str):
 
 
 class RunRecorder:
-    """Writes the run folder (on the main process only) and forwards metrics to Fabric's loggers."""
+    """Writes the run folder and the W&B run, on the main process only."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, fabric):
+    def __init__(self, run_dir: Path, cfg: DictConfig, main_process: bool):
         self.dir = run_dir
-        self.fabric = fabric
-        self.main = fabric.is_global_zero
+        self.main = main_process
         if (run_dir / "summary.json").exists() and not cfg.output.overwrite:
             raise FedmetaError(f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it")
+        self.logger = None
         if self.main:
             if run_dir.exists():
                 shutil.rmtree(run_dir)  # an unfinished earlier attempt: nothing in it is a result
@@ -53,24 +53,33 @@ class RunRecorder:
                 csv.writer(f).writerow(METRIC_FIELDS)
             with open(run_dir / "curves.csv", "w", newline="") as f:
                 csv.writer(f).writerow(["round", "step", "accuracy"])
+            self.logger = wandb_logger(cfg, run_dir, f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}")
 
     def log_round(self, row: dict) -> None:
-        if self.main:
-            with open(self.dir / "metrics.csv", "a", newline="") as f:
-                csv.DictWriter(f, METRIC_FIELDS).writerow(row)
-        self.fabric.log_dict({k: v for k, v in row.items() if k != "round" and v != ""}, step=row["round"])
+        if not self.main:
+            return
+        with open(self.dir / "metrics.csv", "a", newline="") as f:
+            csv.DictWriter(f, METRIC_FIELDS).writerow(row)
+        if self.logger:
+            self.logger.log_metrics({k: v for k, v in row.items() if k != "round" and v != ""}, step=row["round"])
 
     def log_curve(self, round_: int, curve: list[float]) -> None:
-        if self.main:
-            with open(self.dir / "curves.csv", "a", newline="") as f:
-                csv.writer(f).writerows([round_, step, acc] for step, acc in enumerate(curve))
-        for logger in self.fabric.loggers:
-            if hasattr(logger, "experiment") and hasattr(logger.experiment, "log"):
-                import wandb
+        if not self.main:
+            return
+        with open(self.dir / "curves.csv", "a", newline="") as f:
+            csv.writer(f).writerows([round_, step, acc] for step, acc in enumerate(curve))
+        if self.logger:
+            import wandb
 
-                table = wandb.Table(data=[[s, a] for s, a in enumerate(curve)], columns=["step", "accuracy"])
-                logger.experiment.log({f"personalization_curve/round_{round_}": wandb.plot.line(table, "step", "accuracy")})
+            table = wandb.Table(data=[[s, a] for s, a in enumerate(curve)], columns=["step", "accuracy"])
+            self.logger.experiment.log({"personalization_curve": wandb.plot.line(table, "step", "accuracy",
+                                                                                 title=f"round {round_}")})
 
-    def save_summary(self, summary: dict) -> None:
-        if self.main:
-            atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2))
+    def finish(self, summary: dict) -> None:
+        if not self.main:
+            return
+        atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2))
+        if self.logger:
+            self.logger.experiment.summary.update({k: v for k, v in summary.items() if k != "curve"})
+            self.logger.finalize("success")
+            self.logger.experiment.finish()  # so a later run in this process starts its own W&B run

@@ -50,6 +50,12 @@ class CAFeMe(Algorithm):
             params = sgd_step(params, loss, self.cfg.inner_lr, create_graph=not self.cfg.first_order)
         return params, batch
 
+    def meta_loss(self, omega: Params, client: Client, generator: torch.Generator) -> torch.Tensor:
+        """L_{D_eval}(f_ψ'|ζ) after Personalization(S, α, D_pers, ω): the outer objective of line 8."""
+        adapted, last_batch = self.personalize(omega, client, generator)
+        x, y = client.batch("held_out", self.cfg.eval_batch_size, generator)
+        return self.loss(adapted, (x, y), self.prediction_context(x, last_batch))
+
     def local_update(self, client: Client, round_: int) -> ClientUpdate:
         generator = client.generator(round_)
         omega = trainable_copy(self.global_params())
@@ -57,9 +63,7 @@ class CAFeMe(Algorithm):
         if self.cfg.client_optimizer_state and client.id in self.client_optimizer_states:
             optimizer.load_state_dict(self.client_optimizer_states[client.id])
 
-        adapted, last_batch = self.personalize(omega, client, generator)
-        x, y = client.batch("held_out", self.cfg.eval_batch_size, generator)
-        outer_loss = self.loss(adapted, (x, y), self.prediction_context(x, last_batch))
+        outer_loss = self.meta_loss(omega, client, generator)
         outer_loss.backward()
         optimizer.step()
 

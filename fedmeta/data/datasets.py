@@ -29,12 +29,13 @@ class ImageDataset:
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
-def build_rmnist(directory: Path, seed: int, num_groups: int = 10, degrees_per_group: float = 20.0) -> ImageDataset:
+def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: int = 10,
+                 degrees_per_group: float = 20.0) -> ImageDataset:
     """Rotated MNIST (SPEC §5): MNIST-train cut into equal random groups, group g rotated g·20°.
 
     Every image is rotated once here, not per sample per epoch.
     """
-    arrays = load_npz("mnist", directory)
+    arrays = load_npz("mnist", directory, download)
     train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
     images = torch.from_numpy(arrays["x"][train]).unsqueeze(1).float().div_(255.0)
     labels = torch.from_numpy(arrays["y"][train]).long()
@@ -50,7 +51,7 @@ def build_rmnist(directory: Path, seed: int, num_groups: int = 10, degrees_per_g
 BUILDERS = {"rmnist": build_rmnist}
 
 
-def load_dataset(name: str, directory: Path, seed: int, **options) -> ImageDataset:
+def load_dataset(name: str, directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:
     if name not in BUILDERS:
         raise FedmetaError(f"unknown data set {name!r}: choose one of {sorted(BUILDERS)}")
-    return BUILDERS[name](directory, seed, **options)
+    return BUILDERS[name](directory, seed, download, **options)

@@ -1,0 +1,34 @@
+# fedmeta — `make train`, `make test`. The first call builds .venv (scripts/install.sh).
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+DATASET ?= rmnist
+METHOD  ?= cafeme
+SEED    ?= 0
+# Optional: PARTITION, VARIANT, ROUNDS, DEVICES, ACCELERATOR, STRATEGY, PRECISION, and ARGS="key=value ..."
+TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) seed=$(SEED) \
+	$(if $(PARTITION),partition=$(PARTITION)) $(if $(VARIANT),variant=$(VARIANT)) \
+	$(if $(ROUNDS),federation.rounds=$(ROUNDS)) $(if $(DEVICES),fabric.devices=$(DEVICES)) \
+	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
+	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(ARGS)
+
+.PHONY: install train test config clean-env
+
+install: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml scripts/install.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
+	touch $@
+
+train: install
+	$(BIN)/fedmeta train $(TRAIN_ARGS)
+
+config: install
+	$(BIN)/fedmeta train --print-config $(TRAIN_ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,59 @@
+"""Bad input: one clear line on stderr, exit code 2, nothing left in runs/."""
+
+import subprocess
+import sys
+
+import pytest
+
+from fedmeta.cli import main
+
+BAD = [
+    (["dataset=imagenet"], "unknown data set 'imagenet'"),
+    (["method=sgd"], "unknown method 'sgd'"),
+    (["partition=random"], "unknown partition 'random'"),
+    (["partition=dirichlet", "partition.alpha=0"], "partition.alpha must be > 0"),
+    (["partition=dirichlet", "partition.alpha=-0.5"], "partition.alpha must be > 0"),
+    (["federation.rounds=0"], "federation.rounds must be ≥ 1"),
+    (["federation.clients_per_round=81"], "clients_per_round must be between 1 and the 80"),
+    (["federation.num_new_clients=100"], "num_new_clients"),
+    (["method.modulation=c9"], "method.modulation must be c0, c1 or c2"),
+    (["fabric.precision=8-bit"], "fabric.precision must be one of"),
+    (["no.such.key=1"], "unknown or invalid config key"),
+    (["method=fedavg", "variant=authors"], "has no variants"),
+    (["variant=weird"], "unknown variant 'weird'"),
+    (["seed"], "overrides must be key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
+def test_bad_input_is_one_line(overrides, message, capsys, tmp_path):
+    code = main(["train", *overrides, f"output.root={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("fedmeta: error: ")
+    assert not any(tmp_path.iterdir())
+
+
+def test_missing_data_file_names_the_file(capsys, tmp_path, monkeypatch):
+    empty = tmp_path / "nodata"
+    code = main(["train", f"dataset.dir={empty}", "dataset.download=false", f"output.root={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{empty}/mnist.npz not found" in err and "FEDMETA_DATA" in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_corrupt_data_file_is_reported(capsys, tmp_path):
+    (tmp_path / "mnist.npz").write_bytes(b"not a zip archive")
+    code = main(["train", f"dataset.dir={tmp_path}", f"output.root={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is not a readable .npz archive" in err and err.count("\n") == 1
+
+
+def test_console_script_exits_nonzero_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "fedmeta.cli", "train", "method=nope", f"output.root={tmp_path}"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'fedavg', 'fedavg_ft']"]

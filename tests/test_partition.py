@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+
+from fedmeta.data import build_federation
+from fedmeta.data.partition import partition
+from fedmeta.errors import FedmetaError
+
+
+@pytest.fixture(scope="module")
+def labels(rmnist):
+    return rmnist.y.numpy()
+
+
+@pytest.mark.parametrize("name,params", [("shards", {}), ("dirichlet", {"alpha": 0.3}), ("iid", {}), ("groups", {})])
+def test_partitions_cover_disjoint_and_are_deterministic(rmnist, labels, name, params):
+    groups = rmnist.groups.numpy()
+    parts = partition(name, labels, groups, 100, seed=0, **params)
+    assert len(parts) == 100
+    everything = np.concatenate(parts)
+    assert len(everything) == len(np.unique(everything))  # disjoint
+    assert len(everything) == len(labels)  # every sample is dealt
+    again = partition(name, labels, groups, 100, seed=0, **params)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    other = partition(name, labels, groups, 100, seed=1, **params)
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
+
+
+def test_shards_give_at_most_two_classes_to_most_clients(labels):
+    parts = partition("shards", labels, None, 100, seed=0)
+    classes = np.array([len(np.unique(labels[p])) for p in parts])
+    assert (classes <= 2).mean() >= 0.9
+    assert {len(p) for p in parts} == {600}
+
+
+def _mean_dominant_share(labels, parts):
+    return np.mean([np.bincount(labels[p], minlength=10).max() / len(p) for p in parts])
+
+
+def test_dirichlet_alpha_controls_label_skew(labels):
+    skewed = _mean_dominant_share(labels, partition("dirichlet", labels, None, 100, seed=0, alpha=0.1))
+    balanced = _mean_dominant_share(labels, partition("dirichlet", labels, None, 100, seed=0, alpha=1000.0))
+    assert skewed > 0.5
+    assert balanced < 0.2  # 10 classes: near-uniform shares
+
+
+def test_groups_put_ten_clients_in_each_rotation(rmnist, labels):
+    groups = rmnist.groups.numpy()
+    parts = partition("groups", labels, groups, 100, seed=0)
+    rotation_of_client = [np.unique(groups[p]) for p in parts]
+    assert all(len(r) == 1 for r in rotation_of_client)
+    assert np.bincount([r[0] for r in rotation_of_client]).tolist() == [10] * 10
+
+
+def test_federation_splits_clients_and_their_data(rmnist):
+    fed = build_federation(rmnist, {"name": "shards"}, 100, 20, 0.2, seed=0)
+    assert len(fed.train_clients) == 80 and len(fed.new_clients) == 20
+    for client in fed.train_clients + fed.new_clients:
+        assert len(client.held_out) == 120 and len(client.pers) == 480
+        assert not set(client.held_out.tolist()) & set(client.pers.tolist())
+    round_clients = fed.sample_round(1, 5, seed=0)
+    assert len({c.id for c in round_clients}) == 5
+    assert {c.id for c in round_clients} <= {c.id for c in fed.train_clients}
+    x, y = round_clients[0].batch("pers", 30, round_clients[0].generator(1))
+    x2, y2 = round_clients[0].batch("pers", 30, round_clients[0].generator(1))
+    assert x.shape == (30, 1, 28, 28) and torch_equal(y, y2) and torch_equal(x, x2)
+
+
+def torch_equal(a, b):
+    return bool((a == b).all())
+
+
+@pytest.mark.parametrize("name,params,message", [
+    ("dirichlet", {"alpha": 0.0}, "alpha must be > 0"),
+    ("dirichlet", {"alpha": -1.0}, "alpha must be > 0"),
+    ("shards", {"shards_per_client": 1000}, "cannot be cut"),
+    ("nope", {}, "unknown partition"),
+])
+def test_impossible_partitions_are_refused(labels, name, params, message):
+    with pytest.raises(FedmetaError, match=message):
+        partition(name, labels, None, 100, seed=0, **params)
+
+
+def test_groups_need_groups_and_a_multiple(labels, rmnist):
+    with pytest.raises(FedmetaError, match="no natural groups"):
+        partition("groups", labels, None, 100, seed=0)
+    with pytest.raises(FedmetaError, match="evenly"):
+        partition("groups", labels, rmnist.groups.numpy(), 95, seed=0)

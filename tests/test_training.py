@@ -1,0 +1,81 @@
+"""Short real runs on RMNIST shards: learning on new clients, the run folder, reproducibility."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from fedmeta.algorithms import build_algorithm
+from fedmeta.cli import main
+from fedmeta.config import compose, run_name
+from fedmeta.loop import train
+
+
+def config(tmp_path, mnist_dir, *overrides):
+    return compose([f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "wandb.mode=disabled", *overrides])
+
+
+@pytest.fixture(scope="module")
+def cafeme_run(tmp_path_factory, mnist_dir):
+    root = tmp_path_factory.mktemp("runs")
+    cfg = config(root, mnist_dir, "method=cafeme", "federation.rounds=8", "federation.eval_every=4",
+                 "personalization.steps=20")
+    return cfg, train(cfg, show_progress=False)
+
+
+def test_cafeme_learns_to_personalize_new_clients(cafeme_run):
+    _, summary = cafeme_run
+    assert len(summary["curve"]) == 21
+    assert summary["accuracy"] > 0.6  # chance is 0.1
+    assert summary["accuracy"] > summary["curve"][0] + 0.15  # personalization helps
+    assert 0 <= summary["accuracy_std"] < 0.5
+
+
+def test_run_folder_holds_config_metrics_summary_and_checkpoint(cafeme_run):
+    cfg, summary = cafeme_run
+    run_dir = cfg.output.root / run_name(cfg)
+    assert (run_dir / "config.yaml").exists()
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    assert [int(r["round"]) for r in rows] == list(range(1, 9))
+    assert [bool(r["eval_accuracy"]) for r in rows] == [False] * 3 + [True] + [False] * 3 + [True]
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["accuracy"] == summary["accuracy"] and on_disk["rounds"] == 8
+    assert {"accuracy", "accuracy_std", "curve", "rounds", "seconds"} <= on_disk.keys()
+    curves = list(csv.DictReader(open(run_dir / "curves.csv")))
+    assert len(curves) == 2 * 21
+
+    checkpoint = torch.load(run_dir / "checkpoint.ckpt", weights_only=False)
+    restored = build_algorithm(cfg, 10)
+    restored.load_federation_state(checkpoint["federation"])
+    fresh = build_algorithm(cfg, 10)
+    assert checkpoint["round"] == 8
+    assert any(not torch.equal(a, b) for a, b in zip(restored.parameters(), fresh.parameters()))
+
+
+def test_finished_run_is_not_overwritten(cafeme_run, capsys):
+    cfg, _ = cafeme_run
+    code = main(["train", "method=cafeme", f"dataset.dir={cfg.dataset.dir}", f"output.root={cfg.output.root}"])
+    assert code == 2 and "already holds a finished run" in capsys.readouterr().err
+
+
+def test_fedavg_ft_fine_tunes_and_fedavg_does_not(tmp_path, mnist_dir):
+    fedavg_ft = train(config(tmp_path, mnist_dir, "method=fedavg_ft", "federation.rounds=5",
+                             "personalization.steps=20", "personalization.lr=0.01"), show_progress=False)
+    assert len(fedavg_ft["curve"]) == 21
+    assert fedavg_ft["accuracy"] > fedavg_ft["curve"][0] + 0.1 and fedavg_ft["accuracy"] > 0.4
+    fedavg = train(config(tmp_path, mnist_dir, "method=fedavg", "federation.rounds=5"), show_progress=False)
+    assert len(fedavg["curve"]) == 1
+    assert fedavg["accuracy"] == pytest.approx(fedavg_ft["curve"][0])  # same training, same global model
+
+
+def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    args = ["method=fedavg_ft", "federation.rounds=2", "personalization.steps=3"]
+    first = train(config(tmp_path / "a", mnist_dir, *args), show_progress=False)
+    second = train(config(tmp_path / "b", mnist_dir, *args), show_progress=False)
+    assert first["curve"] == second["curve"]
+    run_dir = tmp_path / "a" / run_name(config(tmp_path, mnist_dir, *args))
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    third = train(config(tmp_path / "c", mnist_dir, *args, "seed=1"), show_progress=False)
+    assert third["curve"] != first["curve"]
