@@ -16,6 +16,7 @@ from torchmetrics.functional.classification import multiclass_accuracy
 
 from fedmeta.algorithms import Algorithm
 from fedmeta.data.federation import PERSONALIZE_PURPOSE, Client
+from fedmeta.errors import FedmetaError
 
 
 @dataclass
@@ -49,7 +50,7 @@ def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: i
         return multiclass_accuracy(logits, y_held_out, num_classes=num_classes, average="micro")
 
     batch = client.batch("pers", cfg.batch_size, generator)  # the context before any step
-    accuracies = [held_out_accuracy(batch)]
+    accuracies, losses = [held_out_accuracy(batch)], []
     for _ in range(cfg.steps):
         batch = client.batch("pers", cfg.batch_size, generator)
         loss = algorithm.loss(params, batch, algorithm.adaptation_context(batch))
@@ -58,6 +59,10 @@ def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: i
         optimizer.step()
         schedule.step()
         accuracies.append(held_out_accuracy(batch))
+        losses.append(loss.detach())
+    if losses and not bool(torch.isfinite(torch.stack(losses)).all()):
+        raise FedmetaError(f"personalizing new client {client.id} gave a non-finite loss: "
+                           "lower personalization.lr or use fabric.precision=32-true")
     return torch.stack(accuracies).cpu()
 
 

@@ -8,7 +8,6 @@ the shared personalization procedure (fedmeta.evaluation).
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from pathlib import Path
@@ -64,9 +63,9 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
         with fabric.autocast():
             updates = [algorithm.local_update(c, round_) for c in clients[fabric.global_rank::fabric.world_size]]
         for update in updates:
-            if not math.isfinite(update.loss):
-                raise FedmetaError(f"round {round_}: client {update.client_id} produced a non-finite loss ({update.loss}): "
-                                   "lower the learning rates or use fabric.precision=32-true")
+            if not update.is_finite():
+                raise FedmetaError(f"round {round_}: client {update.client_id} produced a non-finite loss or update "
+                                   f"(loss {update.loss}): lower the learning rates or use fabric.precision=32-true")
         algorithm.aggregate(updates, all_reduce)
         loss = all_reduce(torch.tensor(sum(u.loss for u in updates), device=fabric.device)).item() / len(clients)
         round_seconds.append(time.perf_counter() - tick)

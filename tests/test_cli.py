@@ -57,3 +57,10 @@ def test_console_script_exits_nonzero_with_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'fedavg', 'fedavg_ft']"]
+
+
+def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path):
+    code = main(["train", "method=fedavg", "method.local_lr=1e6", "federation.rounds=3", f"output.root={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert code == 2 and err.startswith("fedmeta: error: round 1: client") and "non-finite" in err
+    assert not list(tmp_path.rglob("summary.json"))

@@ -13,6 +13,7 @@ vmapped over the clients of a round.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ class ClientUpdate:
     params: Params  # the client's result, detached
     weight: float  # its share in the aggregate
     loss: float  # the training loss it reports
+
+    def is_finite(self) -> bool:
+        return math.isfinite(self.loss) and all(bool(torch.isfinite(p).all()) for p in self.params.values())
 
 
 def trainable_copy(params: Params) -> Params:

@@ -1,0 +1,30 @@
+import numpy as np
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+from fedmeta.data.sources import load_npz
+
+
+def test_mnist_npz_is_read_as_it_is(mnist_dir):
+    arrays = load_npz("mnist", mnist_dir, download=False)
+    assert arrays["x"].shape == (70000, 28, 28) and arrays["x"].dtype == np.uint8
+    assert (arrays["split"] == 0).sum() == 60000
+
+
+def test_rmnist_has_ten_equal_rotation_groups(rmnist):
+    assert len(rmnist) == 60000 and rmnist.x.shape[1:] == (1, 28, 28)
+    assert torch.bincount(rmnist.groups).tolist() == [6000] * 10
+    assert abs(rmnist.x.mean().item()) < 0.1  # normalized
+
+
+def test_group_g_is_rotated_by_20g_degrees(rmnist):
+    def mean_digit(group, label=1):
+        return rmnist.x[(rmnist.groups == group) & (rmnist.y == label)].mean(0)
+
+    upright = mean_digit(0)
+    for group in (3, 9):
+        rotated_back = TF.rotate(mean_digit(group), angle=-20.0 * group)
+        other_angle = TF.rotate(mean_digit(group), angle=-20.0 * group + 90)
+        match = torch.corrcoef(torch.stack([upright.flatten(), rotated_back.flatten()]))[0, 1]
+        mismatch = torch.corrcoef(torch.stack([upright.flatten(), other_angle.flatten()]))[0, 1]
+        assert match > 0.9 and mismatch < match - 0.3
