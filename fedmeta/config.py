@@ -59,12 +59,14 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
     method = _load_group("method", choice["method"] or base.defaults.method, config_dir)
     layers = [base, dataset, partition, method]
     variant = choice["variant"] or base.defaults.variant
-    if method.method.get("variants", False):
-        layers.append(_load_group("variant", variant, config_dir))
-    elif choice["variant"] and choice["variant"] != "paper":
-        raise FedmetaError(f"method {method.method.name!r} has no variants: drop variant={variant}")
+    if variant != "paper":  # the method file itself is the "paper" setting
+        name = method.method.name
+        available = ["paper", *group_choices(f"variant/{name}", config_dir)]
+        if variant not in available:
+            raise FedmetaError(f"method {name!r} has no variant {variant!r}: choose one of {available}")
+        layers.append(_load_group("variant", f"{name}/{variant}", config_dir))
     cfg = OmegaConf.merge(*layers)
-    cfg.variant = variant if method.method.get("variants", False) else "paper"
+    cfg.variant = variant
     del cfg["defaults"]
     OmegaConf.set_struct(cfg, True)
     try:

@@ -15,6 +15,7 @@ import torch
 from torchmetrics.functional.classification import multiclass_accuracy
 
 from fedmeta.algorithms import Algorithm
+from fedmeta.algorithms.base import Params
 from fedmeta.data.federation import PERSONALIZE_PURPOSE, Client
 from fedmeta.errors import FedmetaError
 
@@ -36,8 +37,8 @@ class PersonalizationResult:
         return self.curves[:, -1].std(unbiased=False).item() if len(self.curves) > 1 else 0.0
 
 
-def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: int) -> torch.Tensor:
-    """Held-out accuracy of ``client`` after 0, 1, …, ``cfg.steps`` personalization steps."""
+def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: int) -> tuple[Params, torch.Tensor]:
+    """The personalized parameters of ``client`` and its held-out accuracy after 0, 1, …, ``cfg.steps`` steps."""
     generator = client.generator(0, PERSONALIZE_PURPOSE)
     params = algorithm.personal_params(client)
     optimizer = torch.optim.SGD(params.values(), lr=cfg.lr)
@@ -53,7 +54,7 @@ def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: i
     accuracies, losses = [held_out_accuracy(batch)], []
     for _ in range(cfg.steps):
         batch = client.batch("pers", cfg.batch_size, generator)
-        loss = algorithm.loss(params, batch, algorithm.adaptation_context(batch))
+        loss = algorithm.adaptation_loss(params, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -63,8 +64,8 @@ def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: i
     if losses and not bool(torch.isfinite(torch.stack(losses)).all()):
         raise FedmetaError(f"personalizing new client {client.id} gave a non-finite loss: "
                            "lower personalization.lr or use fabric.precision=32-true")
-    return torch.stack(accuracies).cpu()
+    return params, torch.stack(accuracies).cpu()
 
 
 def evaluate_new_clients(algorithm: Algorithm, clients: list[Client], cfg, num_classes: int) -> PersonalizationResult:
-    return PersonalizationResult(torch.stack([personalize_client(algorithm, c, cfg, num_classes) for c in clients]))
+    return PersonalizationResult(torch.stack([personalize_client(algorithm, c, cfg, num_classes)[1] for c in clients]))

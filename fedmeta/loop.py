@@ -17,9 +17,9 @@ from lightning.fabric import Fabric
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from fedmeta.algorithms import build_algorithm
+from fedmeta.algorithms import Algorithm, build_algorithm
 from fedmeta.config import run_name
-from fedmeta.data import build_federation, load_dataset
+from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import evaluate_new_clients
@@ -34,6 +34,20 @@ def make_fabric(cfg: DictConfig) -> Fabric:
         raise FedmetaError(f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision") from None
     fabric.launch()
     return fabric
+
+
+def federated_round(algorithm: Algorithm, federation: Federation, round_: int, clients_per_round: int, seed: int,
+                    shard: tuple[int, int] = (0, 1), all_reduce=lambda tree: tree) -> float:
+    """One round: sample M clients, run this rank's share of them, aggregate; returns the mean loss."""
+    rank, world_size = shard
+    clients = federation.sample_round(round_, clients_per_round, seed)
+    updates = [algorithm.local_update(c, round_) for c in clients[rank::world_size]]
+    for update in updates:
+        if not update.is_finite():
+            raise FedmetaError(f"round {round_}: client {update.client_id} produced a non-finite loss or update "
+                               f"(loss {update.loss}): lower the learning rates or use fabric.precision=32-true")
+    algorithm.aggregate(updates, all_reduce)
+    return all_reduce(torch.tensor(float(sum(u.loss for u in updates)), device=algorithm.device)).item() / len(clients)
 
 
 def train(cfg: DictConfig, show_progress: bool = True) -> dict:
@@ -54,20 +68,14 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
     def all_reduce(tree):
         return fabric.all_reduce(tree, reduce_op="sum") if fabric.world_size > 1 else tree
 
+    shard = (fabric.global_rank, fabric.world_size)
     round_seconds, result = [], None
     bar = tqdm(range(1, fed.rounds + 1), desc=f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}",
                disable=not (show_progress and fabric.is_global_zero), unit="round")
     for round_ in bar:
         tick = time.perf_counter()
-        clients = federation.sample_round(round_, fed.clients_per_round, cfg.seed)
         with fabric.autocast():
-            updates = [algorithm.local_update(c, round_) for c in clients[fabric.global_rank::fabric.world_size]]
-        for update in updates:
-            if not update.is_finite():
-                raise FedmetaError(f"round {round_}: client {update.client_id} produced a non-finite loss or update "
-                                   f"(loss {update.loss}): lower the learning rates or use fabric.precision=32-true")
-        algorithm.aggregate(updates, all_reduce)
-        loss = all_reduce(torch.tensor(sum(u.loss for u in updates), device=fabric.device)).item() / len(clients)
+            loss = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, all_reduce)
         round_seconds.append(time.perf_counter() - tick)
 
         row = {"round": round_, "train_loss": loss, "round_seconds": round_seconds[-1],

@@ -19,8 +19,8 @@ BAD = [
     (["method.modulation=c9"], "method.modulation must be c0, c1 or c2"),
     (["fabric.precision=8-bit"], "fabric.precision must be one of"),
     (["no.such.key=1"], "unknown or invalid config key"),
-    (["method=fedavg", "variant=authors"], "has no variants"),
-    (["variant=weird"], "unknown variant 'weird'"),
+    (["method=fedavg", "variant=authors"], "method 'fedavg' has no variant 'authors'"),
+    (["variant=weird"], "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors']"),
     (["seed"], "overrides must be key=value"),
 ]
 
@@ -56,7 +56,7 @@ def test_console_script_exits_nonzero_with_one_line(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'fedavg', 'fedavg_ft']"]
+        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'ditto', 'fedavg', 'fedavg_ft', 'fedrep', 'ifca', 'ifca_ft', 'local', 'perfedavg']"]
 
 
 def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path):

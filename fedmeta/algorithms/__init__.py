@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from fedmeta.algorithms.base import Algorithm, ClientUpdate
 from fedmeta.algorithms.cafeme import CAFeMe
+from fedmeta.algorithms.ditto import Ditto
 from fedmeta.algorithms.fedavg import FedAvg
+from fedmeta.algorithms.fedrep import FedRep
+from fedmeta.algorithms.ifca import IFCA, ClusteredNets
+from fedmeta.algorithms.local import Local
+from fedmeta.algorithms.perfedavg import PerFedAvg
 from fedmeta.errors import FedmetaError
 from fedmeta.models import ModulatedNet, Modulator, build_base_net
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"cafeme": CAFeMe, "fedavg": FedAvg}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    "cafeme": CAFeMe, "fedavg": FedAvg, "ifca": IFCA, "ditto": Ditto, "fedrep": FedRep, "perfedavg": PerFedAvg,
+    "local": Local,
+}
 
 
 def build_model(cfg, num_classes: int):
-    """The global model a method trains: the base CNN, with the modulator for CAFeMe."""
+    """The global model a method trains: the base CNN; with the modulator for CAFeMe; k of them for IFCA."""
     shape = dict(in_channels=cfg.dataset.in_channels, image_size=cfg.dataset.image_size, num_classes=num_classes)
+    if cfg.method.algorithm == "ifca":
+        return ClusteredNets(lambda: build_base_net(cfg.model, **shape), cfg.method.clusters, cfg.method.share_body)
     base = build_base_net(cfg.model, **shape)
     if cfg.method.algorithm != "cafeme":
         return base
@@ -32,4 +42,5 @@ def build_algorithm(cfg, num_classes: int) -> Algorithm:
     return ALGORITHMS[name](build_model(cfg, num_classes), cfg.method)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "CAFeMe", "ClientUpdate", "FedAvg", "build_algorithm", "build_model"]
+__all__ = ["ALGORITHMS", "Algorithm", "CAFeMe", "ClientUpdate", "Ditto", "FedAvg", "FedRep", "IFCA", "Local", "PerFedAvg",
+           "build_algorithm", "build_model"]

@@ -34,7 +34,7 @@ Context = tuple[torch.Tensor, torch.Tensor | None] | None
 @dataclass
 class ClientUpdate:
     client_id: int
-    params: Params  # the client's result, detached
+    params: Params  # what the client sends to the server, detached: a subset of the global names
     weight: float  # its share in the aggregate
     loss: float  # the training loss it reports
 
@@ -72,19 +72,42 @@ class Algorithm(L.LightningModule):
         """Run a sampled client's local work from the current global parameters."""
 
     def aggregate(self, updates: list[ClientUpdate], all_reduce: Callable = lambda tree: tree) -> None:
-        """Weighted mean of the clients' parameters (FedAvg). ``all_reduce`` sums across ranks."""
-        total = torch.tensor(float(sum(u.weight for u in updates)), device=self.device)
-        summed = {name: sum(u.weight * u.params[name] for u in updates) if updates else torch.zeros_like(p)
-                  for name, p in self.global_params().items()}
-        summed, total = all_reduce((summed, total))
+        """Each global parameter becomes the weighted mean of the clients that sent it (FedAvg);
+        one that no client sent keeps its value. ``all_reduce`` sums across Fabric ranks."""
+        summed, weights = {}, {}
+        for name, p in self.global_params().items():
+            senders = [u for u in updates if name in u.params]
+            summed[name] = sum((u.weight * u.params[name] for u in senders), torch.zeros_like(p))
+            weights[name] = torch.tensor(float(sum(u.weight for u in senders)), device=p.device)
+        summed, weights = all_reduce((summed, weights))
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                p.copy_(summed[name] / total)
+                if weights[name] > 0:
+                    p.copy_(summed[name] / weights[name])
+
+    def local_sgd(self, params: Params, client: Client, generator: torch.Generator, epochs: int, lr: float,
+                  momentum: float = 0.0, trainable: list[str] | None = None) -> float:
+        """``epochs`` shuffled passes of SGD over the client's data, updating ``params[trainable]``
+        (all by default) in place; returns the mean training loss."""
+        optimizer = torch.optim.SGD([params[n] for n in (trainable or params)], lr=lr, momentum=momentum)
+        losses = []
+        for _ in range(epochs):
+            for batch in client.epoch("all", self.cfg.batch_size, generator):
+                loss = self.loss(params, batch)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.detach())
+        return torch.stack(losses).mean().item()
 
     # ---- the shared test-time personalization (fedmeta.evaluation) ---------------------------
     def personal_params(self, client: Client) -> Params:
         """Where a new client's personalization starts: the global model by default."""
         return trainable_copy(self.global_params())
+
+    def adaptation_loss(self, params: Params, batch: Batch) -> torch.Tensor:
+        """The loss a personalization step minimizes (Ditto adds its proximal term)."""
+        return self.loss(params, batch, self.adaptation_context(batch))
 
     def adaptation_context(self, batch: Batch) -> Context:
         """The context a personalization step on ``batch`` conditions on (none for plain models)."""

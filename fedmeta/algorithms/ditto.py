@@ -1,0 +1,22 @@
+"""Ditto (Li et al. 2021): the global model w is trained as in FedAvg; a personal model v is
+trained on the client's own data with the proximal term λ/2‖v − w‖², which pulls it toward w.
+
+In this protocol only new clients are evaluated, and a training client's personal model never
+feeds back into w, so training clients keep no personal models (stateless, as every client here);
+each new client trains its personal model from w with the proximal term in the shared
+test-time procedure.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedmeta.algorithms.base import Batch, Params
+from fedmeta.algorithms.fedavg import FedAvg
+
+
+class Ditto(FedAvg):
+    def adaptation_loss(self, params: Params, batch: Batch) -> torch.Tensor:
+        w = self.global_params()
+        proximal = sum(((params[name] - w[name]) ** 2).sum() for name in params)
+        return super().adaptation_loss(params, batch) + 0.5 * self.cfg.lam * proximal

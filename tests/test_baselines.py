@@ -1,0 +1,146 @@
+"""Each baseline's defining property, on small real data (RMNIST) and tiny models."""
+
+import pytest
+import torch
+
+from torch import nn
+
+from fedmeta.algorithms import PerFedAvg, build_algorithm
+from fedmeta.algorithms.base import trainable_copy
+from fedmeta.config import compose
+from fedmeta.data import ImageDataset, build_federation
+from fedmeta.evaluation import personalize_client
+from fedmeta.loop import federated_round, train
+
+SMALL_MODEL = ["model.conv_channels=[8,16]", "model.dense_units=[32]"]
+
+
+def algorithm_for(method, *overrides):
+    cfg = compose([f"method={method}", "wandb.mode=disabled", *SMALL_MODEL, *overrides])
+    torch.manual_seed(0)
+    return cfg, build_algorithm(cfg, 10)
+
+
+@pytest.fixture(scope="module")
+def two_concepts(rmnist):
+    """Upright digits with true labels vs the same digits with labels shifted by 5: two clearly
+    different distributions (concept shift), four clients each."""
+    upright = torch.nonzero(rmnist.groups == 0).squeeze(1)[:2400]
+    x = torch.cat([rmnist.x[upright], rmnist.x[upright]])
+    y = torch.cat([rmnist.y[upright], (rmnist.y[upright] + 5) % 10])
+    data = ImageDataset(x=x, y=y, num_classes=10, groups=torch.cat([torch.zeros(2400), torch.ones(2400)]).long())
+    return build_federation(data, {"name": "groups"}, 10, 2, 0.2, seed=0)
+
+
+def test_ifca_assigns_different_distributions_to_different_models(two_concepts):
+    _, ifca = algorithm_for("ifca", "method.clusters=2", "method.local_epochs=1", "method.local_lr=0.05")
+    for round_ in range(1, 13):
+        federated_round(ifca, two_concepts, round_, 4, seed=0)
+    clients = two_concepts.train_clients + two_concepts.new_clients
+    concept = {c.id: int(c.pers[0] >= 2400) for c in clients}  # the second half holds shifted labels
+    chosen = {c.id: ifca.choose_cluster(c, "pers") for c in clients}
+    by_concept = {k: {chosen[i] for i in chosen if concept[i] == k} for k in (0, 1)}
+    assert len(by_concept[0]) == 1 and len(by_concept[1]) == 1  # each distribution picks one model
+    assert by_concept[0] != by_concept[1]  # and not the same one
+
+
+def test_ifca_averages_each_model_over_the_clients_that_chose_it(two_concepts):
+    _, ifca = algorithm_for("ifca", "method.clusters=3", "method.local_epochs=1")
+    before = {k: v.clone() for k, v in ifca.global_params().items()}
+    clients = two_concepts.sample_round(1, 4, seed=0)
+    chosen = {ifca.choose_cluster(c, "all") for c in clients}
+    federated_round(ifca, two_concepts, 1, 4, seed=0)
+    after = ifca.global_params()
+    for j in range(3):
+        changed = not torch.equal(before[f"nets.{j}.head.weight"], after[f"nets.{j}.head.weight"])
+        assert changed == (j in chosen)
+
+
+def test_ifca_weight_sharing_keeps_one_body(two_concepts):
+    _, ifca = algorithm_for("ifca", "method.clusters=3", "method.share_body=true", "method.local_epochs=1")
+    federated_round(ifca, two_concepts, 1, 4, seed=0)
+    params = ifca.global_params()
+    for name in (n for n in params if n.startswith("nets.0.") and ".head." not in n):
+        for j in (1, 2):
+            torch.testing.assert_close(params[name], params[name.replace("nets.0.", f"nets.{j}.")])
+
+
+def test_ditto_personal_model_moves_toward_global_as_lambda_grows(two_concepts):
+    distances = []
+    client = two_concepts.new_clients[0]
+    for lam in (0.0, 0.1, 10.0):
+        cfg, ditto = algorithm_for("ditto", f"method.lam={lam}", "personalization.steps=15", "personalization.lr=0.05")
+        personal, _ = personalize_client(ditto, client, cfg.personalization, 10)
+        w = ditto.global_params()
+        distances.append(sum(((personal[k] - w[k]) ** 2).sum() for k in w).sqrt().item())
+    assert distances[0] > distances[1] > distances[2] > 0
+
+
+def test_fedrep_never_averages_heads(two_concepts):
+    _, fedrep = algorithm_for("fedrep", "method.head_epochs=1", "method.local_lr=0.05")
+    before = {k: v.clone() for k, v in fedrep.global_params().items()}
+    for round_ in (1, 2):
+        federated_round(fedrep, two_concepts, round_, 4, seed=0)
+    after = fedrep.global_params()
+    for name in fedrep.head_names:
+        assert torch.equal(before[name], after[name])
+    assert all(not torch.equal(before[n], after[n]) for n in fedrep.body_names)
+    assert len(fedrep.client_heads) >= 4
+    kept = next(iter(fedrep.client_heads.values()))
+    assert not torch.equal(kept["head.weight"], after["head.weight"])  # the trained head stayed with its client
+
+
+def test_perfedavg_finite_difference_hvp_matches_autograd(two_concepts):
+    # A smooth model: across ReLU/max-pool kinks the gradient jumps, and no finite difference converges.
+    cfg, _ = algorithm_for("perfedavg")
+    torch.manual_seed(0)
+    perfedavg = PerFedAvg(nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.Tanh(), nn.Linear(16, 10)), cfg.method)
+    perfedavg.double()
+    client = two_concepts.train_clients[0]
+    x, y = client.batch("all", 20, client.generator(1))
+    batch = (x.double(), y)
+    w = {k: v.detach() for k, v in perfedavg.global_params().items()}
+    g = torch.Generator().manual_seed(0)
+    v = {k: torch.randn(p.shape, generator=g, dtype=p.dtype) for k, p in w.items()}
+    norm = torch.sqrt(sum((t ** 2).sum() for t in v.values()))
+    v = {k: t / norm for k, t in v.items()}  # a unit direction, the scale of Per-FedAvg's gradients
+
+    finite = perfedavg.hessian_vector_product(w, v, batch)
+    params = trainable_copy(w)
+    grads = torch.autograd.grad(perfedavg.loss(params, batch), list(params.values()), create_graph=True)
+    exact = torch.autograd.grad(sum((gr * v[k]).sum() for gr, k in zip(grads, params)), list(params.values()))
+    for (k, fd), ex in zip(finite.items(), exact):
+        torch.testing.assert_close(fd, ex, rtol=1e-4, atol=1e-7)
+
+
+def test_perfedavg_first_order_drops_the_hessian_term(two_concepts):
+    _, hf = algorithm_for("perfedavg")
+    _, fo = algorithm_for("perfedavg", "method.first_order=true")
+    client = two_concepts.train_clients[0]
+    batches = tuple(client.batch("all", 30, client.generator(1)) for _ in range(3))
+    w = hf.global_params()
+    hf_grad, fo_grad = hf.meta_gradient(w, batches), fo.meta_gradient(w, batches)
+    assert any(not torch.allclose(hf_grad[k], fo_grad[k]) for k in w)
+
+
+def test_local_never_communicates(two_concepts):
+    _, local = algorithm_for("local")
+    before = {k: v.clone() for k, v in local.global_params().items()}
+    clients = two_concepts.sample_round(1, 4, seed=0)
+    assert all(local.local_update(c, 1).params == {} for c in clients)
+    for round_ in (1, 2, 3):
+        federated_round(local, two_concepts, round_, 4, seed=0)
+    assert all(torch.equal(before[k], v) for k, v in local.global_params().items())
+
+
+FAST = {"fedavg": ["method.local_epochs=1"], "ifca": ["method.local_epochs=1"], "ifca_ft": ["method.local_epochs=1"],
+        "ditto": ["method.local_epochs=1"], "fedrep": ["method.head_epochs=1"], "perfedavg": [], "local": []}
+
+
+@pytest.mark.parametrize("method", sorted(FAST))
+def test_every_baseline_trains_end_to_end(method, tmp_path, mnist_dir):
+    cfg = compose([f"method={method}", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "wandb.mode=disabled",
+                   "federation.rounds=2", "federation.num_new_clients=4", *FAST[method]])
+    summary = train(cfg, show_progress=False)
+    assert len(summary["curve"]) == cfg.personalization.steps + 1
+    assert 0 <= summary["accuracy"] <= 1
