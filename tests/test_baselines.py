@@ -140,7 +140,8 @@ FAST = {"fedavg": ["method.local_epochs=1"], "ifca": ["method.local_epochs=1"], 
 @pytest.mark.parametrize("method", sorted(FAST))
 def test_every_baseline_trains_end_to_end(method, tmp_path, mnist_dir):
     cfg = compose([f"method={method}", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "wandb.mode=disabled",
-                   "federation.rounds=2", "federation.num_new_clients=4", *FAST[method]])
+                   "federation.rounds=2", "federation.num_new_clients=4", "personalization.steps=5", *SMALL_MODEL,
+                   *FAST[method]])
     summary = train(cfg, show_progress=False)
     assert len(summary["curve"]) == cfg.personalization.steps + 1
     assert 0 <= summary["accuracy"] <= 1

@@ -60,7 +60,8 @@ def test_console_script_exits_nonzero_with_one_line(tmp_path):
 
 
 def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path):
-    code = main(["train", "method=fedavg", "method.local_lr=1e6", "federation.rounds=3", f"output.root={tmp_path}"])
+    code = main(["train", "method=fedavg", "method.local_epochs=1", "method.local_lr=1e6", "federation.rounds=3",
+                 f"output.root={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert code == 2 and err.startswith("fedmeta: error: round 1: client") and "non-finite" in err
     assert not list(tmp_path.rglob("summary.json"))

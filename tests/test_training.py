@@ -20,7 +20,7 @@ def config(tmp_path, mnist_dir, *overrides):
 def cafeme_run(tmp_path_factory, mnist_dir):
     root = tmp_path_factory.mktemp("runs")
     cfg = config(root, mnist_dir, "method=cafeme", "federation.rounds=8", "federation.eval_every=4",
-                 "personalization.steps=20")
+                 "federation.num_new_clients=10", "personalization.steps=20")
     return cfg, train(cfg, show_progress=False)
 
 
@@ -60,18 +60,18 @@ def test_finished_run_is_not_overwritten(cafeme_run, capsys):
 
 
 def test_fedavg_ft_fine_tunes_and_fedavg_does_not(tmp_path, mnist_dir):
-    fedavg_ft = train(config(tmp_path, mnist_dir, "method=fedavg_ft", "federation.rounds=5",
+    fedavg_ft = train(config(tmp_path, mnist_dir, "method=fedavg_ft", "variant=tuned", "federation.rounds=5",
                              "personalization.steps=20", "personalization.lr=0.01"), show_progress=False)
     assert len(fedavg_ft["curve"]) == 21
     assert fedavg_ft["accuracy"] > fedavg_ft["curve"][0] + 0.1 and fedavg_ft["accuracy"] > 0.4
-    fedavg = train(config(tmp_path, mnist_dir, "method=fedavg", "federation.rounds=5"), show_progress=False)
+    fedavg = train(config(tmp_path, mnist_dir, "method=fedavg", "variant=tuned", "federation.rounds=5"), show_progress=False)
     assert len(fedavg["curve"]) == 1
     assert fedavg["accuracy"] == pytest.approx(fedavg_ft["curve"][0])  # same training, same global model
 
 
 def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    args = ["method=fedavg_ft", "federation.rounds=2", "personalization.steps=3"]
+    args = ["method=fedavg_ft", "variant=tuned", "federation.rounds=2", "personalization.steps=3"]
     first = train(config(tmp_path / "a", mnist_dir, *args), show_progress=False)
     second = train(config(tmp_path / "b", mnist_dir, *args), show_progress=False)
     assert first["curve"] == second["curve"]
