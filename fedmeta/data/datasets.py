@@ -37,7 +37,7 @@ def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: 
     """
     arrays = load_npz("mnist", directory, download)
     train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
-    images = torch.from_numpy(arrays["x"][train]).unsqueeze(1).float().div_(255.0)
+    images = images_to_tensor(arrays["x"][train])
     labels = torch.from_numpy(arrays["y"][train]).long()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     groups = torch.empty(len(labels), dtype=torch.long)
@@ -48,7 +48,38 @@ def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: 
     return ImageDataset(x=images, y=labels, num_classes=10, groups=groups)
 
 
-BUILDERS = {"rmnist": build_rmnist}
+def images_to_tensor(x: np.ndarray) -> torch.Tensor:
+    """uint8 (N,H,W) or (N,H,W,3) → float (N,C,H,W) in [0, 1]."""
+    images = torch.from_numpy(x).float().div_(255.0)
+    return images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2).contiguous()
+
+
+def standardize(images: torch.Tensor) -> torch.Tensor:
+    """Per-channel zero mean, unit variance (statistics of this very set)."""
+    mean = images.mean(dim=(0, 2, 3), keepdim=True)
+    std = images.std(dim=(0, 2, 3), keepdim=True)
+    return images.sub_(mean).div_(std)
+
+
+def build_cifar10(directory: Path, seed: int, download: bool = True) -> ImageDataset:
+    """CIFAR-10's 50,000 training images, 32×32 RGB."""
+    arrays = load_npz("cifar10", directory, download)
+    train = arrays["split"] == 0
+    return ImageDataset(x=standardize(images_to_tensor(arrays["x"][train])),
+                        y=torch.from_numpy(arrays["y"][train]).long(), num_classes=10)
+
+
+def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDataset:
+    """FEMNIST (LEAF): 62 classes, grouped by writer. LEAF's dark ink on white is inverted to
+    MNIST's polarity so the two can share sources and models."""
+    arrays = load_npz("femnist", directory, download)
+    if "writer" not in arrays:
+        raise FedmetaError(f"{directory}/femnist.npz has no writer array: the writers partition needs it")
+    return ImageDataset(x=standardize(images_to_tensor(255 - arrays["x"])), y=torch.from_numpy(arrays["y"]).long(),
+                        num_classes=62, groups=torch.from_numpy(arrays["writer"]).long())
+
+
+BUILDERS = {"rmnist": build_rmnist, "cifar10": build_cifar10, "femnist": build_femnist}
 
 
 def load_dataset(name: str, directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:

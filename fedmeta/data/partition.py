@@ -66,7 +66,20 @@ def by_group(labels: np.ndarray, groups, num_clients: int, rng: np.random.Genera
     return [part for g in group_ids for part in np.array_split(rng.permutation(np.flatnonzero(groups == g)), per_group)]
 
 
-PARTITIONERS = {"shards": shards, "dirichlet": dirichlet, "iid": iid, "groups": by_group}
+def writers(labels: np.ndarray, groups, num_clients: int, rng: np.random.Generator, min_samples: int = 20) -> list[np.ndarray]:
+    """One client per natural group (FEMNIST's writers): ``num_clients`` groups drawn at random
+    among those with at least ``min_samples`` samples, each client holding all of its group."""
+    if groups is None:
+        raise FedmetaError("writers: this data set has no writers: choose another partition")
+    ids, counts = np.unique(groups, return_counts=True)
+    eligible = ids[counts >= min_samples]
+    if len(eligible) < num_clients:
+        raise FedmetaError(f"writers: only {len(eligible)} writers have {min_samples} samples, {num_clients} clients asked: "
+                           "use fewer clients or lower min_samples")
+    return [np.flatnonzero(groups == w) for w in rng.choice(eligible, size=num_clients, replace=False)]
+
+
+PARTITIONERS = {"shards": shards, "dirichlet": dirichlet, "iid": iid, "groups": by_group, "writers": writers}
 
 
 def partition(name: str, labels: np.ndarray, groups: np.ndarray | None, num_clients: int, seed: int, **params) -> list[np.ndarray]:

@@ -8,6 +8,7 @@ converted; without a network the loader stops with one line naming the file and 
 from __future__ import annotations
 
 import os
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -15,12 +16,25 @@ import numpy as np
 
 from fedmeta.errors import FedmetaError
 
-DATA_ENV = "FEDMETA_DATA"
+DATA_ENV, CACHE_ENV = "FEDMETA_DATA", "FEDMETA_CACHE"
 
 
 def data_dir(configured: str | None = None) -> Path:
     """The data directory: the config value, else $FEDMETA_DATA, else ./data."""
     return Path(configured or os.environ.get(DATA_ENV) or "data").expanduser()
+
+
+def cache_dir() -> Path:
+    """Where converted files go ($FEDMETA_CACHE, else ./.cache): never beside the source files,
+    which may be read-only."""
+    return Path(os.environ.get(CACHE_ENV) or ".cache").expanduser()
+
+
+def _save_canonical(target: Path, **arrays: np.ndarray) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial.npz")
+    np.savez(partial, **arrays)
+    partial.replace(target)
 
 
 def _download_mnist(target: Path) -> None:
@@ -33,18 +47,66 @@ def _download_mnist(target: Path) -> None:
         x = np.concatenate([train.data.numpy(), test.data.numpy()])
         y = np.concatenate([train.targets.numpy(), test.targets.numpy()]).astype(np.int64)
         split = np.concatenate([np.zeros(len(train), np.uint8), np.ones(len(test), np.uint8)])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp_target = target.with_suffix(".partial.npz")
-    np.savez_compressed(tmp_target, x=x, y=y, split=split)
-    tmp_target.replace(target)
+    _save_canonical(target, x=x, y=y, split=split)
 
 
-DOWNLOADERS = {"mnist": _download_mnist}
+def _download_cifar10(target: Path) -> None:
+    """Fetch CIFAR-10 with torchvision and store it in the canonical form at ``target``."""
+    from torchvision.datasets import CIFAR10
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train, test = CIFAR10(tmp, train=True, download=True), CIFAR10(tmp, train=False, download=True)
+        x = np.concatenate([train.data, test.data])
+        y = np.array(train.targets + test.targets, dtype=np.int64)
+        split = np.concatenate([np.zeros(len(train), np.uint8), np.ones(len(test), np.uint8)])
+    _save_canonical(target, x=x, y=y, split=split, classes=np.array(train.classes))
+
+
+def _decode_image_folder_tar(archive: Path, target: Path) -> None:
+    """An ImageFolder tree in a tar archive (``<split>/<class>/<image>``, split train or test) →
+    the canonical form, decoded once."""
+    from PIL import Image
+
+    images, class_names, splits = [], [], []
+    with tarfile.open(archive) as tar:
+        for member in tar:
+            parts = Path(member.name).parts
+            if not member.isfile() or len(parts) < 3 or parts[-3] not in ("train", "test"):
+                continue
+            with Image.open(tar.extractfile(member)) as image:
+                images.append(np.asarray(image.convert("RGB")))
+            class_names.append(parts[-2])
+            splits.append(parts[-3] == "test")
+    classes = sorted(set(class_names))
+    index = {name: i for i, name in enumerate(classes)}
+    _save_canonical(target, x=np.stack(images), y=np.array([index[c] for c in class_names], np.int64),
+                    split=np.array(splits, np.uint8), classes=np.array(classes))
+
+
+DOWNLOADERS = {"mnist": _download_mnist, "cifar10": _download_cifar10}
+RAW_FILES = {"cifar10": ("cifar10-jpeg.tar.gz", _decode_image_folder_tar)}
+
+
+def _find_or_convert(name: str, directory: Path) -> Path:
+    """The canonical file: in the data directory, else in the cache, else converted into the cache
+    from a raw file of the data directory; the data directory's own path if none of these."""
+    for path in (directory / f"{name}.npz", cache_dir() / f"{name}.npz"):
+        if path.exists():
+            return path
+    if name in RAW_FILES and (directory / RAW_FILES[name][0]).exists():
+        raw_name, convert = RAW_FILES[name]
+        target = cache_dir() / f"{name}.npz"
+        try:
+            convert(directory / raw_name, target)
+        except (OSError, tarfile.TarError, ValueError) as exc:
+            raise FedmetaError(f"{directory / raw_name} could not be read ({exc}): download it again") from None
+        return target
+    return directory / f"{name}.npz"
 
 
 def load_npz(name: str, directory: Path, download: bool = True) -> dict[str, np.ndarray]:
-    """Load ``<directory>/<name>.npz``, downloading it first when it is missing."""
-    path = directory / f"{name}.npz"
+    """Load the canonical ``<name>.npz`` (see ``_find_or_convert``), downloading it when missing."""
+    path = _find_or_convert(name, directory)
     if not path.exists():
         if not download or name not in DOWNLOADERS:
             raise FedmetaError(f"{path} not found: put {name}.npz there or set {DATA_ENV} to the folder that holds it")
