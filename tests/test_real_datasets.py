@@ -82,3 +82,36 @@ def test_fedavg_ft_runs_on_femnist(femnist, tmp_path):
                    "personalization.steps=5", "model.conv_channels=[8,16]", "model.dense_units=[32]"])
     summary = train(cfg, show_progress=False)
     assert 0 <= summary["accuracy"] <= 1 and len(summary["curve"]) == 6
+
+
+def meta_dataset(**options):
+    for name in ("omniglot.npz", "gtsrb32.npz", "dtd32.npz"):
+        require(name)
+    settings = {"sources": ["omniglot", "gtsrb32", "dtd32"], "num_clients": 20, **options}
+    return load_dataset("meta_dataset", data_dir(), seed=0, download=False, **settings)
+
+
+def test_meta_dataset_clients_hold_n_classes_relabelled_from_zero():
+    data = meta_dataset(classes_per_client=5, images_per_client=100)
+    fed = build_federation(data, {"name": "sources"}, 20, 4, 0.2, seed=0)
+    assert data.x.shape[1:] == (3, 32, 32) and data.num_classes == 5
+    for client in fed.train_clients + fed.new_clients:
+        assert sorted(np.unique(data.y[client.indices("all")].numpy())) == [0, 1, 2, 3, 4]
+        assert client.num_samples == 100
+    bigger = meta_dataset(classes_per_client=5, images_per_client=200)
+    assert len(bigger) > len(data)  # the images-per-client knob (Fig. 4)
+
+
+def test_meta_dataset_refuses_more_classes_than_a_source_has():
+    with pytest.raises(FedmetaError, match="dtd32 has 10 classes, fewer than classes_per_client=20"):
+        meta_dataset(classes_per_client=20)
+
+
+def test_cafeme_runs_on_meta_dataset(tmp_path):
+    for name in ("omniglot.npz", "gtsrb32.npz", "dtd32.npz"):
+        require(name)
+    cfg = compose(["dataset=meta_dataset", "dataset.options.sources=[omniglot,gtsrb32,dtd32]", "federation.num_clients=20",
+                   "federation.num_new_clients=4", "federation.clients_per_round=3", f"output.root={tmp_path}",
+                   "wandb.mode=disabled", "federation.rounds=2", "personalization.steps=5", *SMALL_32])
+    summary = train(cfg, show_progress=False)
+    assert len(summary["curve"]) == 6 and 0 <= summary["accuracy"] <= 1

@@ -79,7 +79,47 @@ def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDat
                         num_classes=62, groups=torch.from_numpy(arrays["writer"]).long())
 
 
-BUILDERS = {"rmnist": build_rmnist, "cifar10": build_cifar10, "femnist": build_femnist}
+def as_rgb32(x: np.ndarray) -> torch.Tensor:
+    """Any canonical images → float (N, 3, 32, 32) in [0, 1]: grey copied to 3 channels, resized."""
+    images = images_to_tensor(x)
+    if images.shape[1] == 1:
+        images = images.expand(-1, 3, -1, -1)
+    if images.shape[-2:] != (32, 32):
+        images = TF.resize(images, [32, 32], antialias=True)
+    return images.contiguous()
+
+
+def build_meta_dataset(directory: Path, seed: int, download: bool = True, sources: tuple[str, ...] = (),
+                       num_clients: int = 100, classes_per_client: int = 10, images_per_client: int = 600) -> ImageDataset:
+    """Meta-Dataset-style concept shift (SPEC §5): client i draws one source, N of its classes and
+    ``images_per_client`` images (as evenly over the classes as the source allows), relabelled
+    0…N−1 in a random order of its own. ``groups`` holds the client of every image; only the
+    drawn images are kept, as 32×32 RGB."""
+    if not sources:
+        raise FedmetaError("meta_dataset: dataset.options.sources is empty: list at least one source file name")
+    sources, rng = [str(s) for s in sources], np.random.default_rng([seed, 0x3E7A])
+    arrays = {name: load_npz(name, directory, download) for name in sources}
+    by_class = {name: {c: np.flatnonzero(a["y"] == c) for c in np.unique(a["y"])} for name, a in arrays.items()}
+    for name, classes in by_class.items():
+        if len(classes) < classes_per_client:
+            raise FedmetaError(f"meta_dataset: source {name} has {len(classes)} classes, fewer than "
+                               f"classes_per_client={classes_per_client}: drop it or lower classes_per_client")
+    per_class = -(-images_per_client // classes_per_client)
+    images, labels, owners = [], [], []
+    for client in range(num_clients):
+        name = sources[rng.integers(len(sources))]
+        chosen = rng.choice(sorted(by_class[name]), size=classes_per_client, replace=False)
+        picks = [rng.permutation(by_class[name][c])[:per_class] for c in chosen]
+        local = np.concatenate([np.full(len(p), label) for label, p in zip(rng.permutation(classes_per_client), picks)])
+        keep = rng.permutation(len(local))[:images_per_client]
+        images.append(as_rgb32(arrays[name]["x"][np.concatenate(picks)[keep]]))
+        labels.append(torch.from_numpy(local[keep]).long())
+        owners.append(torch.full((len(keep),), client, dtype=torch.long))
+    return ImageDataset(x=standardize(torch.cat(images)), y=torch.cat(labels), num_classes=classes_per_client,
+                        groups=torch.cat(owners))
+
+
+BUILDERS = {"rmnist": build_rmnist, "cifar10": build_cifar10, "femnist": build_femnist, "meta_dataset": build_meta_dataset}
 
 
 def load_dataset(name: str, directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:

@@ -79,7 +79,15 @@ def writers(labels: np.ndarray, groups, num_clients: int, rng: np.random.Generat
     return [np.flatnonzero(groups == w) for w in rng.choice(eligible, size=num_clients, replace=False)]
 
 
-PARTITIONERS = {"shards": shards, "dirichlet": dirichlet, "iid": iid, "groups": by_group, "writers": writers}
+def sources(labels: np.ndarray, groups, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Meta-Dataset's natural partition: the data set already drew one group of images per client."""
+    if groups is None or len(np.unique(groups)) != num_clients:
+        raise FedmetaError("sources: only meta_dataset has this partition, built for the same num_clients")
+    return [np.flatnonzero(groups == client) for client in range(num_clients)]
+
+
+PARTITIONERS = {"shards": shards, "dirichlet": dirichlet, "iid": iid, "groups": by_group, "writers": writers,
+                "sources": sources}
 
 
 def partition(name: str, labels: np.ndarray, groups: np.ndarray | None, num_clients: int, seed: int, **params) -> list[np.ndarray]:
