@@ -13,7 +13,7 @@ TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) seed=$(SEED) \
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(ARGS)
 
-.PHONY: install train test config clean-env
+.PHONY: install train test config describe clean-env
 
 install: $(VENV)/.ready
 
@@ -26,6 +26,9 @@ train: install
 
 config: install
 	$(BIN)/fedmeta train --print-config $(TRAIN_ARGS)
+
+describe: install
+	$(BIN)/fedmeta data describe $(DATASET) $(PARTITION) $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
         "files in configs/; any other key (e.g. federation.rounds=100 fabric.devices=2) sets that value."))
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    data_cmd = commands.add_parser("data", help="inspect data sets").add_subparsers(dest="data_command", required=True)
+    describe_cmd = data_cmd.add_parser("describe", help="client statistics and class histograms of a partition")
+    describe_cmd.add_argument("dataset")
+    describe_cmd.add_argument("partition", nargs="?", help="default: the data set's own")
+    describe_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
 
     try:
@@ -24,6 +29,14 @@ def main(argv: list[str] | None = None) -> int:
 
         from fedmeta.config import compose
 
+        if args.command == "data":
+            from fedmeta.describe import describe
+
+            picks = [f"dataset={args.dataset}"] + ([f"partition={args.partition}"] if args.partition else [])
+            stats, path = describe(compose([*picks, *args.overrides]))
+            print(json.dumps(stats, indent=2))
+            print(f"class histograms of 10 clients: {path}")
+            return 0
         cfg = compose(args.overrides)
         if args.print_config:
             print(OmegaConf.to_yaml(cfg))

@@ -1,5 +1,6 @@
 """Bad input: one clear line on stderr, exit code 2, nothing left in runs/."""
 
+import json
 import subprocess
 import sys
 
@@ -65,3 +66,15 @@ def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert code == 2 and err.startswith("fedmeta: error: round 1: client") and "non-finite" in err
     assert not list(tmp_path.rglob("summary.json"))
+
+
+def test_data_describe_prints_statistics_and_saves_histograms(capsys, tmp_path, mnist_dir):
+    code = main(["data", "describe", "rmnist", "shards", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"])
+    out = capsys.readouterr().out
+    stats = json.loads(out[:out.rindex("}") + 1])
+    assert code == 0 and stats["clients"] == 100 and stats["samples_per_client"]["min"] == 600
+    assert stats["classes_per_client"]["mean"] <= 2.1
+    png = tmp_path / "rmnist-shards" / "clients.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["data", "describe", "mnist"]) == 2
+    assert "unknown data set 'mnist'" in capsys.readouterr().err
