@@ -60,9 +60,9 @@ def test_console_script_exits_nonzero_with_one_line(tmp_path):
         "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'ditto', 'fedavg', 'fedavg_ft', 'fedrep', 'ifca', 'ifca_ft', 'local', 'perfedavg']"]
 
 
-def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path):
+def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path, mnist_dir):
     code = main(["train", "method=fedavg", "method.local_epochs=1", "method.local_lr=1e6", "federation.rounds=3",
-                 f"output.root={tmp_path}"])
+                 f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert code == 2 and err.startswith("fedmeta: error: round 1: client") and "non-finite" in err
     assert not list(tmp_path.rglob("summary.json"))
