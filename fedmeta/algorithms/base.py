@@ -3,8 +3,8 @@
 A federated algorithm differs from another in three places only, and a subclass overrides just
 those: ``local_update`` (what a sampled client does with the global parameters),
 ``aggregate`` (how the server combines the clients' results) and the personalization hooks
-(``personal_params``, ``adaptation_context``, ``prediction_context``) used by the one
-test-time procedure that all methods share (fedmeta.evaluation).
+(``personal_params``, ``adaptation_loss``, ``adaptation_context``, ``prediction_context``) used
+by the one test-time procedure that all methods share (fedmeta.evaluation).
 
 Models are used as pure functions of a parameter dict (``torch.func.functional_call``), so a
 client is data plus a seed: no per-client module copies, and the same code can later be
@@ -39,7 +39,8 @@ class ClientUpdate:
     loss: float  # the training loss it reports
 
     def is_finite(self) -> bool:
-        return math.isfinite(self.loss) and all(bool(torch.isfinite(p).all()) for p in self.params.values())
+        checks = [torch.isfinite(p).all() for p in self.params.values()]
+        return math.isfinite(self.loss) and (not checks or bool(torch.stack(checks).all()))  # one device sync
 
 
 def trainable_copy(params: Params) -> Params:
@@ -80,10 +81,10 @@ class Algorithm(L.LightningModule):
             summed[name] = sum((u.weight * u.params[name] for u in senders), torch.zeros_like(p))
             weights[name] = torch.tensor(float(sum(u.weight for u in senders)), device=p.device)
         summed, weights = all_reduce((summed, weights))
-        with torch.no_grad():
+        with torch.no_grad():  # torch.where, not an `if`: no device sync per parameter
             for name, p in self.model.named_parameters():
-                if weights[name] > 0:
-                    p.copy_(summed[name] / weights[name])
+                w = weights[name]
+                p.copy_(torch.where(w > 0, summed[name] / w.clamp_min(1e-12), p))
 
     def local_sgd(self, params: Params, client: Client, generator: torch.Generator, epochs: int, lr: float,
                   momentum: float = 0.0, trainable: list[str] | None = None) -> float:

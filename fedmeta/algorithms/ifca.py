@@ -44,7 +44,7 @@ class IFCA(Algorithm):
         return functional_call(self.model.nets[0], params, (x,))  # params: one cluster's network
 
     def choose_cluster(self, client: Client, split: str) -> int:
-        x, y = client.batch(split, None, client.generator(0))
+        x, y = client.data.take(client.indices(split))
         with torch.no_grad():
             losses = [F.cross_entropy(self(self.cluster_params(j), x), y) for j in range(len(self.model.nets))]
         return int(torch.stack(losses).argmin())

@@ -26,6 +26,9 @@ class Client:
     seed: int
     data: "Federation" = field(repr=False)
 
+    def __post_init__(self):
+        self._splits = {"pers": self.pers, "held_out": self.held_out, "all": torch.cat([self.pers, self.held_out])}
+
     @property
     def num_samples(self) -> int:
         return len(self.pers) + len(self.held_out)
@@ -36,7 +39,7 @@ class Client:
 
     def indices(self, split: str) -> torch.Tensor:
         """Sample indices of ``split``: "pers", "held_out" or "all"."""
-        return {"pers": self.pers, "held_out": self.held_out, "all": torch.cat([self.pers, self.held_out])}[split]
+        return self._splits[split]
 
     def batch(self, split: str, size: int | None, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch drawn without replacement from ``split``; ``size=None`` takes the whole split."""
