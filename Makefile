@@ -6,14 +6,14 @@ BIN    := $(VENV)/bin
 DATASET ?= rmnist
 METHOD  ?= cafeme
 SEED    ?= 0
-# Optional: PARTITION, VARIANT, ROUNDS, DEVICES, ACCELERATOR, STRATEGY, PRECISION, and ARGS="key=value ..."
+# make download NAME=<data set> fetches one (fedmeta data download). Optional for train: PARTITION, VARIANT, ROUNDS, DEVICES, ACCELERATOR, STRATEGY, PRECISION, and ARGS="key=value ..."
 TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) seed=$(SEED) \
 	$(if $(PARTITION),partition=$(PARTITION)) $(if $(VARIANT),variant=$(VARIANT)) \
 	$(if $(ROUNDS),federation.rounds=$(ROUNDS)) $(if $(DEVICES),fabric.devices=$(DEVICES)) \
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(ARGS)
 
-.PHONY: install train test config describe clean-env
+.PHONY: install train test config describe download clean-env
 
 install: $(VENV)/.ready
 
@@ -29,6 +29,9 @@ config: install
 
 describe: install
 	$(BIN)/fedmeta data describe $(DATASET) $(PARTITION) $(ARGS)
+
+download: install
+	$(BIN)/fedmeta data download $(NAME) $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q

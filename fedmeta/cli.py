@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     describe_cmd.add_argument("dataset")
     describe_cmd.add_argument("partition", nargs="?", help="default: the data set's own")
     describe_cmd.add_argument("overrides", nargs="*", metavar="key=value")
+    download_cmd = data_cmd.add_parser("download", help="fetch a data set from its publisher and convert it")
+    download_cmd.add_argument("name", help="mnist, cifar10, cifar100, omniglot, gtsrb32, dtd32, femnist")
+    download_cmd.add_argument("--dir", help="where <name>.npz goes (default: $FEDMETA_DATA, else ./data)")
+    download_cmd.add_argument("--mirror", help="base URL that serves the publisher's files under their own names")
+    download_cmd.add_argument("--no-verify", action="store_true", help="skip the publisher's MD5 check")
     args = parser.parse_args(argv)
 
     try:
@@ -29,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from fedmeta.config import compose
 
+        if args.command == "data" and args.data_command == "download":
+            from fedmeta.data.download import download
+            from fedmeta.data.sources import data_dir
+
+            print(f"wrote {download(args.name, data_dir(args.dir), args.mirror, verify=not args.no_verify)}")
+            return 0
         if args.command == "data":
             from fedmeta.describe import describe
 

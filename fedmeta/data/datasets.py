@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from fedmeta.data.sources import load_npz
+from fedmeta.data.sources import load_npz, load_source
 from fedmeta.errors import FedmetaError
 
 
@@ -79,13 +79,14 @@ def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDat
                         num_classes=62, groups=torch.from_numpy(arrays["writer"]).long())
 
 
-def as_rgb32(x: np.ndarray) -> torch.Tensor:
-    """Any canonical images → float (N, 3, 32, 32) in [0, 1]: grey copied to 3 channels, resized."""
+def to_shape(x: np.ndarray, channels: int, size: int) -> torch.Tensor:
+    """Any canonical images → float (N, channels, size, size) in [0, 1]: grey copied to 3 channels
+    or colour averaged to grey, resized where the size differs."""
     images = images_to_tensor(x)
-    if images.shape[1] == 1:
-        images = images.expand(-1, 3, -1, -1)
-    if images.shape[-2:] != (32, 32):
-        images = TF.resize(images, [32, 32], antialias=True)
+    if images.shape[1] != channels:
+        images = images.expand(-1, 3, -1, -1) if channels == 3 else images.mean(dim=1, keepdim=True)
+    if images.shape[-2:] != (size, size):
+        images = TF.resize(images, [size, size], antialias=True)
     return images.contiguous()
 
 
@@ -98,7 +99,7 @@ def build_meta_dataset(directory: Path, seed: int, download: bool = True, source
     if not sources:
         raise FedmetaError("meta_dataset: dataset.options.sources is empty: list at least one source file name")
     sources, rng = [str(s) for s in sources], np.random.default_rng([seed, 0x3E7A])
-    arrays = {name: load_npz(name, directory, download) for name in sources}
+    arrays = {name: load_source(name, directory, download, size=32) for name in sources}
     by_class = {name: {c: np.flatnonzero(a["y"] == c) for c in np.unique(a["y"])} for name, a in arrays.items()}
     for name, classes in by_class.items():
         if len(classes) < classes_per_client:
@@ -112,14 +113,29 @@ def build_meta_dataset(directory: Path, seed: int, download: bool = True, source
         picks = [rng.permutation(by_class[name][c])[:per_class] for c in chosen]
         local = np.concatenate([np.full(len(p), label) for label, p in zip(rng.permutation(classes_per_client), picks)])
         keep = rng.permutation(len(local))[:images_per_client]
-        images.append(as_rgb32(arrays[name]["x"][np.concatenate(picks)[keep]]))
+        images.append(to_shape(arrays[name]["x"][np.concatenate(picks)[keep]], 3, 32))
         labels.append(torch.from_numpy(local[keep]).long())
         owners.append(torch.full((len(keep),), client, dtype=torch.long))
     return ImageDataset(x=standardize(torch.cat(images)), y=torch.cat(labels), num_classes=classes_per_client,
                         groups=torch.cat(owners))
 
 
-BUILDERS = {"rmnist": build_rmnist, "cifar10": build_cifar10, "femnist": build_femnist, "meta_dataset": build_meta_dataset}
+def build_folder(directory: Path, seed: int, download: bool = True, path: str | None = None, channels: int = 3,
+                 image_size: int = 32) -> ImageDataset:
+    """Any data set a user points to (``dataset.options.path``): a canonical ``.npz`` or an
+    ImageFolder tree (folder, zip or tar of ``[train|test/]<class>/<image>``); its training split,
+    as ``channels``×``image_size``² images."""
+    if not path:
+        raise FedmetaError("dataset=folder needs dataset.options.path=<canonical .npz, ImageFolder folder or archive>")
+    arrays = load_source(path, directory, download, size=image_size, channels=channels)
+    train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
+    labels = torch.from_numpy(arrays["y"][train]).long()
+    return ImageDataset(x=standardize(to_shape(arrays["x"][train], channels, image_size)), y=labels,
+                        num_classes=int(labels.max()) + 1)
+
+
+BUILDERS = {"rmnist": build_rmnist, "cifar10": build_cifar10, "femnist": build_femnist,
+            "meta_dataset": build_meta_dataset, "folder": build_folder}
 
 
 def load_dataset(name: str, directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:

@@ -1,0 +1,102 @@
+"""``fedmeta data download NAME``: fetch a data set's files from its publisher, check them against
+the publisher's checksum, convert them to the canonical ``<name>.npz`` in the data folder.
+
+URLs and checksums are torchvision's own where torchvision knows the data set, so they stay in step
+with it. ``mirror`` replaces the folder of every URL (an institutional mirror, or a loopback
+server in the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import tarfile
+import tempfile
+import urllib.error
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from torchvision.datasets import CIFAR10, CIFAR100, DTD, MNIST, Omniglot
+from torchvision.datasets.utils import download_url
+
+from fedmeta.data import convert
+from fedmeta.errors import FedmetaError
+
+GTSRB_URL = "https://sid.erda.dk/public/archives/daaeac0d7ce1152aea9b61d9f1e19370/GTSRB-Training_fixed.zip"
+GTSRB_MD5 = "513f3c79a4c5141765e10e952eaa2478"  # torchvision's GTSRB.download()
+TFF_EMNIST_URL = "https://storage.googleapis.com/tff-datasets-public/fed_emnist.tar.bz2"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where a data set comes from: its files (URL, MD5 or None where no checksum is published)
+    and the function that turns the fetched files, in that order, into canonical arrays."""
+
+    files: tuple[tuple[str, str | None], ...]
+    convert: Callable[..., dict[str, np.ndarray]]
+    description: str
+
+
+CATALOG: dict[str, Upstream] = {
+    "mnist": Upstream(tuple((MNIST.mirrors[0] + f, md5) for f, md5 in MNIST.resources), convert.mnist_idx,
+                      "MNIST, 70,000 28×28 grey digits (idx files)"),
+    "cifar10": Upstream(((CIFAR10.url, CIFAR10.tgz_md5),), convert.cifar_pickles,
+                        "CIFAR-10, 60,000 32×32 colour images, 10 classes (python batches)"),
+    "cifar100": Upstream(((CIFAR100.url, CIFAR100.tgz_md5),),
+                         functools.partial(convert.cifar_pickles, label_key="fine_labels", names_key="fine_label_names"),
+                         "CIFAR-100, 60,000 32×32 colour images, 100 classes (python batches)"),
+    "omniglot": Upstream(tuple((f"{Omniglot.download_url_prefix}/{n}.zip", Omniglot.zips_md5[n])
+                               for n in ("images_background", "images_evaluation")),
+                         functools.partial(convert.image_tree, mode="L", train_folders=("images_background",),
+                                           test_folders=("images_evaluation",)),
+                         "Omniglot, 32,460 105×105 grey characters, 1,623 classes (PNG zips)"),
+    "gtsrb32": Upstream(((GTSRB_URL, GTSRB_MD5),), functools.partial(convert.image_tree, size=32),
+                        "GTSRB training set, 26,640 traffic signs, 43 classes, resized to 32×32 (PPM zip)"),
+    "dtd32": Upstream(((DTD._URL, DTD._MD5),), functools.partial(convert.image_tree, size=32),
+                      "DTD, 5,640 textures, 47 classes, cropped and resized to 32×32 (JPEG tarball)"),
+    "femnist": Upstream(((TFF_EMNIST_URL, None),), convert.tff_emnist,
+                        "FEMNIST by writer, 3,400 writers, 62 classes (TensorFlow Federated's HDF5; no published MD5)"),
+}
+
+
+def download(name: str, directory: Path, mirror: str | None = None, verify: bool = True) -> Path:
+    """Fetch ``name``'s files (into a temporary folder), convert them, and write
+    ``directory/<name>.npz`` atomically. Returns that path."""
+    if name not in CATALOG:
+        raise FedmetaError(f"no download known for {name!r}: choose one of {sorted(CATALOG)}, "
+                           "or put a canonical .npz or an ImageFolder tree in the data folder")
+    upstream, target = CATALOG[name], directory / f"{name}.npz"
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=f".{name}-download-") as tmp:
+        paths = [_fetch(url, md5 if verify else None, Path(tmp), mirror) for url, md5 in upstream.files]
+        try:
+            arrays = upstream.convert(*paths)
+        except (ValueError, KeyError, OSError, EOFError, tarfile.TarError, zipfile.BadZipFile) as exc:
+            raise FedmetaError(f"the files of {name} are not in the expected format ({exc}): "
+                               "check the mirror, or download again") from None
+    save_canonical(target, **arrays)
+    return target
+
+
+def _fetch(url: str, md5: str | None, folder: Path, mirror: str | None) -> Path:
+    filename = url.rsplit("/", 1)[1]
+    if mirror:
+        url = f"{mirror.rstrip('/')}/{filename}"
+    try:
+        download_url(url, str(folder), filename, md5)
+    except RuntimeError:  # torchvision's "File not found or corrupted." after the checksum test
+        raise FedmetaError(f"{filename} from {url} does not match the publisher's MD5 {md5}: the download is "
+                           "corrupt or the mirror serves another file (--no-verify skips the check)") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise FedmetaError(f"downloading {url} failed ({exc}): check the network, or pass --mirror URL") from None
+    return folder / filename
+
+
+def save_canonical(target: Path, **arrays: np.ndarray) -> None:
+    """Write a canonical archive atomically (a partial file never takes the real name)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial.npz")
+    np.savez(partial, **arrays)
+    partial.replace(target)

@@ -1,0 +1,193 @@
+"""``fedmeta data download`` against a real HTTP server on loopback that serves small files in
+each publisher's own format (built from real MNIST digits), and generic ImageFolder sources."""
+
+import functools
+import gzip
+import http.server
+import io
+import pickle
+import tarfile
+import threading
+import zipfile
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedmeta.cli import main
+from fedmeta.data import build_federation, load_dataset
+from fedmeta.data.sources import load_npz
+
+
+@pytest.fixture(scope="module")
+def digits(mnist_dir):
+    arrays = load_npz("mnist", mnist_dir, download=False)
+    return arrays["x"][:400], arrays["y"][:400]
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    """An HTTP server on 127.0.0.1 serving a folder; yields (folder, base URL)."""
+    folder = tmp_path_factory.mktemp("mirror")
+    handler = functools.partial(QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def idx_gz(path, array, magic):
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
+
+
+def add_bytes(tar, name, data):
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def png(array):
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def download(name, mirror_url, target, *flags):
+    return main(["data", "download", name, "--dir", str(target), "--mirror", mirror_url, *flags])
+
+
+def test_mnist_idx_files_are_checked_then_converted_exactly(mirror, digits, tmp_path, capsys):
+    folder, url = mirror
+    x, y = digits
+    for prefix, part in (("train", slice(0, 300)), ("t10k", slice(300, 400))):
+        idx_gz(folder / f"{prefix}-images-idx3-ubyte.gz", x[part], 2051)
+        idx_gz(folder / f"{prefix}-labels-idx1-ubyte.gz", y[part], 2049)
+
+    # These are not the publisher's files: the MD5 check must refuse them and leave nothing behind.
+    assert download("mnist", url, tmp_path) == 2
+    assert "does not match the publisher's MD5" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+    assert download("mnist", url, tmp_path, "--no-verify") == 0
+    arrays = load_npz("mnist", tmp_path, download=False)
+    np.testing.assert_array_equal(arrays["x"], x)
+    np.testing.assert_array_equal(arrays["y"], y)
+    assert arrays["split"].tolist() == [0] * 300 + [1] * 100
+    assert len(load_dataset("rmnist", tmp_path, seed=0)) == 300  # usable as it is
+
+
+def test_cifar_python_batches_are_converted(mirror, digits, tmp_path):
+    folder, url = mirror
+    x, y = digits
+    rgb = np.pad(x[:120], ((0, 0), (2, 2), (2, 2)))[..., None].repeat(3, -1)
+    rgb[..., 1] //= 2  # channels differ, so a wrong transpose shows
+    rows = rgb.transpose(0, 3, 1, 2).reshape(120, 3072)
+    with tarfile.open(folder / "cifar-10-python.tar.gz", "w:gz") as tar:
+        for i, name in enumerate([f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]):
+            batch = {b"data": rows[20 * i:20 * (i + 1)], b"labels": y[20 * i:20 * (i + 1)].tolist()}
+            add_bytes(tar, f"cifar-10-batches-py/{name}", pickle.dumps(batch))
+        add_bytes(tar, "cifar-10-batches-py/batches.meta", pickle.dumps({b"label_names": [str(i).encode() for i in range(10)]}))
+
+    assert download("cifar10", url, tmp_path, "--no-verify") == 0
+    arrays = load_npz("cifar10", tmp_path, download=False)
+    np.testing.assert_array_equal(arrays["x"], rgb)
+    assert (arrays["split"] == 0).sum() == 100 and arrays["classes"].tolist() == [str(i) for i in range(10)]
+
+
+def test_omniglot_zips_keep_alphabet_and_character_as_the_class(mirror, digits, tmp_path):
+    folder, url = mirror
+    x, _ = digits
+    for archive, alphabets in (("images_background", ["Latin", "Greek"]), ("images_evaluation", ["Tengwar"])):
+        with zipfile.ZipFile(folder / f"{archive}.zip", "w") as z:
+            for a, alphabet in enumerate(alphabets):
+                for c in range(3):  # character01… repeats across alphabets
+                    for k in range(4):
+                        z.writestr(f"{archive}/{alphabet}/character0{c + 1}/{a}{c}{k}.png", png(x[12 * a + 4 * c + k]))
+
+    assert download("omniglot", url, tmp_path, "--no-verify") == 0
+    arrays = load_npz("omniglot", tmp_path, download=False)
+    assert arrays["x"].shape == (36, 28, 28) and len(arrays["classes"]) == 9
+    assert (arrays["split"] == 1).sum() == 12 and "Greek/character01" in arrays["classes"]
+
+
+def test_gtsrb_ppm_images_of_any_size_become_32_by_32(mirror, digits, tmp_path):
+    folder, url = mirror
+    x, _ = digits
+    with zipfile.ZipFile(folder / "GTSRB-Training_fixed.zip", "w") as z:
+        for k in range(6):
+            buffer = io.BytesIO()
+            Image.fromarray(x[k]).convert("RGB").resize((30 + 7 * k, 35)).save(buffer, format="PPM")
+            z.writestr(f"GTSRB/Training/0000{k % 2}/{k:05d}.ppm", buffer.getvalue())
+        z.writestr("GTSRB/Training/00000/GT-00000.csv", "Filename;ClassId\n")
+
+    assert download("gtsrb32", url, tmp_path, "--no-verify") == 0
+    arrays = load_npz("gtsrb32", tmp_path, download=False)
+    assert arrays["x"].shape == (6, 32, 32, 3) and arrays["y"].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_tff_femnist_keeps_writers_and_leaf_polarity(mirror, digits, tmp_path):
+    folder, url = mirror
+    x, y = digits
+    paper = 1.0 - x / 255.0  # TFF's pixels: 1 = white paper, as in LEAF
+    buffers = {}
+    for split, part in (("train", slice(0, 30)), ("test", slice(30, 40))):
+        buffers[split] = io.BytesIO()
+        with h5py.File(buffers[split], "w") as h5:
+            for w in range(2):
+                group = h5.create_group(f"examples/f000{w}_00")
+                group["pixels"] = paper[part][w::2].astype(np.float32)
+                group["label"] = y[part][w::2].astype(np.int32)
+    with tarfile.open(folder / "fed_emnist.tar.bz2", "w:bz2") as tar:
+        for split, buffer in buffers.items():
+            add_bytes(tar, f"fed_emnist_{split}.h5", buffer.getvalue())
+
+    assert download("femnist", url, tmp_path) == 0  # no MD5 is published: nothing to verify
+    assert load_npz("femnist", tmp_path, download=False)["writer_complete"].tolist() == [True, True]
+    dataset = load_dataset("femnist", tmp_path, seed=0)
+    assert dataset.groups.bincount().tolist() == [20, 20]  # every image of each writer
+    ink = dataset.x[0, 0][x[0] > 128].mean() - dataset.x[0, 0][x[0] < 10].mean()
+    assert ink > 1.0  # inverted back to MNIST's polarity: the ink is bright
+
+
+def test_image_folder_is_a_data_set_and_a_meta_dataset_source(digits, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDMETA_CACHE", str(tmp_path / "cache"))
+    x, y = digits
+    tree = tmp_path / "my_digits"
+    for i in range(300):
+        (tree / "train" / f"class{y[i]}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(x[i]).save(tree / "train" / f"class{y[i]}" / f"{i}.png")
+    dataset = load_dataset("folder", tmp_path, seed=0, path=str(tree), channels=1, image_size=28)
+    assert len(dataset) == 300 and dataset.num_classes == 10 and dataset.x.shape[1:] == (1, 28, 28)
+    federation = build_federation(dataset, {"name": "dirichlet", "alpha": 1.0, "min_samples": 5}, num_clients=10,
+                                  num_new_clients=2, held_out_fraction=0.2, seed=0)
+    assert len(federation.train_clients) == 8 and len(federation.new_clients) == 2
+
+    # Through the CLI, with no code: a grey 28×28 folder trains the CNN sized for it.
+    assert main(["train", "dataset=folder", f"dataset.options.path={tree}", "dataset.in_channels=1",
+                 "dataset.image_size=28", "method=fedavg_ft", "federation.num_clients=10", "federation.num_new_clients=2",
+                 "partition.min_samples=5", "federation.rounds=2", "personalization.steps=2",
+                 f"output.root={tmp_path / 'runs'}"]) == 0
+    assert (tmp_path / "runs" / "folder-dirichlet" / "fedavg_ft" / "seed0" / "summary.json").exists()
+
+    meta = load_dataset("meta_dataset", tmp_path, seed=0, download=False, sources=[str(tree)], num_clients=4,
+                        classes_per_client=5, images_per_client=40)
+    assert meta.x.shape == (160, 3, 32, 32) and meta.y.max() == 4
+    assert len(list((tmp_path / "cache" / "trees").iterdir())) == 2  # decoded once per shape asked for
+
+
+def test_a_corrupt_archive_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FEDMETA_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "broken.zip").write_bytes(b"PK\x03\x04" + b"\0" * 64)
+    (tmp_path / "noise.tar").write_bytes(b"not an archive")
+    for path in ("broken.zip", "noise.tar"):
+        assert main(["train", "dataset=folder", f"dataset.options.path={tmp_path / path}", f"output.root={tmp_path}"]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("fedmeta: error:") and error.count("\n") == 1 and path in error
+    assert not (tmp_path / "folder-dirichlet").exists()
