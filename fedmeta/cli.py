@@ -27,6 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     download_cmd.add_argument("--dir", help="where <name>.npz goes (default: $FEDMETA_DATA, else ./data)")
     download_cmd.add_argument("--mirror", help="base URL that serves the publisher's files under their own names")
     download_cmd.add_argument("--no-verify", action="store_true", help="skip the publisher's MD5 check")
+    grid_args = argparse.ArgumentParser(add_help=False)
+    grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")
+    grid_args.add_argument("--datasets", nargs="+", help="only the settings of these data sets")
+    grid_args.add_argument("--methods", nargs="+", help="default: the preset's")
+    grid_args.add_argument("--seeds", nargs="+", type=int, help="default: the preset's")
+    grid_args.add_argument("--parallel", type=int, default=1, help="runs at once (CPU: one per core)")
+    grid_args.add_argument("overrides", nargs="*", metavar="key=value", help="for every run, e.g. fabric.accelerator=cuda")
+    table_cmd = commands.add_parser("table", parents=[grid_args], help="run the paper's table grid, write results/TABLES.md")
+    table_cmd.add_argument("--no-run", action="store_true", help="only write the table from the finished runs")
+    table_cmd.add_argument("--out", default="results/TABLES.md")
+    figures_cmd = commands.add_parser("figures", parents=[grid_args], help="draw the paper's figures into results/")
+    figures_cmd.add_argument("--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)")
+    figures_cmd.add_argument("--out-dir", default="results")
     args = parser.parse_args(argv)
 
     try:
@@ -34,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from fedmeta.config import compose
 
+        if args.command in ("table", "figures"):
+            return _grid_command(args, argv if argv is not None else sys.argv[1:])
         if args.command == "data" and args.data_command == "download":
             from fedmeta.data.download import download
             from fedmeta.data.sources import data_dir
@@ -63,6 +78,28 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * summary['accuracy']:.2f} ± {100 * summary['accuracy_std']:.2f} % "
           f"(step 0: {100 * summary['curve'][0]:.2f} %), {summary['seconds_per_round']:.3f} s/round")
     return 0
+
+
+def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
+    """``fedmeta table`` / ``fedmeta figures``: run a preset's grid (finished runs skipped), then report."""
+    from pathlib import Path
+
+    from fedmeta import grid, report
+
+    preset, root = grid.load_preset(args.preset), Path("runs") / args.preset
+    grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
+    should_run, failures = (not args.no_run if args.command == "table" else args.run), []
+    if should_run:
+        jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
+        failures = grid.run(jobs, root, args.parallel)
+        for line in failures:
+            print(f"fedmeta: failed run: {line}", file=sys.stderr)
+    if args.command == "table":
+        print(report.write_tables(args.preset, preset, root, Path(args.out), "fedmeta " + " ".join(argv)))
+    else:
+        for path in report.draw_figures(preset, root, Path(args.out_dir)):
+            print(f"wrote {path}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

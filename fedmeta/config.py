@@ -17,7 +17,8 @@ from fedmeta.errors import FedmetaError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("dataset", "partition", "method", "variant")
-GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant"}
+GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant",
+               "preset": "preset"}
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 
 
@@ -25,13 +26,13 @@ def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
     return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
 
 
-def _load_group(group: str, name: str, config_dir: Path) -> DictConfig:
+def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
     path = config_dir / group / f"{name}.yaml"
     if not path.exists():
         raise FedmetaError(f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}")
     cfg = OmegaConf.load(path)
     parent = cfg.pop("inherits", None)
-    return OmegaConf.merge(_load_group(group, parent, config_dir), cfg) if parent else cfg
+    return OmegaConf.merge(load_group(group, parent, config_dir), cfg) if parent else cfg
 
 
 def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -53,10 +54,10 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
         raise FedmetaError(f"cannot parse overrides: {exc}".splitlines()[0]) from None
     base = OmegaConf.load(config_dir / "config.yaml")
 
-    dataset = _load_group("dataset", choice["dataset"] or base.defaults.dataset, config_dir)
-    partition = _load_group("partition", choice["partition"] or dataset.pop("default_partition"), config_dir)
+    dataset = load_group("dataset", choice["dataset"] or base.defaults.dataset, config_dir)
+    partition = load_group("partition", choice["partition"] or dataset.pop("default_partition"), config_dir)
     dataset.pop("default_partition", None)
-    method = _load_group("method", choice["method"] or base.defaults.method, config_dir)
+    method = load_group("method", choice["method"] or base.defaults.method, config_dir)
     layers = [base, dataset, partition, method]
     variant = choice["variant"] or base.defaults.variant
     if variant != "paper":  # the method file itself is the "paper" setting
@@ -64,7 +65,7 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
         available = ["paper", *group_choices(f"variant/{name}", config_dir)]
         if variant not in available:
             raise FedmetaError(f"method {name!r} has no variant {variant!r}: choose one of {available}")
-        layers.append(_load_group("variant", f"{name}/{variant}", config_dir))
+        layers.append(load_group("variant", f"{name}/{variant}", config_dir))
     cfg = OmegaConf.merge(*layers)
     cfg.variant = variant
     del cfg["defaults"]
@@ -113,6 +114,11 @@ def validate(cfg: DictConfig) -> None:
 
 
 def run_name(cfg: DictConfig) -> Path:
-    """runs/<dataset>-<partition>/<method>[-<variant>]/seed<seed>/ — fixed so scripts can rely on it."""
+    """runs/<setting>/<method>[-<variant>]/seed<seed>/ — fixed so scripts can rely on it."""
     method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
-    return Path(f"{cfg.dataset.name}-{cfg.partition.name}") / method / f"seed{cfg.seed}"
+    return Path(setting_name(cfg)) / method / f"seed{cfg.seed}"
+
+
+def setting_name(cfg: DictConfig) -> str:
+    """The experimental setting a run belongs to: ``output.setting``, else <dataset>-<partition>."""
+    return cfg.output.setting or f"{cfg.dataset.name}-{cfg.partition.name}"

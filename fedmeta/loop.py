@@ -8,6 +8,7 @@ the shared personalization procedure (fedmeta.evaluation).
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from fedmeta.algorithms import Algorithm, build_algorithm
-from fedmeta.config import run_name
+from fedmeta.config import run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
@@ -48,6 +49,16 @@ def federated_round(algorithm: Algorithm, federation: Federation, round_: int, c
                                f"(loss {update.loss}): lower the learning rates or use fabric.precision=32-true")
     algorithm.aggregate(updates, all_reduce)
     return all_reduce(torch.tensor(float(sum(u.loss for u in updates)), device=algorithm.device)).item() / len(clients)
+
+
+def hardware_name(device: torch.device) -> str:
+    """The card's name, or the CPU model and the threads torch uses: what a timing ran on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+              if line.startswith("model name")] if cpuinfo.exists() else []
+    return f"{models[0] if models else platform.processor()}, {torch.get_num_threads()} thread(s)"
 
 
 def train(cfg: DictConfig, show_progress: bool = True) -> dict:
@@ -91,12 +102,13 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
     fabric.save(run_dir / "checkpoint.ckpt", {"federation": algorithm.federation_state(), "round": fed.rounds,
                                               "method": cfg.method.name, "dataset": cfg.dataset.name})
     summary = {
-        "dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
+        "setting": setting_name(cfg), "dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
         "variant": cfg.variant, "seed": cfg.seed,
         "accuracy": result.accuracy, "accuracy_std": result.accuracy_std, "curve": result.curve,
         "rounds": fed.rounds, "seconds": time.perf_counter() - started,
         "seconds_per_round": statistics.median(round_seconds),
         "new_clients": len(federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
+        "hardware": hardware_name(fabric.device),
     }
     recorder.finish(summary)
     return summary

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from fedmeta.config import setting_name
 from fedmeta.errors import FedmetaError
 
 METRIC_FIELDS = ["round", "train_loss", "round_seconds", "eval_accuracy", "eval_accuracy_std", "eval_step0_accuracy"]
@@ -31,7 +32,7 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, name: str):
     from lightning.pytorch.loggers import WandbLogger
 
     os.environ.setdefault("WANDB_SILENT", "true")
-    return WandbLogger(project=cfg.wandb.project, name=name, group=f"{cfg.dataset.name}-{cfg.partition.name}",
+    return WandbLogger(project=cfg.wandb.project, name=name, group=setting_name(cfg),
                        save_dir=str(run_dir), offline=mode == "offline", config=OmegaConf.to_container(cfg))
 
 

@@ -64,6 +64,12 @@ def test_federation_splits_clients_and_their_data(rmnist):
     x2, y2 = round_clients[0].batch("pers", 30, round_clients[0].generator(1))
     assert x.shape == (30, 1, 28, 28) and torch_equal(y, y2) and torch_equal(x, x2)
 
+    # An epoch never ends in a batch of one (BatchNorm on batch statistics cannot train on it).
+    client = fed.train_clients[0]
+    sizes = [len(y) for _, y in client.epoch("pers", 479, client.generator(1))]
+    assert sizes == [480]
+    assert [len(y) for _, y in client.epoch("pers", 100, client.generator(1))] == [100, 100, 100, 100, 80]
+
 
 def torch_equal(a, b):
     return bool((a == b).all())

@@ -49,9 +49,13 @@ class Client:
         return self.data.take(indices)
 
     def epoch(self, split: str, batch_size: int, generator: torch.Generator):
-        """One shuffled pass over ``split`` in batches of ``batch_size``."""
+        """One shuffled pass over ``split`` in batches of ``batch_size``. A last batch of one sample
+        joins the one before: BatchNorm with batch statistics cannot normalize a single sample."""
         indices = self.indices(split)
-        for chunk in indices[torch.randperm(len(indices), generator=generator)].split(batch_size):
+        chunks = list(indices[torch.randperm(len(indices), generator=generator)].split(batch_size))
+        if len(chunks) > 1 and len(chunks[-1]) == 1:
+            chunks[-2:] = [torch.cat(chunks[-2:])]
+        for chunk in chunks:
             yield self.data.take(chunk)
 
 

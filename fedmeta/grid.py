@@ -1,0 +1,97 @@
+"""Experiment grids of a preset (``configs/preset/``): method × setting × seed, each a plain
+``fedmeta train`` in its own process. Runs already finished in ``runs/<preset>/`` are skipped, so an
+interrupted grid resumes where it stopped; ``parallel`` runs go at once."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from fedmeta.config import CONFIG_DIR, compose, load_group, run_name
+from fedmeta.errors import FedmetaError
+
+
+def load_preset(name: str) -> DictConfig:
+    return load_group("preset", name, CONFIG_DIR)
+
+
+@dataclass(frozen=True)
+class Job:
+    setting: str
+    method: str
+    seed: int
+    overrides: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.setting}/{self.method}/seed{self.seed}"
+
+
+def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] | None = None,
+         methods: list[str] | None = None, seeds: list[int] | None = None, extra: list[str] = ()) -> list[Job]:
+    """The runs of the chosen grids, seed by seed (all methods of seed 0 first, so a grid cut short
+    still compares every method)."""
+    settings = {name: s for name, s in preset.settings.items() if s.grid in grids}
+    if datasets:
+        settings = {name: s for name, s in settings.items() if _dataset(s) in datasets}
+        unknown = set(datasets) - {_dataset(s) for s in preset.settings.values()}
+        if unknown:
+            raise FedmetaError(f"no setting of the preset uses data set(s) {sorted(unknown)}")
+    jobs = []
+    for name, setting in settings.items():
+        dataset = _dataset(setting)
+        rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
+        common = [*setting.overrides, f"federation.rounds={rounds}",
+                  f"federation.eval_every={math.ceil(rounds / preset.evaluations)}",
+                  f"output.root={root}", f"output.setting={name}", *preset.overrides, *extra]
+        for seed in seeds if seeds is not None else preset.seeds:
+            for method in methods or preset.methods:
+                jobs.append(Job(name, method, int(seed), (*common, f"method={method}", f"seed={seed}")))
+    return jobs
+
+
+def _dataset(setting: DictConfig) -> str:
+    return next(o.split("=", 1)[1] for o in setting.overrides if o.startswith("dataset="))
+
+
+def finished(job: Job) -> bool:
+    cfg = compose(list(job.overrides))
+    return (Path(cfg.output.root) / run_name(cfg) / "summary.json").exists()
+
+
+def run(jobs: list[Job], root: Path, parallel: int = 1) -> list[str]:
+    """Run the jobs not yet finished; returns one line per failed run (its log holds the rest)."""
+    todo = [job for job in jobs if not finished(job)]
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {root}; {len(todo)} to run, {parallel} at a time")
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if parallel > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # OpenMP threads of parallel runs only fight each other
+
+    def execute(job: Job) -> str | None:
+        log = logs / f"{job.label.replace('/', '-')}.log"
+        with open(log, "w") as out:
+            code = subprocess.run([sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
+                                  stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        if code == 0:
+            return None
+        last = [line for line in log.read_text().splitlines() if line.strip()][-1:] or ["(no output)"]
+        return f"{job.label}: exit {code}: {last[0]} (log: {log})"
+
+    failures = []
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = [pool.submit(execute, job) for job in todo]
+        for future in tqdm(as_completed(futures), total=len(futures), desc="runs", unit="run"):
+            if (failure := future.result()) is not None:
+                failures.append(failure)
+                tqdm.write(failure)
+    return failures

@@ -1,0 +1,163 @@
+"""Tables and figures from the finished runs of a preset (``runs/<preset>/<setting>/<method>/seed<s>/``):
+``results/TABLES.md`` in the paper's layout with the paper's numbers beside ours, and the paper's
+figures as PNG files. Only what the runs gave is shown; a missing run leaves a blank, never a guess."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from fedmeta.config import CONFIG_DIR
+
+METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "ifca_ft": "IFCA-FT", "ditto": "Ditto",
+                "fedrep": "FedRep", "perfedavg": "Per-FedAvg", "local": "Local", "cafeme": "CAFeMe"}
+
+
+def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
+    """(setting, method folder) → the summaries of its finished seeds, each with its metrics rows."""
+    runs = defaultdict(list)
+    for path in sorted(root.glob("*/*/seed*/summary.json")):
+        summary = json.loads(path.read_text())
+        with open(path.parent / "metrics.csv") as f:
+            summary["metrics"] = [row for row in csv.DictReader(f) if row["eval_accuracy"]]
+        runs[(path.parts[-4], path.parts[-3])].append(summary)
+    return runs
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, command: str) -> str:
+    """TABLES.md: accuracy mean ± std over seeds (paper's number and our difference beside it), then
+    the budget, hardware and wall time of every cell."""
+    runs, paper = collect(root), OmegaConf.load(CONFIG_DIR / "paper_results.yaml")
+    settings = [name for name, s in preset.settings.items() if s.grid == "table"]
+    methods = list(preset.methods)
+    lines = [f"# Results — preset `{preset_name}`", "",
+             f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
+             f"the seeds run; beside it the paper's number (SPEC §7, 5 seeds, full protocol) and ours minus the paper's.",
+             "", f"Command: `{command}`. Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from `{root}/`.", "",
+             "| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for method in methods:
+        cells = []
+        for setting in settings:
+            summaries = runs.get((setting, method), [])
+            if not summaries:
+                cells.append("–")
+                continue
+            mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
+            cell = f"**{mean:.2f} ± {std:.2f}** (n={len(summaries)})"
+            if method in paper.get(setting, {}):
+                paper_mean, paper_std = paper[setting][method]
+                cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
+            cells.append(cell)
+        lines.append(f"| {METHOD_NAMES.get(method, method)} | " + " | ".join(cells) + " |")
+    lines += ["", "## Every cell: budget, hardware, wall time", "",
+              "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |", "|---|---|---|---|---|---|---|"]
+    for setting in settings:
+        for method in methods:
+            summaries = runs.get((setting, method), [])
+            if summaries:
+                lines.append(f"| {setting} | {method} | {','.join(str(s['seed']) for s in summaries)} | "
+                             f"{'/'.join(sorted({str(s['rounds']) for s in summaries}))} | "
+                             f"{statistics.median(s['seconds_per_round'] for s in summaries):.2f} | "
+                             f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
+                             f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |")
+    text = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    _log_to_wandb(preset_name, runs, settings, methods)
+    return text
+
+
+def _steps(runs) -> int:
+    return next((len(s["curve"]) - 1 for summaries in runs.values() for s in summaries), 50)
+
+
+def _log_to_wandb(preset_name: str, runs, settings: list[str], methods: list[str]) -> None:
+    """The table as one W&B run of its own (offline unless asked otherwise), beside the runs it summarizes."""
+    mode = os.environ.get("WANDB_MODE", "offline")
+    if mode == "disabled":
+        return
+    import wandb
+
+    rows = [[setting, method, *_mean_std([100 * s["accuracy"] for s in runs[(setting, method)]]), len(runs[(setting, method)])]
+            for setting in settings for method in methods if runs.get((setting, method))]
+    with wandb.init(project="fedmeta", name=f"table-{preset_name}", group="tables", mode=mode, dir="runs") as run:
+        run.log({"table": wandb.Table(columns=["setting", "method", "accuracy", "std", "seeds"], data=rows)})
+
+
+def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
+    """The paper's figures from whichever runs exist: returns the PNG files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, methods = collect(root), list(preset.methods)
+    table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
+    written = []
+
+    def save(fig, name: str) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=120)
+        plt.close(fig)
+        written.append(out_dir / name)
+
+    def band(ax, xs, samples_per_x, label) -> None:
+        """Mean over seeds with a ±1 std band (no band where one seed is all there is)."""
+        means = np.array([100 * np.mean(v) for v in samples_per_x])
+        stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
+        line, = ax.plot(xs, means, marker="o" if len(xs) < 12 else None, ms=4, label=label)
+        ax.fill_between(xs, means - stds, means + stds, color=line.get_color(), alpha=0.15)
+
+    for figure, xlabel in (("heterogeneity", "heterogeneity of the partition (RMNIST)"),
+                           ("images_per_client", "images per client (Meta-Dataset)")):
+        axis = {k: v for k, v in preset[figure].items() if any((k, m) in runs for m in methods)}
+        if len(axis) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for method in methods:
+            points = [(i if figure == "heterogeneity" else value, [s["accuracy"] for s in runs[(setting, method)]])
+                      for i, (setting, value) in enumerate(axis.items()) if (setting, method) in runs]
+            if points:
+                band(ax, [x for x, _ in points], [v for _, v in points], METHOD_NAMES.get(method, method))
+        if figure == "heterogeneity":
+            ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
+        ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        save(fig, f"fig_{figure}.png")
+
+    series = {  # figure → (x label, y label, a run's (x, y) sequence)
+        "personalization": ("personalization step", "accuracy after k personalization steps (%)",
+                            lambda s: (list(range(len(s["curve"]))), s["curve"])),
+        "convergence": ("communication round", "new-client accuracy (%)",
+                        lambda s: ([int(r["round"]) for r in s["metrics"]], [float(r["eval_accuracy"]) for r in s["metrics"]])),
+    }
+    present = [name for name in table_settings if any((name, m) in runs for m in methods)]
+    for figure, (xlabel, ylabel, xy) in series.items():
+        if not present:
+            continue
+        fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4), squeeze=False)
+        for ax, setting in zip(axes[0], present):
+            for method in methods:
+                curves = [xy(s) for s in runs.get((setting, method), [])]
+                length = min((len(x) for x, _ in curves), default=0)
+                if length:
+                    band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), METHOD_NAMES.get(method, method))
+            ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=8)
+        save(fig, f"fig_{figure}.png")
+    return written
