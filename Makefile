@@ -13,7 +13,7 @@ TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) seed=$(SEED) \
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(ARGS)
 
-.PHONY: install train test config describe download clean-env
+.PHONY: install train test config describe download table figures clean-env
 
 install: $(VENV)/.ready
 
@@ -29,6 +29,18 @@ config: install
 
 describe: install
 	$(BIN)/fedmeta data describe $(DATASET) $(PARTITION) $(ARGS)
+
+# make table [PRESET=quick|paper] [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg_ft"] [SEEDS="0 1 2"] [PARALLEL=2]
+PRESET   ?= quick
+PARALLEL ?= 2
+GRID_ARGS := --preset $(PRESET) --parallel $(PARALLEL) $(if $(DATASETS),--datasets $(DATASETS)) \
+	$(if $(METHODS),--methods $(METHODS)) $(if $(SEEDS),--seeds $(SEEDS))
+
+table: install
+	$(BIN)/fedmeta table $(GRID_ARGS) $(ARGS)
+
+figures: install
+	$(BIN)/fedmeta figures $(GRID_ARGS) $(if $(RUN),--run) $(ARGS)
 
 download: install
 	$(BIN)/fedmeta data download $(NAME) $(ARGS)

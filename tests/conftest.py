@@ -19,7 +19,7 @@ def mnist_dir() -> Path:
     directory = data_dir()
     if not (directory / "mnist.npz").exists():
         directory = Path(__file__).resolve().parent.parent / "data"
-    return directory
+    return directory.resolve()  # tests that change the working folder still find it
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedmeta.config import compose
+from fedmeta.config import compose, group_choices
 from fedmeta.data import build_federation, load_dataset
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
@@ -115,3 +115,27 @@ def test_cafeme_runs_on_meta_dataset(tmp_path):
                    "wandb.mode=disabled", "federation.rounds=2", "personalization.steps=5", *SMALL_32])
     summary = train(cfg, show_progress=False)
     assert len(summary["curve"]) == 6 and 0 <= summary["accuracy"] <= 1
+
+
+SMALL_28 = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "model.modulator.before_mean=[16,16]",
+            "model.modulator.after_mean=[16]"]
+SETTINGS = {  # data set → (files it needs, overrides): every method must run on each
+    "cifar10": (["cifar10-jpeg.tar.gz"], ["dataset=cifar10", "partition=dirichlet", *SMALL_32]),
+    "femnist": (["femnist.npz"], ["dataset=femnist", *SMALL_28]),
+    "meta_dataset": (["omniglot.npz", "gtsrb32.npz", "dtd32.npz"],
+                     ["dataset=meta_dataset", "dataset.options.sources=[omniglot,gtsrb32,dtd32]",
+                      "dataset.options.images_per_client=100", *SMALL_32]),
+}
+
+
+@pytest.mark.parametrize("dataset", sorted(SETTINGS))
+def test_every_method_runs_on_every_data_set(dataset, cache, tmp_path):
+    files, overrides = SETTINGS[dataset]
+    for name in files:
+        require(name)
+    for method in group_choices("method"):
+        cfg = compose([*overrides, f"method={method}", "federation.num_clients=12", "federation.num_new_clients=2",
+                       "federation.clients_per_round=2", "federation.rounds=1", "personalization.steps=2",
+                       f"output.root={tmp_path}", "wandb.mode=disabled"])
+        summary = train(cfg, show_progress=False)
+        assert summary["method"] == method and len(summary["curve"]) == 3 and 0 <= summary["accuracy"] <= 1
