@@ -104,11 +104,11 @@ def image_tree(*sources: Path, size: int | None = None, mode: str = "RGB",
 
     tests, splits_named = {f.lower() for f in test_folders}, {f.lower() for f in (*train_folders, *test_folders)}
     images, class_names, splits = [], [], []
-    for name, read in (item for source in sources for item in _tree_members(source)):
-        folders = PurePosixPath(name).parts[:-1]
-        with Image.open(io.BytesIO(read())) as image:
+    for name, data in (item for source in sources for item in _tree_members(source)):
+        with Image.open(io.BytesIO(data)) as image:
             image = image.convert(mode)
             images.append(np.asarray(ImageOps.fit(image, (size, size)) if size else image))
+        folders = PurePosixPath(name).parts[:-1]
         class_names.append("/".join(f for f in folders if f.lower() not in splits_named))
         splits.append(any(f.lower() in tests for f in folders))
     if not images:
@@ -121,21 +121,21 @@ def image_tree(*sources: Path, size: int | None = None, mode: str = "RGB",
             "split": np.array(splits, np.uint8), "classes": np.array(classes)}
 
 
-def _tree_members(source: Path) -> Iterator[tuple[str, callable]]:
-    """(relative path, reader of its bytes) for every image file under a folder, zip or tar, in a
-    fixed order so that the same files always give the same arrays."""
+def _tree_members(source: Path) -> Iterator[tuple[str, bytes]]:
+    """(relative path, bytes) of every image file under a folder (sorted), zip or tar (archive order:
+    fixed by the file, and a compressed tar cannot seek back), so the same files give the same arrays."""
     is_image = lambda name: PurePosixPath(name).suffix.lower() in IMAGE_SUFFIXES  # noqa: E731
     if source.is_dir():
         for path in sorted(p for p in source.rglob("*") if p.is_file() and is_image(p.name)):
-            yield path.relative_to(source).as_posix(), path.read_bytes
+            yield path.relative_to(source).as_posix(), path.read_bytes()
     elif zipfile.is_zipfile(source):
         with zipfile.ZipFile(source) as archive:
-            for name in sorted(n for n in archive.namelist() if is_image(n) and "__MACOSX" not in n):
-                yield name, lambda name=name: archive.read(name)
+            for name in (n for n in archive.namelist() if is_image(n) and "__MACOSX" not in n):
+                yield name, archive.read(name)
     elif tarfile.is_tarfile(source):
         with tarfile.open(source) as archive:
-            members = sorted((m for m in archive if m.isfile() and is_image(m.name)), key=lambda m: m.name)
-            for member in members:
-                yield member.name, lambda member=member: archive.extractfile(member).read()
+            for member in archive:
+                if member.isfile() and is_image(member.name):
+                    yield member.name, archive.extractfile(member).read()
     else:
         raise ValueError(f"{source} is neither a folder nor a zip or tar archive")
