@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     download_cmd.add_argument("--dir", help="where <name>.npz goes (default: $FEDMETA_DATA, else ./data)")
     download_cmd.add_argument("--mirror", help="base URL that serves the publisher's files under their own names")
     download_cmd.add_argument("--no-verify", action="store_true", help="skip the publisher's MD5 check")
+    evaluate_cmd = commands.add_parser("evaluate", help="re-run test-time personalization on a finished run", description=(
+        "Personalize the new clients of a finished run again from its final model, with other personalization.* "
+        "settings (e.g. personalization.lr=0.05); appended to the run's evaluations.jsonl."))
+    evaluate_cmd.add_argument("run_dir")
+    evaluate_cmd.add_argument("overrides", nargs="*", metavar="personalization.key=value")
     grid_args = argparse.ArgumentParser(add_help=False)
     grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")
     grid_args.add_argument("--datasets", nargs="+", help="only the settings of these data sets")
@@ -47,6 +52,16 @@ def main(argv: list[str] | None = None) -> int:
 
         from fedmeta.config import compose
 
+        if args.command == "evaluate":
+            from pathlib import Path
+
+            from fedmeta.loop import evaluate_run
+
+            record = evaluate_run(Path(args.run_dir), args.overrides)
+            print(json.dumps(record["personalization"]))
+            print(f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
+                  f"(step 0: {100 * record['curve'][0]:.2f} %)")
+            return 0
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
         if args.command == "data" and args.data_command == "download":

@@ -8,6 +8,7 @@ the shared personalization procedure (fedmeta.evaluation).
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 import time
@@ -15,11 +16,11 @@ from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from fedmeta.algorithms import Algorithm, build_algorithm
-from fedmeta.config import run_name, setting_name
+from fedmeta.config import compose, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
@@ -61,19 +62,56 @@ def hardware_name(device: torch.device) -> str:
     return f"{models[0] if models else platform.processor()}, {torch.get_num_threads()} thread(s)"
 
 
-def train(cfg: DictConfig, show_progress: bool = True) -> dict:
-    """Run one experiment end to end and return its summary (also written to summary.json)."""
-    started = time.perf_counter()
-    run_dir = Path(cfg.output.root) / run_name(cfg)
+def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:
+    """Fabric, the federation (data on the device) and the algorithm of a config, seeded."""
     fabric = make_fabric(cfg)
     fabric.seed_everything(cfg.seed, verbose=False)
-
     dataset = load_dataset(cfg.dataset.name, data_dir(cfg.dataset.dir), cfg.seed, download=cfg.dataset.download,
                            **cfg.dataset.options)
     fed = cfg.federation
     federation = build_federation(dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients,
                                   fed.held_out_fraction, cfg.seed, device=fabric.device)
-    algorithm = fabric.to_device(build_algorithm(cfg, federation.num_classes))
+    return fabric, federation, fabric.to_device(build_algorithm(cfg, federation.num_classes))
+
+
+def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
+    """The shared test-time procedure again on a finished run's final model, with other
+    ``personalization.*`` settings (e.g. the step size); appended to the run's evaluations.jsonl."""
+    if not (run_dir / "checkpoint.ckpt").exists() or not (run_dir / "config.yaml").exists():
+        raise FedmetaError(f"{run_dir} holds no finished run (config.yaml and checkpoint.ckpt): give a run folder")
+    if any(not o.startswith("personalization.") for o in overrides):
+        raise FedmetaError("evaluate changes only personalization.* settings (the model is the run's): "
+                           f"got {[o for o in overrides if not o.startswith('personalization.')]}")
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    try:  # today's defaults under the saved config, so runs from before a new key still load
+        base = compose([f"dataset={saved.dataset.name}", f"partition={saved.partition.name}",
+                        f"method={saved.method.name}", f"variant={saved.variant}"])
+        OmegaConf.set_struct(base, False)
+        cfg = OmegaConf.merge(base, saved, OmegaConf.from_dotlist(overrides))
+    except Exception as exc:
+        raise FedmetaError(f"bad override ({exc})") from None
+    fabric, federation, algorithm = setup(cfg)
+    try:
+        state = fabric.load(run_dir / "checkpoint.ckpt")
+        algorithm.load_federation_state(state["federation"])
+    except Exception as exc:
+        raise FedmetaError(f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
+                           f"({type(exc).__name__}): it is corrupt or from another run") from None
+    result = evaluate_new_clients(algorithm, federation.new_clients, cfg.personalization, federation.num_classes)
+    record = {"personalization": OmegaConf.to_container(cfg.personalization), "accuracy": result.accuracy,
+              "accuracy_std": result.accuracy_std, "curve": result.curve}
+    if fabric.is_global_zero:
+        with open(run_dir / "evaluations.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def train(cfg: DictConfig, show_progress: bool = True) -> dict:
+    """Run one experiment end to end and return its summary (also written to summary.json)."""
+    started = time.perf_counter()
+    run_dir = Path(cfg.output.root) / run_name(cfg)
+    fabric, federation, algorithm = setup(cfg)
+    fed = cfg.federation
     recorder = RunRecorder(run_dir, cfg, fabric.is_global_zero)
 
     def all_reduce(tree):

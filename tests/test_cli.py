@@ -78,3 +78,26 @@ def test_data_describe_prints_statistics_and_saves_histograms(capsys, tmp_path, 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["data", "describe", "mnist"]) == 2
     assert "unknown data set 'mnist'" in capsys.readouterr().err
+
+
+def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path, mnist_dir, monkeypatch):
+    monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
+    assert main(["train", "method=perfedavg", "federation.rounds=2", "personalization.steps=4", "model.conv_channels=[8,16]",
+                 "model.dense_units=[32]", f"output.root={tmp_path}"]) == 0
+    run = tmp_path / "rmnist-shards" / "perfedavg" / "seed0"
+    summary = json.loads((run / "summary.json").read_text())
+
+    assert main(["evaluate", str(run)]) == 0  # the same procedure on the same model: the same numbers
+    assert main(["evaluate", str(run), "personalization.lr=0.05"]) == 0
+    same, faster = [json.loads(line) for line in (run / "evaluations.jsonl").read_text().splitlines()]
+    assert same["curve"] == summary["curve"] and same["accuracy"] == summary["accuracy"]
+    assert faster["personalization"]["lr"] == 0.05 and faster["curve"][1:] != summary["curve"][1:]
+    assert faster["curve"][0] == summary["curve"][0]  # step 0 is the model itself
+
+    capsys.readouterr()
+    assert main(["evaluate", str(run), "federation.rounds=3"]) == 2
+    assert "only personalization.*" in capsys.readouterr().err
+    (run / "checkpoint.ckpt").write_bytes(b"not a checkpoint")
+    assert main(["evaluate", str(run)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "corrupt or from another run" in error
