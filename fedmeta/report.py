@@ -107,19 +107,28 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
     table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
     written = []
 
-    def save(fig, name: str) -> None:
+    def save(fig, name: str, axes) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
+        legend(fig, axes)
         fig.savefig(out_dir / name, dpi=120)
         plt.close(fig)
         written.append(out_dir / name)
 
-    def band(ax, xs, samples_per_x, label) -> None:
-        """Mean over seeds with a ±1 std band (no band where one seed is all there is)."""
+    def band(ax, xs, samples_per_x, method) -> None:
+        """Mean over seeds with a ±1 std band (none where one seed is all there is); one colour per
+        method in every panel."""
         means = np.array([100 * np.mean(v) for v in samples_per_x])
         stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
-        line, = ax.plot(xs, means, marker="o" if len(xs) < 12 else None, ms=4, label=label)
-        ax.fill_between(xs, means - stds, means + stds, color=line.get_color(), alpha=0.15)
+        color = f"C{methods.index(method) % 10}"
+        ax.plot(xs, means, marker="o" if len(xs) < 12 else None, ms=4, color=color, label=METHOD_NAMES.get(method, method))
+        ax.fill_between(xs, means - stds, means + stds, color=color, alpha=0.15)
+
+    def legend(fig, axes) -> None:
+        """One legend for the figure, with every method drawn in any panel."""
+        handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8)
+        fig.subplots_adjust(right=0.85)
 
     for figure, xlabel in (("heterogeneity", "heterogeneity of the partition (RMNIST)"),
                            ("images_per_client", "images per client (Meta-Dataset)")):
@@ -131,13 +140,12 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
             points = [(i if figure == "heterogeneity" else value, [s["accuracy"] for s in runs[(setting, method)]])
                       for i, (setting, value) in enumerate(axis.items()) if (setting, method) in runs]
             if points:
-                band(ax, [x for x, _ in points], [v for _, v in points], METHOD_NAMES.get(method, method))
+                band(ax, [x for x, _ in points], [v for _, v in points], method)
         if figure == "heterogeneity":
             ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
         ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
-        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        save(fig, f"fig_{figure}.png")
+        save(fig, f"fig_{figure}.png", [ax])
 
     series = {  # figure → (x label, y label, a run's (x, y) sequence)
         "personalization": ("personalization step", "accuracy after k personalization steps (%)",
@@ -155,9 +163,8 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
                 curves = [xy(s) for s in runs.get((setting, method), [])]
                 length = min((len(x) for x, _ in curves), default=0)
                 if length:
-                    band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), METHOD_NAMES.get(method, method))
+                    band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method)
             ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=8)
-        save(fig, f"fig_{figure}.png")
+        save(fig, f"fig_{figure}.png", axes[0])
     return written
