@@ -30,7 +30,7 @@ config: install
 describe: install
 	$(BIN)/fedmeta data describe $(DATASET) $(PARTITION) $(ARGS)
 
-# make table [PRESET=quick|paper] [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg_ft"] [SEEDS="0 1 2"] [PARALLEL=2]
+# make table [PRESET=quick|paper] [DATASETS="rmnist cifar10-shards"] [METHODS="cafeme fedavg_ft"] [SEEDS="0 1 2"] [PARALLEL=2]
 PRESET   ?= quick
 PARALLEL ?= 2
 GRID_ARGS := --preset $(PRESET) --parallel $(PARALLEL) $(if $(DATASETS),--datasets $(DATASETS)) \

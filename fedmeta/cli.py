@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate_cmd.add_argument("overrides", nargs="*", metavar="personalization.key=value")
     grid_args = argparse.ArgumentParser(add_help=False)
     grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")
-    grid_args.add_argument("--datasets", nargs="+", help="only the settings of these data sets")
+    grid_args.add_argument("--datasets", nargs="+", help="only these data sets (cifar10) or settings (cifar10-shards)")
     grid_args.add_argument("--methods", nargs="+", help="default: the preset's")
     grid_args.add_argument("--seeds", nargs="+", type=int, help="default: the preset's")
     grid_args.add_argument("--parallel", type=int, default=1, help="runs at once (CPU: one per core)")

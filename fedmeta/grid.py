@@ -40,11 +40,11 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
     """The runs of the chosen grids, seed by seed (all methods of seed 0 first, so a grid cut short
     still compares every method)."""
     settings = {name: s for name, s in preset.settings.items() if s.grid in grids}
-    if datasets:
-        settings = {name: s for name, s in settings.items() if _dataset(s) in datasets}
-        unknown = set(datasets) - {_dataset(s) for s in preset.settings.values()}
+    if datasets:  # data set names (cifar10) or setting names (cifar10-shards)
+        settings = {name: s for name, s in settings.items() if name in datasets or _dataset(s) in datasets}
+        unknown = set(datasets) - {_dataset(s) for s in preset.settings.values()} - set(preset.settings)
         if unknown:
-            raise FedmetaError(f"no setting of the preset uses data set(s) {sorted(unknown)}")
+            raise FedmetaError(f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}")
     jobs = []
     for name, setting in settings.items():
         dataset = _dataset(setting)

@@ -3,7 +3,10 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from fedmeta.cli import main
+from fedmeta.errors import FedmetaError
 from fedmeta.grid import load_preset, plan
 
 TINY = ["federation.rounds=2", "federation.eval_every=1", "personalization.steps=3"]
@@ -19,6 +22,10 @@ def test_presets_cover_the_papers_table_and_figures():
     assert len(jobs) == 2 * len(quick.methods) * len(quick.seeds)
     assert "federation.rounds=20" in jobs[0].overrides and "output.setting=rmnist-shards" in jobs[0].overrides
     assert [j.seed for j in jobs[:len(quick.methods)]] == [0] * len(quick.methods)  # every method of seed 0 first
+    one_setting = plan(quick, root=Path("runs/quick"), grids=["table"], datasets=["cifar10-shards"])
+    assert {j.setting for j in one_setting} == {"cifar10-shards"} and len(one_setting) == len(jobs) // 2
+    with pytest.raises(FedmetaError, match="cifar100"):
+        plan(quick, root=Path("runs/quick"), grids=["table"], datasets=["cifar100"])
 
 
 def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys):
