@@ -107,3 +107,17 @@ def test_functional_inner_loop_matches_learn2learn_maml():
     F.cross_entropy(torch.func.functional_call(net, adapted, (xq,)), yq).backward()
     for k, p in params.items():
         torch.testing.assert_close(p.grad, reference[k])
+
+
+def test_conv_block_computes_the_spec_order_exactly():
+    """SPEC §6 is conv → BN → ReLU → max-pool; the block pools first (cheaper). Same values, same gradients."""
+    torch.manual_seed(0)
+    net = ConvNet(**TINY, dense_units=[4]).double()
+    conv, bn = net.features.blocks[0][0], net.features.blocks[0][1]
+    x = torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    ours = net.features(x)
+    spec = F.max_pool2d(F.relu(bn(conv(x))), 2).flatten(1)
+    assert torch.equal(ours, spec)
+    (g_ours,) = torch.autograd.grad(ours.square().sum(), conv.weight)
+    (g_spec,) = torch.autograd.grad(spec.square().sum(), conv.weight)
+    assert torch.allclose(g_ours, g_spec, rtol=1e-12, atol=1e-12)

@@ -13,11 +13,13 @@ from torch import nn
 
 
 def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: int | str) -> nn.Sequential:
+    # conv → BN → ReLU → max-pool (SPEC §6), computed with the pool first: max and ReLU commute
+    # (both monotone), so the function and its gradients are the same and ReLU touches 4× fewer values.
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding),
         nn.BatchNorm2d(out_channels, track_running_stats=False),
-        nn.ReLU(),
         nn.MaxPool2d(2),
+        nn.ReLU(),
     )
 
 
@@ -36,6 +38,8 @@ class ConvFeatures(nn.Module):
             self.flat_dim = self(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
 
     def forward(self, x: torch.Tensor, after_block: Callable | None = None) -> torch.Tensor:
+        # NHWC: oneDNN's convolutions, batch norm and pooling are markedly faster in it on CPU (README, Performance)
+        x = x.contiguous(memory_format=torch.channels_last)
         for i, block in enumerate(self.blocks):
             x = block(x)
             if after_block is not None:
