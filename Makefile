@@ -13,7 +13,7 @@ TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) seed=$(SEED) \
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(ARGS)
 
-.PHONY: install train test config describe download table figures clean-env
+.PHONY: install train test config describe download table figures bench clean-env
 
 install: $(VENV)/.ready
 
@@ -38,6 +38,10 @@ GRID_ARGS := --preset $(PRESET) --parallel $(PARALLEL) $(if $(DATASETS),--datase
 
 table: install
 	$(BIN)/fedmeta table $(GRID_ARGS) $(ARGS)
+
+# make bench [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg"] [ARGS="fabric.accelerator=cuda"] → results/bench.json
+bench: install
+	$(BIN)/fedmeta bench $(if $(DATASETS),--datasets $(DATASETS)) $(if $(METHODS),--methods $(METHODS)) $(ARGS)
 
 figures: install
 	$(BIN)/fedmeta figures $(GRID_ARGS) $(if $(RUN),--run) $(ARGS)

@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     figures_cmd = commands.add_parser("figures", parents=[grid_args], help="draw the paper's figures into results/")
     figures_cmd.add_argument("--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)")
     figures_cmd.add_argument("--out-dir", default="results")
+    bench_cmd = commands.add_parser("bench", help="time, FLOP-count and memory-profile every method's round (configs/bench.yaml)")
+    bench_cmd.add_argument("--datasets", nargs="+", help="default: the bench config's (rmnist cifar10)")
+    bench_cmd.add_argument("--methods", nargs="+", help="default: every method")
+    bench_cmd.add_argument("--no-memory", action="store_true", help="skip the 100/1,000/10,000-client memory rows")
+    bench_cmd.add_argument("--out", default="results/bench.json")
+    bench_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda")
     args = parser.parse_args(argv)
 
     try:
@@ -61,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(record["personalization"]))
             print(f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
                   f"(step 0: {100 * record['curve'][0]:.2f} %)")
+            return 0
+        if args.command == "bench":
+            from pathlib import Path
+
+            from fedmeta import bench
+
+            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out))
             return 0
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])

@@ -91,3 +91,12 @@ def test_groups_need_groups_and_a_multiple(labels, rmnist):
         partition("groups", labels, None, 100, seed=0)
     with pytest.raises(FedmetaError, match="evenly"):
         partition("groups", labels, rmnist.groups.numpy(), 95, seed=0)
+
+
+def test_clients_too_small_for_two_splits_of_two_are_refused(rmnist):
+    """10,000 clients of 6 images: a 20 % held-out split is 1 image, which BatchNorm's batch
+    statistics cannot normalize — refused up front; a third held out (2 images) is accepted."""
+    with pytest.raises(FedmetaError, match="too few for personalization and held-out splits of at least 2"):
+        build_federation(rmnist, {"name": "iid"}, 10_000, 20, 0.2, seed=0)
+    federation = build_federation(rmnist, {"name": "iid"}, 10_000, 20, 0.34, seed=0)
+    assert min(len(c.held_out) for c in federation.train_clients) == 2

@@ -76,8 +76,9 @@ class Federation:
         for client_id, indices in enumerate(parts):
             indices = rng.permutation(indices)
             n_held_out = int(round(len(indices) * held_out_fraction))
-            if n_held_out < 1 or n_held_out >= len(indices):
-                raise FedmetaError(f"client {client_id} has {len(indices)} samples, too few for a personalization and a held-out split: use fewer clients")
+            if n_held_out < 2 or len(indices) - n_held_out < 2:  # BatchNorm's batch statistics need 2 samples
+                raise FedmetaError(f"client {client_id} has {len(indices)} samples, too few for personalization and held-out "
+                                   f"splits of at least 2 each (held_out_fraction {held_out_fraction}): use fewer clients")
             clients.append(Client(client_id, torch.from_numpy(indices[n_held_out:]), torch.from_numpy(indices[:n_held_out]), seed, self))
         new_ids = set(rng.choice(len(parts), size=num_new_clients, replace=False).tolist())
         self.train_clients = [c for c in clients if c.id not in new_ids]
