@@ -108,8 +108,7 @@ def measure_memory(overrides: list[str], rounds: int) -> dict:
         federated_round(algorithm, federation, r, cfg.federation.clients_per_round, cfg.seed)
     evaluate_new_clients(algorithm, federation.new_clients[:2], cfg.personalization, federation.num_classes)
     states = getattr(algorithm, "client_optimizer_states", {})
-    state_bytes = sum(t.nbytes for s in states.values() for v in s["state"].values() for t in v.values()
-                      if isinstance(t, torch.Tensor))
+    state_bytes = sum(t.nbytes for moments in states.values() for m in moments.values() for t in m.values())
     return {"dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
             "variant": cfg.variant, "num_clients": cfg.federation.num_clients,
             "samples_per_client": len(federation.x) // cfg.federation.num_clients,

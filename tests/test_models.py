@@ -22,7 +22,7 @@ def tiny_cafeme(modulation="c1", use_labels=True, first_order=False, seed=0) -> 
                           modulation=modulation, use_labels=use_labels)
     cfg = OmegaConf.create(dict(inner_steps=2, inner_lr=0.3, outer_lr=1e-3, batch_size=6, eval_batch_size=None,
                                 context="labelled" if use_labels else "transductive", first_order=first_order,
-                                client_optimizer_state=False))
+                                client_optimizer_state=False, client_state_dtype="float32"))
     return CAFeMe(ModulatedNet(base, modulator).double(), cfg)
 
 
@@ -121,3 +121,22 @@ def test_conv_block_computes_the_spec_order_exactly():
     (g_ours,) = torch.autograd.grad(ours.square().sum(), conv.weight)
     (g_spec,) = torch.autograd.grad(spec.square().sum(), conv.weight)
     assert torch.allclose(g_ours, g_spec, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,bytes_per_number", [("float32", 4), ("bfloat16", 2)])
+def test_authors_client_adam_state_is_kept_compactly_and_resumed(dtype, bytes_per_number):
+    algorithm = tiny_cafeme()
+    algorithm.model.float()
+    algorithm.cfg.client_optimizer_state, algorithm.cfg.client_state_dtype = True, dtype
+    client = tiny_client()
+    client.data.x = client.data.x.float()
+    algorithm.local_update(client, 1)
+    state = algorithm.client_optimizer_states[client.id]
+    numbers = sum(p.numel() for p in algorithm.model.parameters())
+    assert all(set(m) == {"step", "exp_avg", "exp_avg_sq"} and int(m["step"]) == 1 for m in state.values())
+    assert sum(m["exp_avg"].nbytes + m["exp_avg_sq"].nbytes for m in state.values()) == 2 * numbers * bytes_per_number
+
+    before = {k: p.detach().clone() for k, p in algorithm.model.named_parameters()}
+    update = algorithm.local_update(client, 2)  # the second visit continues the client's Adam: step 2
+    assert all(int(m["step"]) == 2 for m in algorithm.client_optimizer_states[client.id].values())
+    assert all(torch.isfinite(update.params[k]).all() and not torch.equal(update.params[k], before[k]) for k in before)

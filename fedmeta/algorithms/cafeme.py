@@ -8,7 +8,9 @@ the clients' ω_i' (uniform weights, as in the paper's Algorithm 1).
 Options (the authors' code, ``variant=authors`` turns on all of them):
 - ``context=transductive``: ζ comes from the batch being classified (x only), also at test time;
 - ``first_order=true``: the inner gradients are not differentiated (first-order MAML);
-- ``client_optimizer_state=true``: each client keeps its Adam state across rounds.
+- ``client_optimizer_state=true``: each client keeps its Adam state across rounds — only the two
+  moments and the step (2 × |ω| numbers a client seen), as ``client_state_dtype`` (float32 is exact;
+  bfloat16 halves the memory).
 """
 
 from __future__ import annotations
@@ -61,14 +63,19 @@ class CAFeMe(Algorithm):
         omega = trainable_copy(self.global_params())
         optimizer = torch.optim.Adam(omega.values(), lr=self.cfg.outer_lr)
         if self.cfg.client_optimizer_state and client.id in self.client_optimizer_states:
-            optimizer.load_state_dict(self.client_optimizer_states[client.id])
+            # load_state_dict casts the moments back to the parameters' dtype
+            optimizer.load_state_dict({"state": self.client_optimizer_states[client.id],
+                                       "param_groups": optimizer.state_dict()["param_groups"]})
 
         outer_loss = self.meta_loss(omega, client, generator)
         outer_loss.backward()
         optimizer.step()
 
         if self.cfg.client_optimizer_state:
-            self.client_optimizer_states[client.id] = optimizer.state_dict()
+            dtype = getattr(torch, self.cfg.client_state_dtype)
+            self.client_optimizer_states[client.id] = {
+                index: {key: value if key == "step" else value.to(dtype) for key, value in moments.items()}
+                for index, moments in optimizer.state_dict()["state"].items()}
         return ClientUpdate(client.id, {k: p.detach() for k, p in omega.items()}, 1.0, outer_loss.item())
 
     def federation_state(self) -> dict:
