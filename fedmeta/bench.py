@@ -65,8 +65,8 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
     """One row, in the calling process: seconds and FLOPs per round, personalization seconds per
     new client, peak memory. Meant to run in a fresh process (``run_isolated``)."""
     from fedmeta.config import compose
-    from fedmeta.evaluation import evaluate_new_clients
-    from fedmeta.loop import federated_round, hardware_name, setup
+    from fedmeta.evaluation import evaluate_new_clients, sequential
+    from fedmeta.loop import client_map, federated_round, hardware_name, setup
 
     cfg = compose([*overrides, *QUIET])
     fabric, federation, algorithm = setup(cfg)
@@ -81,16 +81,21 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
         synchronize()
         return time.perf_counter() - tick
 
-    seconds = [timed(lambda r=r: federated_round(algorithm, federation, r, fed.clients_per_round, cfg.seed))
-               for r in range(1, warmup + rounds + 1)][warmup:]
-    with flop_counter() as flops:
-        timed(lambda: federated_round(algorithm, federation, warmup + rounds + 1, fed.clients_per_round, cfg.seed))
+    map_clients = client_map(fed.client_threads, fabric.autocast)
+
+    def round_(r: int, run_clients=map_clients) -> None:
+        federated_round(algorithm, federation, r, fed.clients_per_round, cfg.seed, map_clients=run_clients)
+
+    seconds = [timed(lambda r=r: round_(r)) for r in range(1, warmup + rounds + 1)][warmup:]
+    with flop_counter() as flops:  # a dispatch mode sees only its own thread: count a sequential round
+        timed(lambda: round_(warmup + rounds + 1, sequential))
     new_clients = federation.new_clients[:personalize_clients]
-    personalize = timed(lambda: evaluate_new_clients(algorithm, new_clients, cfg.personalization, federation.num_classes))
+    personalize = timed(lambda: evaluate_new_clients(algorithm, new_clients, cfg.personalization, federation.num_classes,
+                                                     map_clients))
     seconds_per_round = statistics.median(seconds)
     gflop = flops.get_total_flops() / 1e9
     return {"dataset": cfg.dataset.name, "method": cfg.method.name, "variant": cfg.variant,
-            "precision": cfg.fabric.precision, "seconds_per_round": seconds_per_round, "gflop_per_round": gflop,
+            "precision": cfg.fabric.precision, "client_threads": fed.client_threads, "seconds_per_round": seconds_per_round, "gflop_per_round": gflop,
             "gflops": gflop / seconds_per_round, "personalize_seconds_per_client": personalize / len(new_clients),
             "peak_rss_mb": peak_rss_mb(), "hardware": hardware_name(fabric.device)}
 

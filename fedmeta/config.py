@@ -96,6 +96,7 @@ def validate(cfg: DictConfig) -> None:
              f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}")
     _require(fed.rounds >= 1, f"federation.rounds must be ≥ 1, got {fed.rounds}")
     _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
+    _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
     _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
     _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,
              "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 1")
@@ -109,6 +110,8 @@ def validate(cfg: DictConfig) -> None:
         _require(cfg.method.context in ("labelled", "transductive"),
                  f"method.context must be labelled or transductive, got {cfg.method.context!r}")
         _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
+        _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
+                 f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
     _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {PRECISIONS}, got {cfg.fabric.precision!r}")
     _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}")
 

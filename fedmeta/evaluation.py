@@ -9,7 +9,9 @@ batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchmetrics.functional.classification import multiclass_accuracy
@@ -18,6 +20,13 @@ from fedmeta.algorithms import Algorithm
 from fedmeta.algorithms.base import Params
 from fedmeta.data.federation import PERSONALIZE_PURPOSE, Client
 from fedmeta.errors import FedmetaError
+
+
+ClientMap = Callable[[Callable[[Client], Any], list[Client]], list]  # runs a function on each client, in order
+
+
+def sequential(fn: Callable[[Client], Any], clients: list[Client]) -> list:
+    return [fn(client) for client in clients]
 
 
 @dataclass
@@ -67,5 +76,6 @@ def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: i
     return params, torch.stack(accuracies).cpu()
 
 
-def evaluate_new_clients(algorithm: Algorithm, clients: list[Client], cfg, num_classes: int) -> PersonalizationResult:
-    return PersonalizationResult(torch.stack([personalize_client(algorithm, c, cfg, num_classes)[1] for c in clients]))
+def evaluate_new_clients(algorithm: Algorithm, clients: list[Client], cfg, num_classes: int,
+                         map_clients: ClientMap = sequential) -> PersonalizationResult:
+    return PersonalizationResult(torch.stack(map_clients(lambda c: personalize_client(algorithm, c, cfg, num_classes)[1], clients)))

@@ -79,3 +79,26 @@ def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkey
     assert list((run_dir / "wandb").glob("offline-run-*"))
     third = train(config(tmp_path / "c", mnist_dir, *args, "seed=1"), show_progress=False)
     assert third["curve"] != first["curve"]
+
+
+@pytest.mark.parametrize("method", ["cafeme variant=authors", "fedavg"])
+def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, method):
+    """federation.client_threads=2 runs a round's clients two at a time: the global model after two
+    rounds and the new clients' accuracies are exactly those of one client after another."""
+    from fedmeta.loop import client_map, federated_round, setup
+    from fedmeta.evaluation import evaluate_new_clients
+
+    outcomes = []
+    for threads in (1, 2):
+        cfg = config(tmp_path, mnist_dir, *method.replace("cafeme", "method=cafeme").replace("fedavg", "method=fedavg").split(),
+                     "federation.num_new_clients=4", "personalization.steps=3", f"federation.client_threads={threads}")
+        _, federation, algorithm = setup(cfg)
+        run_clients = client_map(threads)
+        for round_ in (1, 2):
+            federated_round(algorithm, federation, round_, 5, seed=0, map_clients=run_clients)
+        result = evaluate_new_clients(algorithm, federation.new_clients, cfg.personalization, federation.num_classes, run_clients)
+        outcomes.append(({k: v.clone() for k, v in algorithm.model.state_dict().items()}, result.curves))
+    torch.set_num_threads(1)  # client_map(2) set it for the process
+    (model_1, curves_1), (model_2, curves_2) = outcomes
+    assert all(torch.equal(model_1[k], model_2[k]) for k in model_1)
+    assert torch.equal(curves_1, curves_2)

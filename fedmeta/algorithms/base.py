@@ -22,9 +22,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from fedmeta.data.federation import Client
+from fedmeta.functional import call
 
 Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -61,7 +61,7 @@ class Algorithm(L.LightningModule):
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
     def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
-        return functional_call(self.model, params, (x,))
+        return call(self.model, params, x)
 
     def loss(self, params: Params, batch: Batch, context: Context = None) -> torch.Tensor:
         x, y = batch

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from fedmeta.algorithms.base import Algorithm, ClientUpdate, Context, Params, trainable_copy
 from fedmeta.data.federation import Client
+from fedmeta.functional import call
 
 HEAD_PREFIX = "head."
 
@@ -41,7 +41,7 @@ class IFCA(Algorithm):
         return {n[len(prefix):]: p for n, p in self.global_params().items() if n.startswith(prefix)}
 
     def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
-        return functional_call(self.model.nets[0], params, (x,))  # params: one cluster's network
+        return call(self.model.nets[0], params, x)  # params: one cluster's network
 
     def choose_cluster(self, client: Client, split: str) -> int:
         x, y = client.data.take(client.indices(split))
