@@ -39,9 +39,9 @@ GRID_ARGS := --preset $(PRESET) --parallel $(PARALLEL) $(if $(DATASETS),--datase
 table: install
 	$(BIN)/fedmeta table $(GRID_ARGS) $(ARGS)
 
-# make bench [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg"] [ARGS="fabric.accelerator=cuda"] → results/bench.json
+# make bench [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg"] [PROFILE=1] [ARGS="fabric.accelerator=cuda"] → results/bench.json
 bench: install
-	$(BIN)/fedmeta bench $(if $(DATASETS),--datasets $(DATASETS)) $(if $(METHODS),--methods $(METHODS)) $(ARGS)
+	$(BIN)/fedmeta bench $(if $(DATASETS),--datasets $(DATASETS)) $(if $(METHODS),--methods $(METHODS)) $(if $(PROFILE),--profile) $(ARGS)
 
 figures: install
 	$(BIN)/fedmeta figures $(GRID_ARGS) $(if $(RUN),--run) $(ARGS)

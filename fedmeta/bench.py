@@ -25,6 +25,7 @@ from fedmeta.config import CONFIG_DIR
 from fedmeta.errors import FedmetaError
 
 QUIET = ["wandb.mode=disabled"]
+PROFILE_TOP = 8
 
 
 def matmul_peak_gflops(size: int, dtype: torch.dtype = torch.float32, repeats: int = 10) -> float:
@@ -61,7 +62,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_clients: int) -> dict:
+def profile_round(run_round) -> list[dict]:
+    """Where one round's time goes: the operators with the most self time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run_round()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:PROFILE_TOP]]
+
+
+def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_clients: int, profile: bool = False) -> dict:
     """One row, in the calling process: seconds and FLOPs per round, personalization seconds per
     new client, peak memory. Meant to run in a fresh process (``run_isolated``)."""
     from fedmeta.config import compose
@@ -94,7 +107,8 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
                                                      map_clients))
     seconds_per_round = statistics.median(seconds)
     gflop = flops.get_total_flops() / 1e9
-    return {"dataset": cfg.dataset.name, "method": cfg.method.name, "variant": cfg.variant,
+    extra = {"profile": profile_round(lambda: round_(warmup + rounds + 2, sequential))} if profile else {}
+    return {**extra, "dataset": cfg.dataset.name, "method": cfg.method.name, "variant": cfg.variant,
             "precision": cfg.fabric.precision, "client_threads": fed.client_threads, "seconds_per_round": seconds_per_round, "gflop_per_round": gflop,
             "gflops": gflop / seconds_per_round, "personalize_seconds_per_client": personalize / len(new_clients),
             "peak_rss_mb": peak_rss_mb(), "hardware": hardware_name(fabric.device)}
@@ -150,7 +164,8 @@ def memory_plan(bench: DictConfig, extra: list[str]) -> list[list[str]]:
 
 
 def run(datasets: list[str] | None = None, methods: list[str] | None = None, extra: list[str] = (),
-        memory: bool = True, out: Path = Path("results/bench.json"), config: Path = CONFIG_DIR / "bench.yaml") -> dict:
+        memory: bool = True, out: Path = Path("results/bench.json"), config: Path = CONFIG_DIR / "bench.yaml",
+        profile: bool = False) -> dict:
     from fedmeta.config import compose
     from fedmeta.loop import hardware_name
 
@@ -169,7 +184,8 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
           f"{'GFLOP/s':>8s} {'% peak':>6s} {'pers s/cl':>9s} {'peak MB':>8s}")
     for overrides in rows:
         try:
-            row = run_isolated(measure_round, overrides, bench.warmup_rounds, bench.rounds, bench.personalize_clients)
+            row = run_isolated(measure_round, overrides, bench.warmup_rounds, bench.rounds, bench.personalize_clients,
+                               profile)
         except FedmetaError as exc:  # e.g. a data set not on this machine: the other rows still count
             result.setdefault("skipped", []).append({"overrides": overrides, "reason": str(exc)})
             print(f"skipped {' '.join(overrides)}: {exc}", flush=True)
@@ -179,6 +195,8 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
               f"{row['seconds_per_round']:8.3f} {row['gflop_per_round']:7.1f} {row['gflops']:8.1f} "
               f"{100 * row['gflops'] / result['peak_gflops']:6.1f} {row['personalize_seconds_per_client']:9.2f} "
               f"{row['peak_rss_mb']:8.0f}", flush=True)
+        for op in row.get("profile", []):
+            print(f"    {100 * op['share']:5.1f} %  {op['op']} ×{op['calls']}")
     if memory_rows:
         print(f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} {'state MB/client':>15s} {'peak MB':>8s}")
         for overrides in memory_rows:

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--datasets", nargs="+", help="default: the bench config's (rmnist cifar10)")
     bench_cmd.add_argument("--methods", nargs="+", help="default: every method")
     bench_cmd.add_argument("--no-memory", action="store_true", help="skip the 100/1,000/10,000-client memory rows")
+    bench_cmd.add_argument("--profile", action="store_true", help="also list each row's most expensive operators (torch.profiler)")
     bench_cmd.add_argument("--out", default="results/bench.json")
     bench_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda")
     args = parser.parse_args(argv)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
             from fedmeta import bench
 
-            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out))
+            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), profile=args.profile)
             return 0
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])

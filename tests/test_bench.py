@@ -35,7 +35,7 @@ def small_bench(tmp_path, monkeypatch, mnist_dir):
 
 def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     out = tmp_path / "bench.json"
-    result = bench.run(extra=["personalization.steps=3"], out=out, config=small_bench)
+    result = bench.run(extra=["personalization.steps=3"], out=out, config=small_bench, profile=True)
     assert json.loads(out.read_text()) == result
     assert result["peak_gflops"] > 0 and result["peak_gflops_bf16"] > 0
     assert [(r["method"], r["variant"]) for r in result["rows"]] == [("perfedavg", "paper"), ("cafeme", "authors")]
@@ -45,6 +45,8 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     # A CAFeMe client: 5 inner steps on 30 images + one outer step on 180, through base and modulator
     # (≈ 13–16 GFLOP a client, SPEC §2). FLOPs are counted through the second-order inner loops too.
     assert 50 < result["rows"][1]["gflop_per_round"] < 100
+    profile = result["rows"][1]["profile"]  # the convolutions are where a CAFeMe round's time goes
+    assert len(profile) == bench.PROFILE_TOP and any("convolution" in op["op"] for op in profile[:3])
 
     memory = {(m["method"], m["num_clients"]): m for m in result["memory"]}
     assert memory[("perfedavg", 1000)]["samples_per_client"] == 60
