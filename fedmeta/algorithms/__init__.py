@@ -11,7 +11,7 @@ from fedmeta.algorithms.ifca import IFCA, ClusteredNets
 from fedmeta.algorithms.local import Local
 from fedmeta.algorithms.perfedavg import PerFedAvg
 from fedmeta.errors import FedmetaError
-from fedmeta.models import ModulatedNet, Modulator, build_base_net
+from fedmeta.models import ModulatedNet, Modulator, build_base_net, set_channels_last
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     "cafeme": CAFeMe, "fedavg": FedAvg, "ifca": IFCA, "ditto": Ditto, "fedrep": FedRep, "perfedavg": PerFedAvg,
@@ -32,7 +32,9 @@ def build_model(cfg, num_classes: int):
                           after_mean=cfg.model.modulator.after_mean,
                           layer_sizes=base.hidden_sizes(include_flatten=cfg.method.modulate_flatten),
                           modulation=cfg.method.modulation, use_labels=cfg.method.context == "labelled")
-    return ModulatedNet(base, modulator, modulate_flatten=cfg.method.modulate_flatten)
+    model = ModulatedNet(base, modulator, modulate_flatten=cfg.method.modulate_flatten)
+    set_channels_last(model, cfg.method.first_order)
+    return model
 
 
 def build_algorithm(cfg, num_classes: int) -> Algorithm:

@@ -34,17 +34,27 @@ class ConvFeatures(nn.Module):
         super().__init__()
         channels = [in_channels, *conv_channels]
         self.blocks = nn.ModuleList(conv_block(a, b, kernel_size, padding) for a, b in zip(channels, channels[1:]))
+        self.channels_last = True
         with torch.no_grad():
             self.flat_dim = self(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
 
     def forward(self, x: torch.Tensor, after_block: Callable | None = None) -> torch.Tensor:
-        # NHWC: oneDNN's convolutions, batch norm and pooling are markedly faster in it on CPU (README, Performance)
-        x = x.contiguous(memory_format=torch.channels_last)
+        if self.channels_last:  # NHWC: oneDNN's convolutions and pooling are markedly faster in it on CPU
+            x = x.contiguous(memory_format=torch.channels_last)
         for i, block in enumerate(self.blocks):
             x = block(x)
             if after_block is not None:
                 x = after_block(i, x)
         return x.flatten(1)
+
+
+def set_channels_last(model: nn.Module, enabled: bool) -> None:
+    """NHWC or NCHW activations in every conv stack of ``model``. Second-order MAML differentiates
+    BatchNorm's backward, and PyTorch's double backward of batch norm is 2–4× slower on NHWC
+    (README, Performance), so a second-order CAFeMe keeps NCHW."""
+    for module in model.modules():
+        if isinstance(module, ConvFeatures):
+            module.channels_last = enabled
 
 
 class ConvNet(nn.Module):
