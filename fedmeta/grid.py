@@ -49,8 +49,9 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
     for name, setting in settings.items():
         dataset = _dataset(setting)
         rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
+        evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
         common = [*setting.overrides, f"federation.rounds={rounds}",
-                  f"federation.eval_every={math.ceil(rounds / preset.evaluations)}",
+                  f"federation.eval_every={math.ceil(rounds / evaluations)}",
                   f"output.root={root}", f"output.setting={name}", *preset.overrides, *extra]
         for seed in seeds if seeds is not None else preset.seeds:
             for method in methods or preset.methods:
