@@ -6,12 +6,12 @@ BIN    := $(VENV)/bin
 DATASET ?= rmnist
 METHOD  ?= cafeme
 SEED    ?= 0
-# make download NAME=<data set> fetches one (fedmeta data download). Optional for train: PARTITION, VARIANT, ROUNDS, DEVICES, ACCELERATOR, STRATEGY, PRECISION, and ARGS="key=value ..."
+# make download NAME=<data set> fetches one (fedmeta data download). Optional for train: PARTITION, VARIANT, ROUNDS, DEVICES, ACCELERATOR, STRATEGY, PRECISION, RESUME=1, and ARGS="key=value ..."
 TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) seed=$(SEED) \
 	$(if $(PARTITION),partition=$(PARTITION)) $(if $(VARIANT),variant=$(VARIANT)) \
 	$(if $(ROUNDS),federation.rounds=$(ROUNDS)) $(if $(DEVICES),fabric.devices=$(DEVICES)) \
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
-	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(ARGS)
+	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(if $(RESUME),output.resume=true) $(ARGS)
 
 .PHONY: install train test config describe download table figures bench clean-env
 

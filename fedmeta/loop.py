@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +23,13 @@ from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from fedmeta import checkpoint
 from fedmeta.algorithms import Algorithm, build_algorithm
 from fedmeta.config import compose, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
-from fedmeta.evaluation import ClientMap, evaluate_new_clients, sequential
+from fedmeta.evaluation import ClientMap, PersonalizationResult, evaluate_new_clients, sequential
 from fedmeta.runs import RunRecorder
 
 
@@ -129,26 +131,49 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
 
 
 def train(cfg: DictConfig, show_progress: bool = True) -> dict:
-    """Run one experiment end to end and return its summary (also written to summary.json)."""
+    """Run one experiment end to end and return its summary (also written to summary.json).
+    With ``output.resume=true`` an unfinished run continues from its last checkpoint."""
     started = time.perf_counter()
     run_dir = Path(cfg.output.root) / run_name(cfg)
     fabric, federation, algorithm = setup(cfg)
     fed = cfg.federation
-    recorder = RunRecorder(run_dir, cfg, fabric.is_global_zero)
+    checkpoint_path = run_dir / "checkpoint.ckpt"
+    state = None
+    if cfg.output.resume and not (run_dir / "summary.json").exists():
+        if checkpoint_path.exists():
+            state = checkpoint.load(fabric, checkpoint_path, algorithm, cfg)
+        elif fabric.is_global_zero:
+            print(f"fedmeta: no checkpoint in {run_dir}: starting at round 1", file=sys.stderr)
+    history = state["history"] if state else {}
+    recorder = RunRecorder(run_dir, cfg, fabric.is_global_zero, history or None)
 
     def all_reduce(tree):
         return fabric.all_reduce(tree, reduce_op="sum") if fabric.world_size > 1 else tree
 
     shard = (fabric.global_rank, fabric.world_size)
     map_clients = client_map(fed.client_threads, fabric.autocast)
-    round_seconds, result = [], None
-    bar = tqdm(range(1, fed.rounds + 1), desc=f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}",
-               disable=not (show_progress and fabric.is_global_zero), unit="round")
+    round_seconds = list(history.get("round_seconds", []))
+    result = PersonalizationResult(history["last_curves"]) if history.get("last_curves") is not None else None
+    first_round, saved_round = (state["round"] + 1, state["round"]) if state else (1, None)
+
+    def save_checkpoint(round_: int) -> None:
+        checkpoint.save(fabric, checkpoint_path, algorithm, cfg, round_, {
+            "metrics": recorder.rows, "curves": recorder.curves, "round_seconds": round_seconds,
+            "last_curves": None if result is None else result.curves, "wandb_id": recorder.wandb_id,
+            "seconds": history.get("seconds", 0.0) + time.perf_counter() - started})
+
+    bar = tqdm(range(first_round, fed.rounds + 1), desc=f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}",
+               disable=not (show_progress and fabric.is_global_zero), unit="round", initial=first_round - 1, total=fed.rounds)
     for round_ in bar:
         tick = time.perf_counter()
-        with fabric.autocast():
-            loss = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, all_reduce,
-                                   map_clients)
+        try:
+            with fabric.autocast():
+                loss = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, all_reduce,
+                                       map_clients)
+        except FedmetaError as exc:  # divergence: the last good checkpoint stays as it is
+            kept = (f"the last good checkpoint (round {saved_round}) is kept in {checkpoint_path}: lower the learning "
+                    "rates and resume with output.resume=true") if saved_round else "no checkpoint was written yet"
+            raise FedmetaError(f"{exc}; {kept}") from None
         round_seconds.append(time.perf_counter() - tick)
 
         row = {"round": round_, "train_loss": loss, "round_seconds": round_seconds[-1],
@@ -161,15 +186,16 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
             recorder.log_curve(round_, result.curve)
         recorder.log_round(row)
         bar.set_postfix(loss=f"{loss:.3f}", acc="-" if result is None else f"{result.accuracy:.3f}")
+        if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
+            save_checkpoint(round_)
+            saved_round = round_
 
-    fabric.save(run_dir / "checkpoint.ckpt", {"federation": algorithm.federation_state(), "round": fed.rounds,
-                                              "method": cfg.method.name, "dataset": cfg.dataset.name})
     summary = {
         "setting": setting_name(cfg), "dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
         "variant": cfg.variant, "seed": cfg.seed,
         "accuracy": result.accuracy, "accuracy_std": result.accuracy_std, "curve": result.curve,
-        "rounds": fed.rounds, "seconds": time.perf_counter() - started,
-        "seconds_per_round": statistics.median(round_seconds),
+        "rounds": fed.rounds, "seconds": history.get("seconds", 0.0) + time.perf_counter() - started,
+        "seconds_per_round": statistics.median(round_seconds), "resumed_at_round": state["round"] if state else None,
         "new_clients": len(federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
         "hardware": hardware_name(fabric.device),
     }

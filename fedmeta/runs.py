@@ -24,39 +24,53 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def wandb_logger(cfg: DictConfig, run_dir: Path, name: str):
-    """Lightning's WandbLogger, offline unless asked otherwise ($WANDB_MODE wins); None if disabled."""
+def wandb_logger(cfg: DictConfig, run_dir: Path, name: str, run_id: str | None = None):
+    """Lightning's WandbLogger, offline unless asked otherwise ($WANDB_MODE wins); None if disabled.
+    A resumed run continues the W&B run ``run_id``."""
     mode = os.environ.get("WANDB_MODE", cfg.wandb.mode)
     if mode == "disabled":
         return None
     from lightning.pytorch.loggers import WandbLogger
 
     os.environ.setdefault("WANDB_SILENT", "true")
+    resume = {"id": run_id, "resume": "allow"} if run_id else {}
     return WandbLogger(project=cfg.wandb.project, name=name, group=setting_name(cfg),
-                       save_dir=str(run_dir), offline=mode == "offline", config=OmegaConf.to_container(cfg))
+                       save_dir=str(run_dir), offline=mode == "offline", config=OmegaConf.to_container(cfg), **resume)
 
 
 class RunRecorder:
-    """Writes the run folder and the W&B run, on the main process only."""
+    """Writes the run folder and the W&B run, on the main process only. ``history`` (from a
+    checkpoint) continues a run: its rows so far are written back and new ones follow."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, main_process: bool):
+    def __init__(self, run_dir: Path, cfg: DictConfig, main_process: bool, history: dict | None = None):
         self.dir = run_dir
         self.main = main_process
         if (run_dir / "summary.json").exists() and not cfg.output.overwrite:
             raise FedmetaError(f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it")
+        self.rows: list[dict] = list(history["metrics"]) if history else []
+        self.curves: list[list] = list(history["curves"]) if history else []
         self.logger = None
         if self.main:
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # an unfinished earlier attempt: nothing in it is a result
-            run_dir.mkdir(parents=True)
+            if run_dir.exists() and history is None:
+                shutil.rmtree(run_dir)  # an unfinished earlier attempt not resumed: nothing in it is a result
+            run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
             with open(run_dir / "metrics.csv", "w", newline="") as f:
-                csv.writer(f).writerow(METRIC_FIELDS)
+                writer = csv.DictWriter(f, METRIC_FIELDS)
+                writer.writeheader()
+                writer.writerows(self.rows)
             with open(run_dir / "curves.csv", "w", newline="") as f:
-                csv.writer(f).writerow(["round", "step", "accuracy"])
-            self.logger = wandb_logger(cfg, run_dir, f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}")
+                csv.writer(f).writerows([["round", "step", "accuracy"],
+                                         *([r, step, acc] for r, curve in self.curves for step, acc in enumerate(curve))])
+            self.logger = wandb_logger(cfg, run_dir, f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}",
+                                       history.get("wandb_id") if history else None)
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.logger.experiment.id if self.logger else None
 
     def log_round(self, row: dict) -> None:
+        self.rows.append(row)
         if not self.main:
             return
         with open(self.dir / "metrics.csv", "a", newline="") as f:
@@ -65,6 +79,7 @@ class RunRecorder:
             self.logger.log_metrics({k: v for k, v in row.items() if k != "round" and v != ""}, step=row["round"])
 
     def log_curve(self, round_: int, curve: list[float]) -> None:
+        self.curves.append([round_, curve])
         if not self.main:
             return
         with open(self.dir / "curves.csv", "a", newline="") as f:
