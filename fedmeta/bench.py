@@ -126,8 +126,8 @@ def measure_memory(overrides: list[str], rounds: int) -> dict:
     for r in range(1, rounds + 1):
         federated_round(algorithm, federation, r, cfg.federation.clients_per_round, cfg.seed)
     evaluate_new_clients(algorithm, federation.new_clients[:2], cfg.personalization, federation.num_classes)
-    states = getattr(algorithm, "client_optimizer_states", {})
-    state_bytes = sum(t.nbytes for moments in states.values() for m in moments.values() for t in m.values())
+    states = algorithm.client_states
+    state_bytes = sum(_nbytes(state) for state in states.values())
     return {"dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
             "variant": cfg.variant, "num_clients": cfg.federation.num_clients,
             "samples_per_client": len(federation.x) // cfg.federation.num_clients,
@@ -136,6 +136,12 @@ def measure_memory(overrides: list[str], rounds: int) -> dict:
             "clients_with_state": len(states),
             "state_mb_per_client": state_bytes / len(states) / 2**20 if states else 0.0,
             "peak_rss_mb": peak_rss_mb()}
+
+
+def _nbytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
+    return sum(_nbytes(v) for v in tree.values()) if isinstance(tree, dict) else 0
 
 
 def run_isolated(fn, *args):

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         from fedmeta.loop import train
 
         summary = train(cfg)
+        if summary is None:  # another process of a multi-process run: the main one reports
+            return 0
     except FedmetaError as exc:
         print(f"fedmeta: error: {exc}", file=sys.stderr)
         return 2

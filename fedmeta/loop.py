@@ -1,8 +1,8 @@
 """The federated loop, run by Lightning Fabric: config → data → clients → rounds → metrics → runs/.
 
 Each round samples M training clients; rank r of the Fabric world runs clients r, r+W, …; the
-server aggregate is an all-reduce of the weighted client results, so any number of processes
-computes the same global model. Every ``eval_every`` rounds and at the end, the new clients run
+clients' updates are all-gathered and every rank aggregates all of them in the round's order, so
+any number of processes computes the same global model, bit for bit. Every ``eval_every`` rounds and at the end, the new clients run
 the shared personalization procedure (fedmeta.evaluation).
 """
 
@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from fedmeta import checkpoint
-from fedmeta.algorithms import Algorithm, build_algorithm
+from fedmeta.algorithms import Algorithm, ClientUpdate, build_algorithm
 from fedmeta.config import compose, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.sources import data_dir
@@ -61,18 +61,57 @@ def client_map(threads: int, context: Callable = nullcontext) -> ClientMap:
     return lambda fn, clients: list(pool.map(in_context(fn), clients))
 
 
+def gather_updates(fabric: Fabric) -> Callable[[list[ClientUpdate]], list[ClientUpdate]]:
+    """Every rank's client updates to every rank, in the round's client order (rank r ran clients
+    r, r+W, …). Aggregating the same list in the same order makes every rank — and one process
+    alone — compute bit-identical global models, and carries per-client state to whichever rank
+    runs that client next."""
+    world = fabric.world_size
+    if world == 1:
+        return lambda updates: updates
+    import torch.distributed as dist
+
+    def gather(updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, [u.to("cpu") for u in updates])  # pickled: tensors travel via CPU
+        total = sum(len(part) for part in everyone)
+        return [everyone[i % world][i // world].to(fabric.device) for i in range(total)]
+
+    return gather
+
+
 def federated_round(algorithm: Algorithm, federation: Federation, round_: int, clients_per_round: int, seed: int,
-                    shard: tuple[int, int] = (0, 1), all_reduce=lambda tree: tree, map_clients: ClientMap = sequential) -> float:
-    """One round: sample M clients, run this rank's share of them, aggregate; returns the mean loss."""
+                    shard: tuple[int, int] = (0, 1), gather=lambda updates: updates,
+                    map_clients: ClientMap = sequential) -> float:
+    """One round: sample M clients, run this rank's share of them, gather every client's update
+    on every rank, aggregate; returns the clients' mean training loss."""
     rank, world_size = shard
     clients = federation.sample_round(round_, clients_per_round, seed)
-    updates = map_clients(lambda c: algorithm.local_update(c, round_), clients[rank::world_size])
+    updates = gather(map_clients(lambda c: algorithm.local_update(c, round_), clients[rank::world_size]))
     for update in updates:
         if not update.is_finite():
             raise FedmetaError(f"round {round_}: client {update.client_id} produced a non-finite loss or update "
                                f"(loss {update.loss}): lower the learning rates or use fabric.precision=32-true")
-    algorithm.aggregate(updates, all_reduce)
-    return all_reduce(torch.tensor(float(sum(u.loss for u in updates)), device=algorithm.device)).item() / len(clients)
+    algorithm.aggregate(updates)
+    return sum(u.loss for u in updates) / len(updates)
+
+
+def evaluate_on_ranks(fabric: Fabric, algorithm: Algorithm, federation: Federation, personalization: DictConfig,
+                      map_clients: ClientMap = sequential) -> PersonalizationResult:
+    """The shared test-time procedure on the new clients, spread over the Fabric world like a
+    round (rank r takes clients r, r+W, …); the curves are gathered back in client order."""
+    world, rank, clients = fabric.world_size, fabric.global_rank, federation.new_clients
+    mine = clients[rank::world]
+    curves = (evaluate_new_clients(algorithm, mine, personalization, federation.num_classes, map_clients).curves
+              if mine else torch.empty(0, personalization.steps + 1))
+    if world == 1:
+        return PersonalizationResult(curves)
+    slots = -(-len(clients) // world)
+    padded = torch.full((slots, curves.shape[1]), float("nan"))
+    padded[:len(curves)] = curves
+    gathered = fabric.all_gather(padded.to(fabric.device)).cpu()  # (world, slots, steps + 1)
+    # client i sits at rank i % W, slot i // W: interleave; the padding lands past the last client
+    return PersonalizationResult(gathered.transpose(0, 1).reshape(-1, curves.shape[1])[:len(clients)])
 
 
 def hardware_name(device: torch.device) -> str:
@@ -120,8 +159,7 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
     except Exception as exc:
         raise FedmetaError(f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
                            f"({type(exc).__name__}): it is corrupt or from another run") from None
-    result = evaluate_new_clients(algorithm, federation.new_clients, cfg.personalization, federation.num_classes,
-                                  client_map(cfg.federation.client_threads))
+    result = evaluate_on_ranks(fabric, algorithm, federation, cfg.personalization, client_map(cfg.federation.client_threads))
     record = {"personalization": OmegaConf.to_container(cfg.personalization), "accuracy": result.accuracy,
               "accuracy_std": result.accuracy_std, "curve": result.curve}
     if fabric.is_global_zero:
@@ -130,8 +168,9 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
     return record
 
 
-def train(cfg: DictConfig, show_progress: bool = True) -> dict:
-    """Run one experiment end to end and return its summary (also written to summary.json).
+def train(cfg: DictConfig, show_progress: bool = True) -> dict | None:
+    """Run one experiment end to end and return its summary (also written to summary.json; None
+    on the other processes of a multi-process run).
     With ``output.resume=true`` an unfinished run continues from its last checkpoint."""
     started = time.perf_counter()
     run_dir = Path(cfg.output.root) / run_name(cfg)
@@ -147,10 +186,7 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
     history = state["history"] if state else {}
     recorder = RunRecorder(run_dir, cfg, fabric.is_global_zero, history or None)
 
-    def all_reduce(tree):
-        return fabric.all_reduce(tree, reduce_op="sum") if fabric.world_size > 1 else tree
-
-    shard = (fabric.global_rank, fabric.world_size)
+    shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
     map_clients = client_map(fed.client_threads, fabric.autocast)
     round_seconds = list(history.get("round_seconds", []))
     result = PersonalizationResult(history["last_curves"]) if history.get("last_curves") is not None else None
@@ -168,7 +204,7 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
         tick = time.perf_counter()
         try:
             with fabric.autocast():
-                loss = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, all_reduce,
+                loss = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, gather,
                                        map_clients)
         except FedmetaError as exc:  # divergence: the last good checkpoint stays as it is
             kept = (f"the last good checkpoint (round {saved_round}) is kept in {checkpoint_path}: lower the learning "
@@ -180,8 +216,7 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
                "eval_accuracy": "", "eval_accuracy_std": "", "eval_step0_accuracy": ""}
         if round_ % fed.eval_every == 0 or round_ == fed.rounds:
             with fabric.autocast():
-                result = evaluate_new_clients(algorithm, federation.new_clients, cfg.personalization, federation.num_classes,
-                                              map_clients)
+                result = evaluate_on_ranks(fabric, algorithm, federation, cfg.personalization, map_clients)
             row.update(eval_accuracy=result.accuracy, eval_accuracy_std=result.accuracy_std, eval_step0_accuracy=result.curve[0])
             recorder.log_curve(round_, result.curve)
         recorder.log_round(row)
@@ -200,4 +235,4 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict:
         "hardware": hardware_name(fabric.device),
     }
     recorder.finish(summary)
-    return summary
+    return summary if fabric.is_global_zero else None

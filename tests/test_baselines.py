@@ -85,8 +85,8 @@ def test_fedrep_never_averages_heads(two_concepts):
     for name in fedrep.head_names:
         assert torch.equal(before[name], after[name])
     assert all(not torch.equal(before[n], after[n]) for n in fedrep.body_names)
-    assert len(fedrep.client_heads) >= 4
-    kept = next(iter(fedrep.client_heads.values()))
+    assert len(fedrep.client_states) >= 4
+    kept = next(iter(fedrep.client_states.values()))
     assert not torch.equal(kept["head.weight"], after["head.weight"])  # the trained head stayed with its client
 
 

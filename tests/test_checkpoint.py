@@ -58,7 +58,7 @@ def test_killed_run_resumes_to_exactly_the_same_result(tmp_path, mnist_dir):
     ckpt_a, ckpt_b = (torch.load(run_dir(r) / "checkpoint.ckpt", weights_only=True) for r in (straight, killed))
     model_a, model_b = ckpt_a["federation"]["model"], ckpt_b["federation"]["model"]
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
-    states_a, states_b = (c["federation"]["client_optimizer_states"] for c in (ckpt_a, ckpt_b))
+    states_a, states_b = (c["federation"]["client_states"] for c in (ckpt_a, ckpt_b))
     assert states_a.keys() == states_b.keys() and len(states_a) > 5
     losses = [[row["train_loss"] for row in csv.DictReader(open(run_dir(r) / "metrics.csv"))] for r in (straight, killed)]
     assert losses[0] == losses[1] and len(losses[0]) == 6

@@ -130,13 +130,14 @@ def test_authors_client_adam_state_is_kept_compactly_and_resumed(dtype, bytes_pe
     algorithm.cfg.client_optimizer_state, algorithm.cfg.client_state_dtype = True, dtype
     client = tiny_client()
     client.data.x = client.data.x.float()
-    algorithm.local_update(client, 1)
-    state = algorithm.client_optimizer_states[client.id]
+    algorithm.aggregate([algorithm.local_update(client, 1)])  # the server keeps what the client keeps
+    state = algorithm.client_states[client.id]
     numbers = sum(p.numel() for p in algorithm.model.parameters())
     assert all(set(m) == {"step", "exp_avg", "exp_avg_sq"} and int(m["step"]) == 1 for m in state.values())
     assert sum(m["exp_avg"].nbytes + m["exp_avg_sq"].nbytes for m in state.values()) == 2 * numbers * bytes_per_number
 
     before = {k: p.detach().clone() for k, p in algorithm.model.named_parameters()}
     update = algorithm.local_update(client, 2)  # the second visit continues the client's Adam: step 2
-    assert all(int(m["step"]) == 2 for m in algorithm.client_optimizer_states[client.id].values())
+    algorithm.aggregate([update])
+    assert all(int(m["step"]) == 2 for m in algorithm.client_states[client.id].values())
     assert all(torch.isfinite(update.params[k]).all() and not torch.equal(update.params[k], before[k]) for k in before)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning as L
@@ -37,10 +36,20 @@ class ClientUpdate:
     params: Params  # what the client sends to the server, detached: a subset of the global names
     weight: float  # its share in the aggregate
     loss: float  # the training loss it reports
+    state: dict | None = None  # what the client keeps for its next round (FedRep's head, the authors' Adam moments)
+
+    def to(self, device) -> ClientUpdate:
+        return ClientUpdate(self.client_id, _tree_to(self.params, device), self.weight, self.loss, _tree_to(self.state, device))
 
     def is_finite(self) -> bool:
         checks = [torch.isfinite(p).all() for p in self.params.values()]
         return math.isfinite(self.loss) and (not checks or bool(torch.stack(checks).all()))  # one device sync
+
+
+def _tree_to(tree, device):
+    if isinstance(tree, dict):
+        return {key: _tree_to(value, device) for key, value in tree.items()}
+    return tree.to(device) if isinstance(tree, torch.Tensor) else tree
 
 
 def trainable_copy(params: Params) -> Params:
@@ -55,6 +64,8 @@ class Algorithm(L.LightningModule):
         super().__init__()
         self.model = model
         self.cfg = cfg
+        # Per-client state, only for algorithms defined by it: client id → what its last update kept.
+        self.client_states: dict[int, dict] = {}
 
     # ---- the model as a function of its parameters -------------------------------------------
     def global_params(self) -> Params:
@@ -72,19 +83,19 @@ class Algorithm(L.LightningModule):
     def local_update(self, client: Client, round_: int) -> ClientUpdate:
         """Run a sampled client's local work from the current global parameters."""
 
-    def aggregate(self, updates: list[ClientUpdate], all_reduce: Callable = lambda tree: tree) -> None:
+    def aggregate(self, updates: list[ClientUpdate]) -> None:
         """Each global parameter becomes the weighted mean of the clients that sent it (FedAvg);
-        one that no client sent keeps its value. ``all_reduce`` sums across Fabric ranks."""
-        summed, weights = {}, {}
-        for name, p in self.global_params().items():
-            senders = [u for u in updates if name in u.params]
-            summed[name] = sum((u.weight * u.params[name] for u in senders), torch.zeros_like(p))
-            weights[name] = torch.tensor(float(sum(u.weight for u in senders)), device=p.device)
-        summed, weights = all_reduce((summed, weights))
-        with torch.no_grad():  # torch.where, not an `if`: no device sync per parameter
+        one that no client sent keeps its value. ``updates`` are all the round's clients, in the
+        round's order, on every Fabric rank — so every rank computes the same model."""
+        for update in updates:
+            if update.state is not None:
+                self.client_states[update.client_id] = update.state
+        with torch.no_grad():
             for name, p in self.model.named_parameters():
-                w = weights[name]
-                p.copy_(torch.where(w > 0, summed[name] / w.clamp_min(1e-12), p))
+                senders = [u for u in updates if name in u.params]
+                if senders:
+                    total = sum((u.weight * u.params[name] for u in senders), torch.zeros_like(p))
+                    p.copy_(total / sum(u.weight for u in senders))
 
     def local_sgd(self, params: Params, client: Client, generator: torch.Generator, epochs: int, lr: float,
                   momentum: float = 0.0, trainable: list[str] | None = None) -> float:
@@ -120,7 +131,8 @@ class Algorithm(L.LightningModule):
 
     # ---- the whole federation state, for checkpoints ----------------------------------------
     def federation_state(self) -> dict:
-        return {"model": self.model.state_dict()}
+        return {"model": self.model.state_dict(), "client_states": self.client_states}
 
     def load_federation_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
+        self.client_states = dict(state.get("client_states", {}))

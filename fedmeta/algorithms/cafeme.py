@@ -29,8 +29,6 @@ class CAFeMe(Algorithm):
     def __init__(self, model: ModulatedNet, cfg):
         super().__init__(model, cfg)
         self.transductive = cfg.context == "transductive"
-        # Only under client_optimizer_state: Adam moments of the clients seen so far (2× ω each).
-        self.client_optimizer_states: dict[int, dict] = {}
 
     def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
         context_x, context_y = context
@@ -62,25 +60,18 @@ class CAFeMe(Algorithm):
         generator = client.generator(round_)
         omega = trainable_copy(self.global_params())
         optimizer = torch.optim.Adam(omega.values(), lr=self.cfg.outer_lr)
-        if self.cfg.client_optimizer_state and client.id in self.client_optimizer_states:
+        if self.cfg.client_optimizer_state and client.id in self.client_states:
             # load_state_dict casts the moments back to the parameters' dtype
-            optimizer.load_state_dict({"state": self.client_optimizer_states[client.id],
+            optimizer.load_state_dict({"state": self.client_states[client.id],
                                        "param_groups": optimizer.state_dict()["param_groups"]})
 
         outer_loss = self.meta_loss(omega, client, generator)
         outer_loss.backward()
         optimizer.step()
 
-        if self.cfg.client_optimizer_state:
+        kept = None
+        if self.cfg.client_optimizer_state:  # the client's Adam moments, for its next round
             dtype = getattr(torch, self.cfg.client_state_dtype)
-            self.client_optimizer_states[client.id] = {
-                index: {key: value if key == "step" else value.to(dtype) for key, value in moments.items()}
-                for index, moments in optimizer.state_dict()["state"].items()}
-        return ClientUpdate(client.id, {k: p.detach() for k, p in omega.items()}, 1.0, outer_loss.item())
-
-    def federation_state(self) -> dict:
-        return {**super().federation_state(), "client_optimizer_states": self.client_optimizer_states}
-
-    def load_federation_state(self, state: dict) -> None:
-        super().load_federation_state(state)
-        self.client_optimizer_states = dict(state.get("client_optimizer_states", {}))
+            kept = {index: {key: value if key == "step" else value.to(dtype) for key, value in moments.items()}
+                    for index, moments in optimizer.state_dict()["state"].items()}
+        return ClientUpdate(client.id, {k: p.detach() for k, p in omega.items()}, 1.0, outer_loss.item(), state=kept)

@@ -9,7 +9,7 @@ never changes — so it stays at its initialization, as does a new client's at t
 
 from __future__ import annotations
 
-from fedmeta.algorithms.base import Algorithm, ClientUpdate, Params, trainable_copy
+from fedmeta.algorithms.base import Algorithm, ClientUpdate, trainable_copy
 from fedmeta.data.federation import Client
 
 HEAD_PREFIX = "head."
@@ -21,21 +21,13 @@ class FedRep(Algorithm):
         names = [name for name, _ in model.named_parameters()]
         self.head_names = [n for n in names if n.startswith(HEAD_PREFIX)]
         self.body_names = [n for n in names if not n.startswith(HEAD_PREFIX)]
-        self.client_heads: dict[int, Params] = {}
 
     def local_update(self, client: Client, round_: int) -> ClientUpdate:
         generator = client.generator(round_)
-        params = trainable_copy({**self.global_params(), **self.client_heads.get(client.id, {})})
+        params = trainable_copy({**self.global_params(), **self.client_states.get(client.id, {})})
         self.local_sgd(params, client, generator, self.cfg.head_epochs, self.cfg.local_lr, self.cfg.momentum,
                        trainable=self.head_names)
         loss = self.local_sgd(params, client, generator, self.cfg.body_epochs, self.cfg.local_lr, self.cfg.momentum,
                               trainable=self.body_names)
-        self.client_heads[client.id] = {n: params[n].detach().clone() for n in self.head_names}
-        return ClientUpdate(client.id, {n: params[n].detach() for n in self.body_names}, float(client.num_samples), loss)
-
-    def federation_state(self) -> dict:
-        return {**super().federation_state(), "client_heads": self.client_heads}
-
-    def load_federation_state(self, state: dict) -> None:
-        super().load_federation_state(state)
-        self.client_heads = dict(state.get("client_heads", {}))
+        return ClientUpdate(client.id, {n: params[n].detach() for n in self.body_names}, float(client.num_samples), loss,
+                            state={n: params[n].detach().clone() for n in self.head_names})  # the head stays with the client
