@@ -97,6 +97,7 @@ def validate(cfg: DictConfig) -> None:
     _require(fed.rounds >= 1, f"federation.rounds must be ≥ 1, got {fed.rounds}")
     _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
     _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
+    _require(0 <= fed.client_failure_rate < 1, f"federation.client_failure_rate must be in [0, 1), got {fed.client_failure_rate}")
     _require(fed.checkpoint_every >= 0, f"federation.checkpoint_every must be ≥ 0 (0: only at the end), got {fed.checkpoint_every}")
     _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
     _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,

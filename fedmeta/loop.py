@@ -9,6 +9,7 @@ the shared personalization procedure (fedmeta.evaluation).
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,10 +29,13 @@ from fedmeta import checkpoint
 from fedmeta.algorithms import Algorithm, ClientUpdate, build_algorithm
 from fedmeta.config import compose, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
+from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import ClientMap, PersonalizationResult, evaluate_new_clients, sequential
 from fedmeta.runs import RunRecorder
+
+log = logging.getLogger("fedmeta")
 
 
 def make_fabric(cfg: DictConfig) -> Fabric:
@@ -80,20 +85,54 @@ def gather_updates(fabric: Fabric) -> Callable[[list[ClientUpdate]], list[Client
     return gather
 
 
+class SimulatedClientFailure(RuntimeError):
+    """A client dropping out of its round (``federation.client_failure_rate``)."""
+
+
+@dataclass
+class RoundOutcome:
+    loss: float  # mean training loss of the clients that took part
+    dropped: list[str]  # one line per client left out of the aggregate, and why
+
+
 def federated_round(algorithm: Algorithm, federation: Federation, round_: int, clients_per_round: int, seed: int,
                     shard: tuple[int, int] = (0, 1), gather=lambda updates: updates,
-                    map_clients: ClientMap = sequential) -> float:
+                    map_clients: ClientMap = sequential, failure_rate: float = 0.0) -> RoundOutcome:
     """One round: sample M clients, run this rank's share of them, gather every client's update
-    on every rank, aggregate; returns the clients' mean training loss."""
+    on every rank, aggregate those that finished with finite numbers.
+
+    A client that raises or returns a non-finite update is dropped from this round with a reason;
+    if every client fails, the round is not a fault but a divergence (all non-finite) or a bug
+    (all raised), and it stops the run."""
     rank, world_size = shard
     clients = federation.sample_round(round_, clients_per_round, seed)
-    updates = gather(map_clients(lambda c: algorithm.local_update(c, round_), clients[rank::world_size]))
-    for update in updates:
-        if not update.is_finite():
-            raise FedmetaError(f"round {round_}: client {update.client_id} produced a non-finite loss or update "
-                               f"(loss {update.loss}): lower the learning rates or use fabric.precision=32-true")
+
+    def attempt(client: Client) -> ClientUpdate | str:
+        try:
+            if failure_rate and torch.rand((), generator=client.generator(round_, FAILURE_PURPOSE)) < failure_rate:
+                raise SimulatedClientFailure("simulated failure (federation.client_failure_rate)")
+            return algorithm.local_update(client, round_)
+        except (FedmetaError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 — a failing client is dropped, not the run
+            return f"client {client.id} failed: {type(exc).__name__}: {exc}".splitlines()[0]
+
+    results = gather(map_clients(attempt, clients[rank::world_size]))
+    dropped = [r for r in results if isinstance(r, str)]
+    finished = [r for r in results if not isinstance(r, str)]
+    updates = [u for u in finished if u.is_finite()]
+    dropped += [f"client {u.client_id} sent a non-finite loss or update (loss {u.loss})" for u in finished if not u.is_finite()]
+    if not updates:
+        if finished:
+            bad = finished[0]
+            raise FedmetaError(f"round {round_}: client {bad.client_id} produced a non-finite loss or update "
+                               f"(loss {bad.loss}), as did every client of the round: lower the learning rates "
+                               "or use fabric.precision=32-true")
+        if not all("simulated failure" in line for line in dropped):
+            raise FedmetaError(f"round {round_}: every client failed ({dropped[0]}): this is not a fault of one client")
+        return RoundOutcome(float("nan"), dropped)  # all dropped out: the global model stays as it is
     algorithm.aggregate(updates)
-    return sum(u.loss for u in updates) / len(updates)
+    return RoundOutcome(sum(u.loss for u in updates) / len(updates), dropped)
 
 
 def evaluate_on_ranks(fabric: Fabric, algorithm: Algorithm, federation: Federation, personalization: DictConfig,
@@ -204,15 +243,19 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict | None:
         tick = time.perf_counter()
         try:
             with fabric.autocast():
-                loss = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, gather,
-                                       map_clients)
+                outcome = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, gather,
+                                          map_clients, fed.client_failure_rate)
         except FedmetaError as exc:  # divergence: the last good checkpoint stays as it is
             kept = (f"the last good checkpoint (round {saved_round}) is kept in {checkpoint_path}: lower the learning "
                     "rates and resume with output.resume=true") if saved_round else "no checkpoint was written yet"
             raise FedmetaError(f"{exc}; {kept}") from None
         round_seconds.append(time.perf_counter() - tick)
 
-        row = {"round": round_, "train_loss": loss, "round_seconds": round_seconds[-1],
+        if fabric.is_global_zero:
+            for line in outcome.dropped:
+                log.warning(f"round {round_}: {line}; dropped from the aggregate")
+        row = {"round": round_, "train_loss": outcome.loss, "round_seconds": round_seconds[-1],
+               "clients_dropped": len(outcome.dropped),
                "eval_accuracy": "", "eval_accuracy_std": "", "eval_step0_accuracy": ""}
         if round_ % fed.eval_every == 0 or round_ == fed.rounds:
             with fabric.autocast():
@@ -220,7 +263,7 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict | None:
             row.update(eval_accuracy=result.accuracy, eval_accuracy_std=result.accuracy_std, eval_step0_accuracy=result.curve[0])
             recorder.log_curve(round_, result.curve)
         recorder.log_round(row)
-        bar.set_postfix(loss=f"{loss:.3f}", acc="-" if result is None else f"{result.accuracy:.3f}")
+        bar.set_postfix(loss=f"{outcome.loss:.3f}", acc="-" if result is None else f"{result.accuracy:.3f}")
         if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
             save_checkpoint(round_)
             saved_round = round_

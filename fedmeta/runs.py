@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from fedmeta.config import setting_name
 from fedmeta.errors import FedmetaError
 
-METRIC_FIELDS = ["round", "train_loss", "round_seconds", "eval_accuracy", "eval_accuracy_std", "eval_step0_accuracy"]
+METRIC_FIELDS = ["round", "train_loss", "round_seconds", "clients_dropped", "eval_accuracy", "eval_accuracy_std",
+                 "eval_step0_accuracy"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -15,7 +15,7 @@ from fedmeta.data.datasets import ImageDataset
 from fedmeta.data.partition import partition
 from fedmeta.errors import FedmetaError
 
-TRAIN_PURPOSE, PERSONALIZE_PURPOSE = 0, 1
+TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE = 0, 1, 2
 
 
 @dataclass
