@@ -89,12 +89,11 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
     def timed(fn) -> float:
         synchronize()
         tick = time.perf_counter()
-        with fabric.autocast():
-            fn()
+        fn()
         synchronize()
         return time.perf_counter() - tick
 
-    map_clients = client_map(fed.client_threads, fabric.autocast)
+    map_clients = client_map(fed.client_threads)
 
     def round_(r: int, run_clients=map_clients) -> None:
         federated_round(algorithm, federation, r, fed.clients_per_round, cfg.seed, map_clients=run_clients)

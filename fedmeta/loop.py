@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def make_fabric(cfg: DictConfig) -> Fabric:
     return fabric
 
 
-def client_map(threads: int, context: Callable = nullcontext) -> ClientMap:
+def client_map(threads: int) -> ClientMap:
     """How the clients of a round (and the new clients at evaluation) run: one after another, or
     ``threads`` at a time, each on one intra-op thread — a client's small ops use CPU cores better
     side by side than split across them. A client's result does not depend on the thread that ran it."""
@@ -56,14 +55,7 @@ def client_map(threads: int, context: Callable = nullcontext) -> ClientMap:
         return sequential
     torch.set_num_threads(1)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="client")
-
-    def in_context(fn):
-        def run(client):
-            with context():  # autocast (bf16-mixed) is per thread
-                return fn(client)
-        return run
-
-    return lambda fn, clients: list(pool.map(in_context(fn), clients))
+    return lambda fn, clients: list(pool.map(fn, clients))
 
 
 def gather_updates(fabric: Fabric) -> Callable[[list[ClientUpdate]], list[ClientUpdate]]:
@@ -172,7 +164,9 @@ def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:
     fed = cfg.federation
     federation = build_federation(dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients,
                                   fed.held_out_fraction, cfg.seed, device=fabric.device)
-    return fabric, federation, fabric.to_device(build_algorithm(cfg, federation.num_classes))
+    algorithm = fabric.to_device(build_algorithm(cfg, federation.num_classes))
+    algorithm.autocast = fabric.autocast  # entered per forward pass (Algorithm.run_model)
+    return fabric, federation, algorithm
 
 
 def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
@@ -226,7 +220,7 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict | None:
     recorder = RunRecorder(run_dir, cfg, fabric.is_global_zero, history or None)
 
     shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
-    map_clients = client_map(fed.client_threads, fabric.autocast)
+    map_clients = client_map(fed.client_threads)
     round_seconds = list(history.get("round_seconds", []))
     result = PersonalizationResult(history["last_curves"]) if history.get("last_curves") is not None else None
     first_round, saved_round = (state["round"] + 1, state["round"]) if state else (1, None)
@@ -242,9 +236,8 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict | None:
     for round_ in bar:
         tick = time.perf_counter()
         try:
-            with fabric.autocast():
-                outcome = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, gather,
-                                          map_clients, fed.client_failure_rate)
+            outcome = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, gather,
+                                      map_clients, fed.client_failure_rate)
         except FedmetaError as exc:  # divergence: the last good checkpoint stays as it is
             kept = (f"the last good checkpoint (round {saved_round}) is kept in {checkpoint_path}: lower the learning "
                     "rates and resume with output.resume=true") if saved_round else "no checkpoint was written yet"
@@ -258,8 +251,7 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict | None:
                "clients_dropped": len(outcome.dropped),
                "eval_accuracy": "", "eval_accuracy_std": "", "eval_step0_accuracy": ""}
         if round_ % fed.eval_every == 0 or round_ == fed.rounds:
-            with fabric.autocast():
-                result = evaluate_on_ranks(fabric, algorithm, federation, cfg.personalization, map_clients)
+            result = evaluate_on_ranks(fabric, algorithm, federation, cfg.personalization, map_clients)
             row.update(eval_accuracy=result.accuracy, eval_accuracy_std=result.accuracy_std, eval_step0_accuracy=result.curve[0])
             recorder.log_curve(round_, result.curve)
         recorder.log_round(row)

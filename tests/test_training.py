@@ -102,3 +102,16 @@ def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, metho
     (model_1, curves_1), (model_2, curves_2) = outcomes
     assert all(torch.equal(model_1[k], model_2[k]) for k in model_1)
     assert torch.equal(curves_1, curves_2)
+
+
+def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
+    """Under fabric.precision=bf16-mixed, in-place fine-tuning steps must reach the next forward
+    pass (autocast caches low-precision weight copies until it exits: it is entered per forward)."""
+    from fedmeta.evaluation import personalize_client
+    from fedmeta.loop import setup
+
+    cfg = config(tmp_path, mnist_dir, "method=fedavg_ft", "fabric.precision=bf16-mixed", "personalization.lr=0.05",
+                 "personalization.steps=20")
+    _, federation, algorithm = setup(cfg)
+    _, curve = personalize_client(algorithm, federation.new_clients[0], cfg.personalization, federation.num_classes)
+    assert curve[-1] > curve[0] + 0.3

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import lightning as L
@@ -66,13 +67,23 @@ class Algorithm(L.LightningModule):
         self.cfg = cfg
         # Per-client state, only for algorithms defined by it: client id → what its last update kept.
         self.client_states: dict[int, dict] = {}
+        self.autocast = nullcontext  # Fabric's autocast under bf16-mixed / 16-mixed (loop.setup)
 
     # ---- the model as a function of its parameters -------------------------------------------
     def global_params(self) -> Params:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
+    def run_model(self, module: nn.Module, params: Params, *inputs) -> torch.Tensor:
+        """``module`` as a function of ``params``, under the run's precision; logits in float32.
+        Autocast is entered per forward pass, not around a whole round: it caches the low-precision
+        copies of leaf parameters until it exits, so in-place optimizer steps inside one long
+        autocast region would go unseen by later forward passes."""
+        with self.autocast():
+            logits = call(module, params, *inputs)
+        return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+
     def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
-        return call(self.model, params, x)
+        return self.run_model(self.model, params, x)
 
     def loss(self, params: Params, batch: Batch, context: Context = None) -> torch.Tensor:
         x, y = batch

@@ -19,7 +19,7 @@ import torch
 
 from fedmeta.algorithms.base import Algorithm, Batch, ClientUpdate, Context, Params, trainable_copy
 from fedmeta.data.federation import Client
-from fedmeta.functional import call, sgd_step
+from fedmeta.functional import sgd_step
 from fedmeta.models import ModulatedNet
 
 
@@ -32,7 +32,7 @@ class CAFeMe(Algorithm):
 
     def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
         context_x, context_y = context
-        return call(self.model, params, x, context_x, context_y)
+        return self.run_model(self.model, params, x, context_x, context_y)
 
     def adaptation_context(self, batch: Batch) -> Context:
         x, y = batch

@@ -16,7 +16,6 @@ from torch import nn
 
 from fedmeta.algorithms.base import Algorithm, ClientUpdate, Context, Params, trainable_copy
 from fedmeta.data.federation import Client
-from fedmeta.functional import call
 
 HEAD_PREFIX = "head."
 
@@ -41,7 +40,7 @@ class IFCA(Algorithm):
         return {n[len(prefix):]: p for n, p in self.global_params().items() if n.startswith(prefix)}
 
     def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
-        return call(self.model.nets[0], params, x)  # params: one cluster's network
+        return self.run_model(self.model.nets[0], params, x)  # params: one cluster's network
 
     def choose_cluster(self, client: Client, split: str) -> int:
         x, y = client.data.take(client.indices(split))
