@@ -40,7 +40,8 @@ log = logging.getLogger("fedmeta")
 def make_fabric(cfg: DictConfig) -> Fabric:
     f = cfg.fabric
     try:
-        fabric = Fabric(accelerator=f.accelerator, devices=f.devices, strategy=f.strategy, precision=f.precision)
+        fabric = Fabric(accelerator=f.accelerator, devices=f.devices, num_nodes=f.num_nodes, strategy=f.strategy,
+                        precision=f.precision)
     except (ValueError, RuntimeError, TypeError) as exc:
         raise FedmetaError(f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision") from None
     fabric.launch()

@@ -24,6 +24,20 @@ BAD = [
     (["method=fedavg", "variant=authors"], "method 'fedavg' has no variant 'authors'"),
     (["variant=weird"], "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors']"),
     (["seed"], "overrides must be key=value"),
+    (["federation.eval_every=0"], "federation.eval_every must be ≥ 1"),
+    (["federation.held_out_fraction=1.5"], "held_out_fraction must be in (0, 1)"),
+    (["federation.client_threads=0"], "federation.client_threads must be ≥ 1"),
+    (["federation.checkpoint_every=-1"], "federation.checkpoint_every must be ≥ 0"),
+    (["federation.client_failure_rate=1.0"], "federation.client_failure_rate must be in [0, 1)"),
+    (["method.inner_lr=0"], "method.inner_lr must be > 0"),
+    (["personalization.lr=-1"], "personalization needs steps ≥ 0, lr > 0"),
+    (["method.context=oracle"], "method.context must be labelled or transductive"),
+    (["method.client_state_dtype=int8"], "method.client_state_dtype must be float32 or bfloat16"),
+    (["wandb.mode=sometimes"], "wandb.mode must be offline, online or disabled"),
+    (["partition.shards_per_client=1000"], "cannot be cut"),
+    (["partition=iid", "federation.num_clients=20000"], "too few for personalization and held-out splits"),
+    (["fabric.strategy=telepathy"], "fabric settings rejected"),
+    (["fabric.devices=0"], "fabric settings rejected"),
 ]
 
 
@@ -35,6 +49,13 @@ def test_bad_input_is_one_line(overrides, message, capsys, tmp_path):
     assert message in err
     assert err.count("\n") == 1 and err.startswith("fedmeta: error: ")
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_gpu_asked_on_a_machine_without_one(capsys, tmp_path):
+    assert main(["train", "fabric.accelerator=cuda", f"output.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fabric settings rejected" in err and not any(tmp_path.iterdir())
 
 
 def test_missing_data_file_names_the_file(capsys, tmp_path, monkeypatch):
