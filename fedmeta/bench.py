@@ -185,7 +185,7 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
               "rows": [], "memory": []}
     print(f"{result['machine']}: fp32 matmul peak {result['peak_gflops']:.0f} GFLOP/s, "
           f"bf16 {result['peak_gflops_bf16']:.0f} GFLOP/s")
-    print(f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'s/round':>8s} {'GFLOP':>7s} "
+    print(f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'s/round':>8s} {'GFLOP':>7s} "
           f"{'GFLOP/s':>8s} {'% peak':>6s} {'pers s/cl':>9s} {'peak MB':>8s}")
     for overrides in rows:
         try:
@@ -197,7 +197,7 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
             continue
         result["rows"].append(row)
         print(f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
-              f"{row['seconds_per_round']:8.3f} {row['gflop_per_round']:7.1f} {row['gflops']:8.1f} "
+              f"{row['client_threads']:6d} {row['seconds_per_round']:8.3f} {row['gflop_per_round']:7.1f} {row['gflops']:8.1f} "
               f"{100 * row['gflops'] / result['peak_gflops']:6.1f} {row['personalize_seconds_per_client']:9.2f} "
               f"{row['peak_rss_mb']:8.0f}", flush=True)
         for op in row.get("profile", []):
