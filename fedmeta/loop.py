@@ -2,8 +2,8 @@
 
 Each round samples M training clients; rank r of the Fabric world runs clients r, r+W, …; the
 clients' updates are all-gathered and every rank aggregates all of them in the round's order, so
-any number of processes computes the same global model, bit for bit. Every ``eval_every`` rounds and at the end, the new clients run
-the shared personalization procedure (fedmeta.evaluation).
+any number of processes computes the same global model, bit for bit. Every ``eval_every`` rounds
+and at the end, the new clients run the shared personalization procedure (fedmeta.evaluation).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def client_map(threads: int) -> ClientMap:
     return lambda fn, clients: list(pool.map(fn, clients))
 
 
-def gather_updates(fabric: Fabric) -> Callable[[list[ClientUpdate]], list[ClientUpdate]]:
-    """Every rank's client updates to every rank, in the round's client order (rank r ran clients
+def gather_updates(fabric: Fabric) -> Callable[[list], list]:
+    """Every rank's client results (updates, or a failed client's reason) to every rank, in the round's client order (rank r ran clients
     r, r+W, …). Aggregating the same list in the same order makes every rank — and one process
     alone — compute bit-identical global models, and carries per-client state to whichever rank
     runs that client next."""
@@ -69,11 +69,14 @@ def gather_updates(fabric: Fabric) -> Callable[[list[ClientUpdate]], list[Client
         return lambda updates: updates
     import torch.distributed as dist
 
-    def gather(updates: list[ClientUpdate]) -> list[ClientUpdate]:
+    def move(result, device):  # a failed client's result is its reason, a string
+        return result if isinstance(result, str) else result.to(device)
+
+    def gather(results: list) -> list:
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, [u.to("cpu") for u in updates])  # pickled: tensors travel via CPU
+        dist.all_gather_object(everyone, [move(r, "cpu") for r in results])  # pickled: tensors travel via CPU
         total = sum(len(part) for part in everyone)
-        return [everyone[i % world][i // world].to(fabric.device) for i in range(total)]
+        return [move(everyone[i % world][i // world], fabric.device) for i in range(total)]
 
     return gather
 
@@ -113,8 +116,10 @@ def federated_round(algorithm: Algorithm, federation: Federation, round_: int, c
     results = gather(map_clients(attempt, clients[rank::world_size]))
     dropped = [r for r in results if isinstance(r, str)]
     finished = [r for r in results if not isinstance(r, str)]
-    updates = [u for u in finished if u.is_finite()]
-    dropped += [f"client {u.client_id} sent a non-finite loss or update (loss {u.loss})" for u in finished if not u.is_finite()]
+    finite = [u.is_finite() for u in finished]  # one device sync per client
+    updates = [u for u, ok in zip(finished, finite) if ok]
+    dropped += [f"client {u.client_id} sent a non-finite loss or update (loss {u.loss})"
+                for u, ok in zip(finished, finite) if not ok]
     if not updates:
         if finished:
             bad = finished[0]
