@@ -6,8 +6,13 @@ BIN    := $(VENV)/bin
 DATASET ?= rmnist
 METHOD  ?= cafeme
 SEED    ?= 0
-# make download NAME=<data set> fetches one (fedmeta data download). Optional for train: PARTITION, VARIANT, ROUNDS, DEVICES, ACCELERATOR, STRATEGY, PRECISION, RESUME=1, and ARGS="key=value ..."
-TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) seed=$(SEED) \
+# make download NAME=<data set> fetches one (fedmeta data download). Optional for train: PARTITION, VARIANT, ROUNDS, DEVICES, ACCELERATOR, STRATEGY, PRECISION, RESUME=1,
+# VECTORIZE=1 (a round's clients as one vmapped computation), SEEDS="0 1 2" (stacked seeds in one process), and ARGS="key=value ..."
+comma := ,
+empty :=
+space := $(empty) $(empty)
+TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) $(if $(SEEDS),seeds=[$(subst $(space),$(comma),$(strip $(SEEDS)))],seed=$(SEED)) \
+	$(if $(VECTORIZE),federation.vectorize=true) \
 	$(if $(PARTITION),partition=$(PARTITION)) $(if $(VARIANT),variant=$(VARIANT)) \
 	$(if $(ROUNDS),federation.rounds=$(ROUNDS)) $(if $(DEVICES),fabric.devices=$(DEVICES)) \
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
@@ -31,17 +36,19 @@ describe: install
 	$(BIN)/fedmeta data describe $(DATASET) $(PARTITION) $(ARGS)
 
 # make table [PRESET=quick|paper] [DATASETS="rmnist cifar10-shards"] [METHODS="cafeme fedavg_ft"] [SEEDS="0 1 2"] [PARALLEL=2]
+#            [VECTORIZE=1: vmapped clients, and each method's seeds stacked in one process]
 PRESET   ?= quick
 PARALLEL ?= 2
 GRID_ARGS := --preset $(PRESET) --parallel $(PARALLEL) $(if $(DATASETS),--datasets $(DATASETS)) \
-	$(if $(METHODS),--methods $(METHODS)) $(if $(SEEDS),--seeds $(SEEDS))
+	$(if $(METHODS),--methods $(METHODS)) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(VECTORIZE),federation.vectorize=true)
 
 table: install
 	$(BIN)/fedmeta table $(GRID_ARGS) $(ARGS)
 
-# make bench [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg"] [PROFILE=1] [ARGS="fabric.accelerator=cuda"] → results/bench.json
+# make bench [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg"] [PROFILE=1] [PROJECT=paper] [ARGS="fabric.accelerator=cuda"] → results/bench.json
 bench: install
-	$(BIN)/fedmeta bench $(if $(DATASETS),--datasets $(DATASETS)) $(if $(METHODS),--methods $(METHODS)) $(if $(PROFILE),--profile) $(ARGS)
+	$(BIN)/fedmeta bench $(if $(DATASETS),--datasets $(DATASETS)) $(if $(METHODS),--methods $(METHODS)) $(if $(PROFILE),--profile) \
+	$(if $(PROJECT),--project $(PROJECT)) $(ARGS)
 
 figures: install
 	$(BIN)/fedmeta figures $(GRID_ARGS) $(if $(RUN),--run) $(ARGS)

@@ -9,8 +9,6 @@ import learn2learn as l2l
 import torch
 import torch.nn.functional as F
 
-from fedmeta.algorithms.base import trainable_copy
-from fedmeta.functional import sgd_step
 from fedmeta.models import ConvNet
 
 STEPS, REPEATS = 5, 20
@@ -19,12 +17,19 @@ x, y = torch.randn(30, 1, 28, 28), torch.randint(0, 10, (30,))
 xq, yq = torch.randn(180, 1, 28, 28), torch.randint(0, 10, (180,))
 
 
-def with_torch_func():
-    params = trainable_copy(dict(net.named_parameters()))
-    adapted = params
+def loss(params, inputs, labels):
+    return F.cross_entropy(torch.func.functional_call(net, params, (inputs,)), labels)
+
+
+def meta_loss(params):
     for _ in range(STEPS):
-        adapted = sgd_step(adapted, F.cross_entropy(torch.func.functional_call(net, adapted, (x,)), y), 0.05, True)
-    F.cross_entropy(torch.func.functional_call(net, adapted, (xq,)), yq).backward()
+        grads = torch.func.grad(loss)(params, x, y)
+        params = {k: params[k] - 0.05 * grads[k] for k in params}
+    return loss(params, xq, yq)
+
+
+def with_torch_func():  # as fedmeta's CAFeMe computes it: nested torch.func.grad
+    torch.func.grad(meta_loss)({k: p.detach() for k, p in net.named_parameters()})
 
 
 maml = l2l.algorithms.MAML(net, lr=0.05, first_order=False)

@@ -74,17 +74,21 @@ def profile_round(run_round) -> list[dict]:
     return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:PROFILE_TOP]]
 
 
-def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_clients: int, profile: bool = False) -> dict:
-    """One row, in the calling process: seconds and FLOPs per round, personalization seconds per
-    new client, peak memory. Meant to run in a fresh process (``run_isolated``)."""
+def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_clients: int, profile: bool = False,
+                  full_evaluation: bool = False) -> dict:
+    """One row, in the calling process: seconds and FLOPs per round (per seed, with stacked seeds),
+    personalization seconds per new client, optionally one whole evaluation (every new client,
+    every step), peak memory. Meant to run in a fresh process (``run_isolated``)."""
     from fedmeta.config import compose
-    from fedmeta.evaluation import evaluate_new_clients, sequential
-    from fedmeta.loop import client_map, federated_round, hardware_name, setup
+    from fedmeta.engine import Engine
+    from fedmeta.loop import Federated, build, evaluate_on_ranks, federated_rounds, hardware_name, make_engine, make_fabric, seed_configs
 
     cfg = compose([*overrides, *QUIET])
-    fabric, federation, algorithm = setup(cfg)
+    fabric = make_fabric(cfg)
+    runs = [Federated(algorithm, federation, one.seed) for one in seed_configs(cfg)
+            for federation, algorithm in [build(fabric, one)]]
     synchronize = torch.cuda.synchronize if fabric.device.type == "cuda" else (lambda: None)
-    fed = cfg.federation
+    fed, engine = cfg.federation, make_engine(cfg)
 
     def timed(fn) -> float:
         synchronize()
@@ -93,38 +97,54 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
         synchronize()
         return time.perf_counter() - tick
 
-    map_clients = client_map(fed.client_threads)
-
-    def round_(r: int, run_clients=map_clients) -> None:
-        federated_round(algorithm, federation, r, fed.clients_per_round, cfg.seed, map_clients=run_clients)
+    def round_(r: int, run_engine: Engine = engine) -> None:
+        federated_rounds(runs, r, fed.clients_per_round, engine=run_engine)
 
     seconds = [timed(lambda r=r: round_(r)) for r in range(1, warmup + rounds + 1)][warmup:]
+    sequential = Engine()
     with flop_counter() as flops:  # a dispatch mode sees only its own thread: count a sequential round
         timed(lambda: round_(warmup + rounds + 1, sequential))
-    new_clients = federation.new_clients[:personalize_clients]
-    personalize = timed(lambda: evaluate_new_clients(algorithm, new_clients, cfg.personalization, federation.num_classes,
-                                                     map_clients))
-    seconds_per_round = statistics.median(seconds)
-    gflop = flops.get_total_flops() / 1e9
-    extra = {"profile": profile_round(lambda: round_(warmup + rounds + 2, sequential))} if profile else {}
+    first = runs[0]
+    some = Federated(first.algorithm, _first_new_clients(first.federation, personalize_clients), first.seed)
+    evaluate_on_ranks(fabric, [some], cfg.personalization, engine)  # warm-up: kernel selection, allocations
+    personalize = timed(lambda: evaluate_on_ranks(fabric, [some], cfg.personalization, engine))
+    evaluation = {}
+    if full_evaluation:
+        evaluation["evaluation_seconds"] = timed(lambda: evaluate_on_ranks(fabric, runs, cfg.personalization, engine))
+    seconds_per_round = statistics.median(seconds) / len(runs)
+    gflop = flops.get_total_flops() / 1e9 / len(runs)
+    extra = {"profile": profile_round(lambda: round_(warmup + rounds + 2))} if profile else {}
     return {**extra, "dataset": cfg.dataset.name, "method": cfg.method.name, "variant": cfg.variant,
-            "precision": cfg.fabric.precision, "client_threads": fed.client_threads, "seconds_per_round": seconds_per_round, "gflop_per_round": gflop,
-            "gflops": gflop / seconds_per_round, "personalize_seconds_per_client": personalize / len(new_clients),
+            "precision": cfg.fabric.precision, "client_threads": fed.client_threads,
+            "clients": "vmap" if engine.vectorize else "sequential", "seeds": len(runs),
+            "seconds_per_round": seconds_per_round, "gflop_per_round": gflop,
+            "gflops": gflop / seconds_per_round, "personalize_seconds_per_client": personalize / personalize_clients,
+            **evaluation, "new_clients": sum(len(r.federation.new_clients) for r in runs),
             "peak_rss_mb": peak_rss_mb(), "hardware": hardware_name(fabric.device)}
+
+
+def _first_new_clients(federation, count: int):
+    """A view of ``federation`` whose new clients are its first ``count``."""
+    import copy
+
+    view = copy.copy(federation)
+    view.new_clients = federation.new_clients[:count]
+    return view
 
 
 def measure_memory(overrides: list[str], rounds: int) -> dict:
     """Peak memory of a run with ``federation.num_clients`` clients: set up, ``rounds`` rounds,
     personalize two new clients. Also what the data and any per-client state take."""
     from fedmeta.config import compose
-    from fedmeta.evaluation import evaluate_new_clients
-    from fedmeta.loop import federated_round, setup
+    from fedmeta.evaluation import personalize_client
+    from fedmeta.loop import federated_round, make_engine, setup
 
     cfg = compose([*overrides, *QUIET])
     fabric, federation, algorithm = setup(cfg)
     for r in range(1, rounds + 1):
-        federated_round(algorithm, federation, r, cfg.federation.clients_per_round, cfg.seed)
-    evaluate_new_clients(algorithm, federation.new_clients[:2], cfg.personalization, federation.num_classes)
+        federated_round(algorithm, federation, r, cfg.federation.clients_per_round, cfg.seed, engine=make_engine(cfg))
+    for client in federation.new_clients[:2]:
+        personalize_client(algorithm, client, cfg.personalization)
     states = algorithm.client_states
     state_bytes = sum(_nbytes(state) for state in states.values())
     return {"dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
@@ -143,21 +163,84 @@ def _nbytes(tree) -> int:
     return sum(_nbytes(v) for v in tree.values()) if isinstance(tree, dict) else 0
 
 
+def speedups(rows: list[dict]) -> list[dict]:
+    """Each non-sequential row's speed-up over the sequential one-seed row of the same data set,
+    method, variant, precision and client threads: seconds per round (per seed), per personalized
+    client and per whole evaluation (per seed). Both come from the same bench run."""
+    key = ("dataset", "method", "variant", "precision", "client_threads")
+    baseline = {tuple(r[k] for k in key): r for r in rows if r["clients"] == "sequential" and r["seeds"] == 1}
+    result = []
+    for row in rows:
+        base = baseline.get(tuple(row[k] for k in key))
+        if base is None or row is base:
+            continue
+        ratio = {"round": base["seconds_per_round"] / row["seconds_per_round"],
+                 "personalize": base["personalize_seconds_per_client"] / row["personalize_seconds_per_client"]}
+        if "evaluation_seconds" in row and "evaluation_seconds" in base:
+            ratio["evaluation"] = (base["evaluation_seconds"] / base["new_clients"]) / (row["evaluation_seconds"] / row["new_clients"])
+        result.append({**{k: row[k] for k in key}, "clients": row["clients"], "seeds": row["seeds"], **ratio})
+    return result
+
+
+def project(result: dict, preset_name: str) -> list[str]:
+    """Projected wall time of ``make table PRESET=preset_name`` on the machine of ``result``: per
+    table setting whose data set was benched, every method × seed at its fastest measured way
+    (sequential, vmap or stacked seeds; fp32), rounds × s/round per seed plus the preset's
+    evaluations × one evaluation of the new clients. Partitions of one data set are costed alike."""
+    from fedmeta.config import compose
+    from fedmeta.grid import load_preset, setting_dataset
+
+    preset = load_preset(preset_name)
+    lines, total = [], 0.0
+    for name, setting in preset.settings.items():
+        if setting.grid != "table":
+            continue
+        dataset = setting_dataset(setting)
+        cfg = compose([f"dataset={dataset}"])
+        rounds = preset.rounds.get(dataset) or cfg.federation.rounds
+        evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
+        seconds, missing = 0.0, []
+        for method in preset.methods:
+            rows = [r for r in result["rows"] if r["dataset"] == dataset and r["method"] == method and r["variant"] == "paper"
+                    and r["precision"] == "32-true" and r["client_threads"] == 1]
+            if not rows:
+                missing.append(method)
+                continue
+            per_round = min(r["seconds_per_round"] for r in rows)
+            evaluation = min(r["evaluation_seconds"] / r["new_clients"] if "evaluation_seconds" in r
+                             else r["personalize_seconds_per_client"] for r in rows) * cfg.federation.num_new_clients
+            seconds += len(preset.seeds) * (rounds * per_round + evaluations * evaluation)
+        total += seconds
+        note = f" (not measured: {', '.join(missing)})" if missing else ""
+        lines.append(f"{name}: {seconds / 3600:.1f} h{note}" if seconds else f"{name}: not measured")
+    lines.append(f"total of the measured settings: {total / 3600:.1f} h on {result['rows'][0]['hardware'] if result['rows'] else '?'}")
+    return lines
+
+
 def run_isolated(fn, *args):
     """``fn(*args)`` in a fresh process (spawned, so nothing is inherited): its own peak memory."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
 
 
-def plan(bench: DictConfig, datasets: list[str] | None, methods: list[str] | None, extra: list[str]) -> list[list[str]]:
-    """The overrides of every timing row: one per data set × method, then the extra rows."""
+CLIENTS = {"sequential": "federation.vectorize=false", "vmap": "federation.vectorize=true"}
+
+
+def plan(bench: DictConfig, datasets: list[str] | None, methods: list[str] | None, extra: list[str]) -> list[dict]:
+    """Every timing row: per data set, each method (and extra row) once per way of running clients
+    (``bench.clients``), then the stacked-seed rows. A row: its overrides, and whether it also
+    times a whole evaluation."""
     rows = []
     for name, setting in bench.datasets.items():
         if datasets and name not in datasets:
             continue
         variants = [[f"method={m}"] for m in methods or bench.methods]
         variants += [list(r) for r in bench.extra_rows if not methods or r[0].split("=", 1)[1] in methods]
-        rows += [[*setting, *v, *extra] for v in variants]
+        for variant in variants:
+            evaluate = len(variant) == 1 and variant[0].split("=", 1)[1] in bench.evaluation_methods
+            rows += [{"overrides": [*setting, *variant, CLIENTS[way], *extra], "evaluate": evaluate} for way in bench.clients]
+        rows += [{"overrides": [*setting, *list(r), *extra], "evaluate": False} for r in bench.seed_rows
+                 if not methods or r[0].split("=", 1)[1] in methods]
     return rows
 
 
@@ -170,14 +253,18 @@ def memory_plan(bench: DictConfig, extra: list[str]) -> list[list[str]]:
 
 def run(datasets: list[str] | None = None, methods: list[str] | None = None, extra: list[str] = (),
         memory: bool = True, out: Path = Path("results/bench.json"), config: Path = CONFIG_DIR / "bench.yaml",
-        profile: bool = False) -> dict:
+        profile: bool = False, projection: str | None = None) -> dict:
     from fedmeta.config import compose
     from fedmeta.loop import hardware_name
 
     bench = OmegaConf.load(config)
     rows = plan(bench, datasets, methods, list(extra))
     memory_rows = memory_plan(bench, list(extra)) if memory else []
-    for overrides in rows + memory_rows:  # unknown names or bad values: one line before anything runs
+    if projection:
+        from fedmeta.grid import load_preset
+
+        load_preset(projection)  # an unknown preset: one line before anything runs
+    for overrides in [row["overrides"] for row in rows] + memory_rows:  # bad names or values: one line before anything runs
         compose([*overrides, *QUIET])
     result = {"machine": hardware_name(torch.device("cpu")),
               "peak_gflops": matmul_peak_gflops(bench.matmul_size),
@@ -185,23 +272,34 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
               "rows": [], "memory": []}
     print(f"{result['machine']}: fp32 matmul peak {result['peak_gflops']:.0f} GFLOP/s, "
           f"bf16 {result['peak_gflops_bf16']:.0f} GFLOP/s")
-    print(f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'s/round':>8s} {'GFLOP':>7s} "
-          f"{'GFLOP/s':>8s} {'% peak':>6s} {'pers s/cl':>9s} {'peak MB':>8s}")
-    for overrides in rows:
+    print(f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} {'seeds':>5s} "
+          f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'pers s/cl':>9s} {'eval s':>7s} {'peak MB':>8s}")
+    for plan_row in rows:
+        overrides = plan_row["overrides"]
         try:
             row = run_isolated(measure_round, overrides, bench.warmup_rounds, bench.rounds, bench.personalize_clients,
-                               profile)
+                               profile, plan_row["evaluate"])
         except FedmetaError as exc:  # e.g. a data set not on this machine: the other rows still count
             result.setdefault("skipped", []).append({"overrides": overrides, "reason": str(exc)})
             print(f"skipped {' '.join(overrides)}: {exc}", flush=True)
             continue
         result["rows"].append(row)
+        evaluation = f"{row['evaluation_seconds']:7.1f}" if "evaluation_seconds" in row else f"{'-':>7s}"
         print(f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
-              f"{row['client_threads']:6d} {row['seconds_per_round']:8.3f} {row['gflop_per_round']:7.1f} {row['gflops']:8.1f} "
-              f"{100 * row['gflops'] / result['peak_gflops']:6.1f} {row['personalize_seconds_per_client']:9.2f} "
-              f"{row['peak_rss_mb']:8.0f}", flush=True)
+              f"{row['client_threads']:6d} {row['clients']:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
+              f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['gflops'] / result['peak_gflops']:6.1f} "
+              f"{row['personalize_seconds_per_client']:9.2f} {evaluation} {row['peak_rss_mb']:8.0f}", flush=True)
         for op in row.get("profile", []):
             print(f"    {100 * op['share']:5.1f} %  {op['op']} ×{op['calls']}")
+    result["speedups"] = speedups(result["rows"])
+    if result["speedups"]:
+        print(f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>10s} {'seeds':>5s} "
+              f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s}   (sequential ÷ this; > 1 is faster)")
+        for s in result["speedups"]:
+            cells = [f"{s[key]:{width}.2f}" if s.get(key) else f"{'-':>{width}s}" for key, width in
+                     (("round", 8), ("personalize", 7), ("evaluation", 7))]
+            print(f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {s['clients']:>10s} "
+                  f"{s['seeds']:5d} {' '.join(cells)}")
     if memory_rows:
         print(f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} {'state MB/client':>15s} {'peak MB':>8s}")
         for overrides in memory_rows:
@@ -209,6 +307,10 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
             result["memory"].append(row)
             print(f"{row['num_clients']:8d} {row['method']:8s} {row['variant']:8s} {row['samples_per_client']:10d} "
                   f"{row['data_mb']:8.0f} {row['state_mb_per_client']:15.2f} {row['peak_rss_mb']:8.0f}", flush=True)
+    if projection:
+        result["projection"] = {"preset": projection, "lines": project(result, projection)}
+        print(f"\nprojected wall time of make table PRESET={projection}, one run at a time on this machine:")
+        print("\n".join(f"  {line}" for line in result["projection"]["lines"]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--methods", nargs="+", help="default: every method")
     bench_cmd.add_argument("--no-memory", action="store_true", help="skip the 100/1,000/10,000-client memory rows")
     bench_cmd.add_argument("--profile", action="store_true", help="also list each row's most expensive operators (torch.profiler)")
+    bench_cmd.add_argument("--project", metavar="PRESET", help="also print the projected wall time of make table PRESET=…")
     bench_cmd.add_argument("--out", default="results/bench.json")
     bench_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda")
     args = parser.parse_args(argv)
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
             from fedmeta import bench
 
-            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), profile=args.profile)
+            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), profile=args.profile,
+                      projection=args.project)
             return 0
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
@@ -104,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     except FedmetaError as exc:
         print(f"fedmeta: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({k: summary[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")}))
-    print(f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
-          f"{100 * summary['accuracy']:.2f} ± {100 * summary['accuracy_std']:.2f} % "
-          f"(step 0: {100 * summary['curve'][0]:.2f} %), {summary['seconds_per_round']:.3f} s/round")
+    for one in summary if isinstance(summary, list) else [summary]:  # stacked seeds: one summary each
+        print(json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")}))
+        print(f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
+              f"{100 * one['accuracy']:.2f} ± {100 * one['accuracy_std']:.2f} % "
+              f"(step 0: {100 * one['curve'][0]:.2f} %), {one['seconds_per_round']:.3f} s/round"
+              + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else ""))
     return 0
 
 

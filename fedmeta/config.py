@@ -96,6 +96,11 @@ def validate(cfg: DictConfig) -> None:
              f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}")
     _require(fed.rounds >= 1, f"federation.rounds must be ≥ 1, got {fed.rounds}")
     _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
+    if cfg.seeds is not None:
+        seeds = list(cfg.seeds) if OmegaConf.is_list(cfg.seeds) else None
+        _require(bool(seeds) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+                 and len(set(seeds)) == len(seeds), f"seeds must be a list of distinct integers ≥ 0, e.g. seeds=[0,1,2], got {cfg.seeds}")
+    _require(fed.vectorize_lanes >= 0, f"federation.vectorize_lanes must be ≥ 0 (0: all clients at once), got {fed.vectorize_lanes}")
     _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
     _require(0 <= fed.client_failure_rate < 1, f"federation.client_failure_rate must be in [0, 1), got {fed.client_failure_rate}")
     _require(fed.checkpoint_every >= 0, f"federation.checkpoint_every must be ≥ 0 (0: only at the end), got {fed.checkpoint_every}")

@@ -1,32 +1,24 @@
-"""The one test-time personalization procedure shared by every method (SPEC §4).
+"""The one test-time personalization procedure shared by every method.
 
 Each new client starts from ``algorithm.personal_params``, takes ``steps`` SGD steps on batches
 of its personalization split (step size decayed by ``decay`` every ``decay_every`` steps), and its
 held-out accuracy is measured before the first step and after every step: a curve of steps+1
 points. The batches come from the client's own seeded generator, so every method sees the same
-batches.
+batches. ``personalize`` is a pure function of one client's parameters and batches, so
+fedmeta.engine runs it for one client at a time or vmapped over all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torchmetrics.functional.classification import multiclass_accuracy
 
 from fedmeta.algorithms import Algorithm
-from fedmeta.algorithms.base import Params
-from fedmeta.data.federation import PERSONALIZE_PURPOSE, Client
+from fedmeta.algorithms.base import ClientData
+from fedmeta.data.federation import PERSONALIZE_PURPOSE, Batch, Client
 from fedmeta.errors import FedmetaError
-
-
-ClientMap = Callable[[Callable[[Client], Any], list[Client]], list]  # runs a function on each client, in order
-
-
-def sequential(fn: Callable[[Client], Any], clients: list[Client]) -> list:
-    return [fn(client) for client in clients]
+from fedmeta.functional import Params, masked_mean, sgd
 
 
 @dataclass
@@ -46,36 +38,49 @@ class PersonalizationResult:
         return self.curves[:, -1].std(unbiased=False).item() if len(self.curves) > 1 else 0.0
 
 
-def personalize_client(algorithm: Algorithm, client: Client, cfg, num_classes: int) -> tuple[Params, torch.Tensor]:
-    """The personalized parameters of ``client`` and its held-out accuracy after 0, 1, …, ``cfg.steps`` steps."""
+def draw_personalization(algorithm: Algorithm, client: Client, cfg) -> ClientData:
+    """A new client's batches: its held-out split, the context batch before any step, one batch per step."""
     generator = client.generator(0, PERSONALIZE_PURPOSE)
-    params = algorithm.personal_params(client)
-    optimizer = torch.optim.SGD(params.values(), lr=cfg.lr)
-    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.decay_every, gamma=cfg.decay)
-    x_held_out, y_held_out = client.batch("held_out", None, generator)
+    held_out = client.batch("held_out", None, generator)
+    context = client.batch("pers", cfg.batch_size, generator)
+    steps = [client.batch("pers", cfg.batch_size, generator) for _ in range(cfg.steps)]
+    return {"held_out": held_out, "context": context, "steps": steps, **algorithm.personalization_data(client)}
 
-    def held_out_accuracy(last_batch) -> torch.Tensor:
+
+def step_sizes(cfg) -> list[float]:
+    """``torch.optim.lr_scheduler.StepLR``'s schedule: lr·decay^⌊k / decay_every⌋ at step k."""
+    return [cfg.lr * cfg.decay ** (k // cfg.decay_every) for k in range(cfg.steps)]
+
+
+def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    """From the global ``params``: the personalized parameters, the held-out accuracy after 0, 1, …,
+    ``cfg.steps`` steps and the loss of each step. Accuracy is the share of correct predictions
+    (written out rather than torchmetrics', whose input checks cannot run under vmap)."""
+    start = algorithm.personal_params(params, data)
+    held_out: Batch = data["held_out"]
+
+    def held_out_accuracy(p: Params, last_batch: Batch) -> torch.Tensor:
         with torch.no_grad():
-            logits = algorithm(params, x_held_out, algorithm.prediction_context(x_held_out, last_batch))
-        return multiclass_accuracy(logits, y_held_out, num_classes=num_classes, average="micro")
+            logits = algorithm(p, held_out.x, algorithm.prediction_context(held_out, last_batch), held_out.mask)
+        return masked_mean((logits.argmax(1) == held_out.y).float(), held_out.mask)
 
-    batch = client.batch("pers", cfg.batch_size, generator)  # the context before any step
-    accuracies, losses = [held_out_accuracy(batch)], []
-    for _ in range(cfg.steps):
-        batch = client.batch("pers", cfg.batch_size, generator)
-        loss = algorithm.adaptation_loss(params, batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        accuracies.append(held_out_accuracy(batch))
+    personal, accuracies, losses = start, [held_out_accuracy(start, data["context"])], []
+    for batch, lr in zip(data["steps"], step_sizes(cfg)):
+        grads, loss = torch.func.grad_and_value(algorithm.adaptation_loss)(personal, batch, start)
+        personal, _ = sgd(personal, grads, lr)
+        accuracies.append(held_out_accuracy(personal, batch))
         losses.append(loss.detach())
-    if losses and not bool(torch.isfinite(torch.stack(losses)).all()):
+    return personal, torch.stack(accuracies), torch.stack(losses) if losses else torch.zeros(0)
+
+
+def check_finite(client: Client, losses: torch.Tensor) -> None:
+    if not bool(torch.isfinite(losses).all()):
         raise FedmetaError(f"personalizing new client {client.id} gave a non-finite loss: "
                            "lower personalization.lr or use fabric.precision=32-true")
-    return params, torch.stack(accuracies).cpu()
 
 
-def evaluate_new_clients(algorithm: Algorithm, clients: list[Client], cfg, num_classes: int,
-                         map_clients: ClientMap = sequential) -> PersonalizationResult:
-    return PersonalizationResult(torch.stack(map_clients(lambda c: personalize_client(algorithm, c, cfg, num_classes)[1], clients)))
+def personalize_client(algorithm: Algorithm, client: Client, cfg) -> tuple[Params, torch.Tensor]:
+    """One new client's personalized parameters and its held-out accuracy curve."""
+    params, curve, losses = personalize(algorithm, algorithm.global_params(), draw_personalization(algorithm, client, cfg), cfg)
+    check_finite(client, losses)
+    return params, curve.cpu()

@@ -1,6 +1,8 @@
 """Experiment grids of a preset (``configs/preset/``): method × setting × seed, each a plain
 ``fedmeta train`` in its own process. Runs already finished in ``runs/<preset>/`` are skipped, so an
-interrupted grid resumes where it stopped; ``parallel`` runs go at once."""
+interrupted grid resumes where it stopped; ``parallel`` processes go at once. When the runs are
+vectorized (``federation.vectorize=true``), the unfinished seeds of a setting × method share one
+process as stacked seeds (``seeds=[…]``), each still writing its own run folder."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ class Job:
 
     @property
     def label(self) -> str:
-        return f"{self.setting}/{self.method}/seed{self.seed}"
+        seeds = next((o.split("=", 1)[1].strip("[]").replace(",", "-") for o in self.overrides if o.startswith("seeds=")), None)
+        return f"{self.setting}/{self.method}/" + (f"seeds{seeds}" if seeds else f"seed{self.seed}")
 
 
 def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] | None = None,
@@ -41,13 +44,13 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
     still compares every method)."""
     settings = {name: s for name, s in preset.settings.items() if s.grid in grids}
     if datasets:  # data set names (cifar10) or setting names (cifar10-shards)
-        settings = {name: s for name, s in settings.items() if name in datasets or _dataset(s) in datasets}
-        unknown = set(datasets) - {_dataset(s) for s in preset.settings.values()} - set(preset.settings)
+        settings = {name: s for name, s in settings.items() if name in datasets or setting_dataset(s) in datasets}
+        unknown = set(datasets) - {setting_dataset(s) for s in preset.settings.values()} - set(preset.settings)
         if unknown:
             raise FedmetaError(f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}")
     jobs = []
     for name, setting in settings.items():
-        dataset = _dataset(setting)
+        dataset = setting_dataset(setting)
         rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
         evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
         common = [*setting.overrides, f"federation.rounds={rounds}",
@@ -59,7 +62,7 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
     return jobs
 
 
-def _dataset(setting: DictConfig) -> str:
+def setting_dataset(setting: DictConfig) -> str:
     return next(o.split("=", 1)[1] for o in setting.overrides if o.startswith("dataset="))
 
 
@@ -68,10 +71,29 @@ def finished(job: Job) -> bool:
     return (Path(cfg.output.root) / run_name(cfg) / "summary.json").exists()
 
 
+def stacked(jobs: list[Job]) -> list[Job]:
+    """Vectorized jobs of one setting and method merged into one job over their seeds."""
+    groups: dict[tuple, list[Job]] = {}
+    for job in jobs:
+        key = (job.setting, job.method) if compose(list(job.overrides)).federation.vectorize else (job.setting, job.method, job.seed)
+        groups.setdefault(key, []).append(job)
+    merged = []
+    for group in groups.values():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        seeds = [job.seed for job in group]
+        overrides = tuple(o for o in group[0].overrides if not o.startswith("seed="))
+        merged.append(Job(group[0].setting, group[0].method, seeds[0], (*overrides, f"seeds=[{','.join(map(str, seeds))}]")))
+    return merged
+
+
 def run(jobs: list[Job], root: Path, parallel: int = 1) -> list[str]:
     """Run the jobs not yet finished; returns one line per failed run (its log holds the rest)."""
-    todo = [job for job in jobs if not finished(job)]
-    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {root}; {len(todo)} to run, {parallel} at a time")
+    remaining = [job for job in jobs if not finished(job)]
+    todo = stacked(remaining)
+    print(f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
+          f"in {len(todo)} processes, {parallel} at a time")
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)

@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +24,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from fedmeta import checkpoint
-from fedmeta.algorithms import Algorithm, ClientUpdate, build_algorithm
+from fedmeta.algorithms import Algorithm, build_algorithm
 from fedmeta.config import compose, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
-from fedmeta.evaluation import ClientMap, PersonalizationResult, evaluate_new_clients, sequential
+from fedmeta.engine import Engine
+from fedmeta.evaluation import PersonalizationResult
 from fedmeta.runs import RunRecorder
 
 log = logging.getLogger("fedmeta")
@@ -46,17 +46,6 @@ def make_fabric(cfg: DictConfig) -> Fabric:
         raise FedmetaError(f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision") from None
     fabric.launch()
     return fabric
-
-
-def client_map(threads: int) -> ClientMap:
-    """How the clients of a round (and the new clients at evaluation) run: one after another, or
-    ``threads`` at a time, each on one intra-op thread — a client's small ops use CPU cores better
-    side by side than split across them. A client's result does not depend on the thread that ran it."""
-    if threads <= 1:
-        return sequential
-    torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="client")
-    return lambda fn, clients: list(pool.map(fn, clients))
 
 
 def gather_updates(fabric: Fabric) -> Callable[[list], list]:
@@ -89,31 +78,45 @@ class SimulatedClientFailure(RuntimeError):
 class RoundOutcome:
     loss: float  # mean training loss of the clients that took part
     dropped: list[str]  # one line per client left out of the aggregate, and why
+    error: str | None = None  # the round could not be aggregated (divergence or a bug): the run stops
 
 
-def federated_round(algorithm: Algorithm, federation: Federation, round_: int, clients_per_round: int, seed: int,
-                    shard: tuple[int, int] = (0, 1), gather=lambda updates: updates,
-                    map_clients: ClientMap = sequential, failure_rate: float = 0.0) -> RoundOutcome:
-    """One round: sample M clients, run this rank's share of them, gather every client's update
-    on every rank, aggregate those that finished with finite numbers.
+@dataclass
+class Federated:
+    """One federation in a round: its algorithm (global model, client states), clients and seed."""
+    algorithm: Algorithm
+    federation: Federation
+    seed: int
 
-    A client that raises or returns a non-finite update is dropped from this round with a reason;
-    if every client fails, the round is not a fault but a divergence (all non-finite) or a bug
-    (all raised), and it stops the run."""
+
+def federated_rounds(runs: list[Federated], round_: int, clients_per_round: int, shard: tuple[int, int] = (0, 1),
+                     gather=lambda updates: updates, engine: Engine | None = None,
+                     failure_rate: float = 0.0) -> list[RoundOutcome]:
+    """One round of each federation (several with stacked seeds): sample M clients each, compute
+    this rank's share of all of them together (``engine``), gather every client's update on every
+    rank, and aggregate each federation's updates that finished with finite numbers.
+
+    A client that raises or returns a non-finite update is dropped from its round with a reason;
+    if every client of a federation fails, that is not a fault but a divergence (all non-finite)
+    or a bug (all raised): its outcome carries the error and its run stops."""
+    engine = engine or Engine()
     rank, world_size = shard
-    clients = federation.sample_round(round_, clients_per_round, seed)
-
-    def attempt(client: Client) -> ClientUpdate | str:
-        try:
+    mine: list[list[Client]] = [run.federation.sample_round(round_, clients_per_round, run.seed)[rank::world_size] for run in runs]
+    results: list[list] = [[None] * len(clients) for clients in mine]
+    lanes, places = [], []
+    for r, (run, clients) in enumerate(zip(runs, mine)):
+        for i, client in enumerate(clients):
             if failure_rate and torch.rand((), generator=client.generator(round_, FAILURE_PURPOSE)) < failure_rate:
-                raise SimulatedClientFailure("simulated failure (federation.client_failure_rate)")
-            return algorithm.local_update(client, round_)
-        except (FedmetaError, KeyboardInterrupt):
-            raise
-        except Exception as exc:  # noqa: BLE001 — a failing client is dropped, not the run
-            return f"client {client.id} failed: {type(exc).__name__}: {exc}".splitlines()[0]
+                results[r][i] = f"client {client.id} failed: {SimulatedClientFailure.__name__}: simulated failure (federation.client_failure_rate)"
+            else:
+                lanes.append((run.algorithm, client))
+                places.append((r, i))
+    for (r, i), result in zip(places, engine.local_updates(lanes, round_)):
+        results[r][i] = result
+    return [_aggregate(run.algorithm, round_, gather(run_results)) for run, run_results in zip(runs, results)]
 
-    results = gather(map_clients(attempt, clients[rank::world_size]))
+
+def _aggregate(algorithm: Algorithm, round_: int, results: list) -> RoundOutcome:
     dropped = [r for r in results if isinstance(r, str)]
     finished = [r for r in results if not isinstance(r, str)]
     finite = [u.is_finite() for u in finished]  # one device sync per client
@@ -123,32 +126,53 @@ def federated_round(algorithm: Algorithm, federation: Federation, round_: int, c
     if not updates:
         if finished:
             bad = finished[0]
-            raise FedmetaError(f"round {round_}: client {bad.client_id} produced a non-finite loss or update "
-                               f"(loss {bad.loss}), as did every client of the round: lower the learning rates "
-                               "or use fabric.precision=32-true")
+            return RoundOutcome(float("nan"), dropped, f"round {round_}: client {bad.client_id} produced a non-finite loss "
+                                f"or update (loss {bad.loss}), as did every client of the round: lower the learning rates "
+                                "or use fabric.precision=32-true")
         if not all("simulated failure" in line for line in dropped):
-            raise FedmetaError(f"round {round_}: every client failed ({dropped[0]}): this is not a fault of one client")
+            return RoundOutcome(float("nan"), dropped, f"round {round_}: every client failed ({dropped[0]}): "
+                                "this is not a fault of one client")
         return RoundOutcome(float("nan"), dropped)  # all dropped out: the global model stays as it is
     algorithm.aggregate(updates)
     return RoundOutcome(sum(u.loss for u in updates) / len(updates), dropped)
 
 
-def evaluate_on_ranks(fabric: Fabric, algorithm: Algorithm, federation: Federation, personalization: DictConfig,
-                      map_clients: ClientMap = sequential) -> PersonalizationResult:
-    """The shared test-time procedure on the new clients, spread over the Fabric world like a
-    round (rank r takes clients r, r+W, …); the curves are gathered back in client order."""
-    world, rank, clients = fabric.world_size, fabric.global_rank, federation.new_clients
-    mine = clients[rank::world]
-    curves = (evaluate_new_clients(algorithm, mine, personalization, federation.num_classes, map_clients).curves
-              if mine else torch.empty(0, personalization.steps + 1))
-    if world == 1:
-        return PersonalizationResult(curves)
-    slots = -(-len(clients) // world)
+def federated_round(algorithm: Algorithm, federation: Federation, round_: int, clients_per_round: int, seed: int,
+                    shard: tuple[int, int] = (0, 1), gather=lambda updates: updates, engine: Engine | None = None,
+                    failure_rate: float = 0.0) -> RoundOutcome:
+    """One round of one federation (``federated_rounds``); a divergence raises."""
+    outcome = federated_rounds([Federated(algorithm, federation, seed)], round_, clients_per_round, shard, gather, engine,
+                               failure_rate)[0]
+    if outcome.error:
+        raise FedmetaError(outcome.error)
+    return outcome
+
+
+def evaluate_on_ranks(fabric: Fabric, runs: list[Federated], personalization: DictConfig,
+                      engine: Engine | None = None) -> list[PersonalizationResult]:
+    """The shared test-time procedure on every federation's new clients, all computed together
+    and spread over the Fabric world like a round (rank r takes clients r, r+W, …); each
+    federation's curves are gathered back in client order."""
+    engine = engine or Engine()
+    world, rank = fabric.world_size, fabric.global_rank
+    mine = [run.federation.new_clients[rank::world] for run in runs]
+    curves = engine.personalization_curves([(run.algorithm, c) for run, clients in zip(runs, mine) for c in clients],
+                                           personalization)
+    results, offset = [], 0
+    for run, clients in zip(runs, mine):
+        own = curves[offset:offset + len(clients)]
+        offset += len(clients)
+        results.append(PersonalizationResult(own if world == 1 else _gather_curves(fabric, own, len(run.federation.new_clients))))
+    return results
+
+
+def _gather_curves(fabric: Fabric, curves: torch.Tensor, total: int) -> torch.Tensor:
+    slots = -(-total // fabric.world_size)
     padded = torch.full((slots, curves.shape[1]), float("nan"))
     padded[:len(curves)] = curves
     gathered = fabric.all_gather(padded.to(fabric.device)).cpu()  # (world, slots, steps + 1)
     # client i sits at rank i % W, slot i // W: interleave; the padding lands past the last client
-    return PersonalizationResult(gathered.transpose(0, 1).reshape(-1, curves.shape[1])[:len(clients)])
+    return gathered.transpose(0, 1).reshape(-1, curves.shape[1])[:total]
 
 
 def hardware_name(device: torch.device) -> str:
@@ -161,9 +185,8 @@ def hardware_name(device: torch.device) -> str:
     return f"{models[0] if models else platform.processor()}, {torch.get_num_threads()} thread(s)"
 
 
-def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:
-    """Fabric, the federation (data on the device) and the algorithm of a config, seeded."""
-    fabric = make_fabric(cfg)
+def build(fabric: Fabric, cfg: DictConfig) -> tuple[Federation, Algorithm]:
+    """The federation (data on the device) and the algorithm of a config, seeded by its seed."""
     fabric.seed_everything(cfg.seed, verbose=False)
     dataset = load_dataset(cfg.dataset.name, data_dir(cfg.dataset.dir), cfg.seed, download=cfg.dataset.download,
                            **cfg.dataset.options)
@@ -172,7 +195,17 @@ def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:
                                   fed.held_out_fraction, cfg.seed, device=fabric.device)
     algorithm = fabric.to_device(build_algorithm(cfg, federation.num_classes))
     algorithm.autocast = fabric.autocast  # entered per forward pass (Algorithm.run_model)
-    return fabric, federation, algorithm
+    return federation, algorithm
+
+
+def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:
+    """Fabric, the federation and the algorithm of a config, seeded."""
+    fabric = make_fabric(cfg)
+    return fabric, *build(fabric, cfg)
+
+
+def make_engine(cfg: DictConfig) -> Engine:
+    return Engine(cfg.federation.vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes)
 
 
 def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
@@ -198,7 +231,7 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
     except Exception as exc:
         raise FedmetaError(f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
                            f"({type(exc).__name__}): it is corrupt or from another run") from None
-    result = evaluate_on_ranks(fabric, algorithm, federation, cfg.personalization, client_map(cfg.federation.client_threads))
+    result = evaluate_on_ranks(fabric, [Federated(algorithm, federation, cfg.seed)], cfg.personalization, make_engine(cfg))[0]
     record = {"personalization": OmegaConf.to_container(cfg.personalization), "accuracy": result.accuracy,
               "accuracy_std": result.accuracy_std, "curve": result.curve}
     if fabric.is_global_zero:
@@ -207,73 +240,131 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
     return record
 
 
-def train(cfg: DictConfig, show_progress: bool = True) -> dict | None:
+def seed_configs(cfg: DictConfig) -> list[DictConfig]:
+    """One config per federation of a run: ``seeds=[0,1,2]`` stacks three, each a plain run of its seed."""
+    if not cfg.seeds:
+        return [cfg]
+    configs = []
+    for seed in cfg.seeds:
+        one = cfg.copy()
+        one.seed, one.seeds = int(seed), None
+        configs.append(one)
+    return configs
+
+
+class Run:
+    """One federation's run: its folder, model, clients, checkpoint and the metrics so far."""
+
+    def __init__(self, fabric: Fabric, cfg: DictConfig, stacked: int):
+        self.cfg, self.fabric, self.stacked = cfg, fabric, stacked
+        self.started = time.perf_counter()
+        self.dir = Path(cfg.output.root) / run_name(cfg)
+        self.federation, self.algorithm = build(fabric, cfg)
+        self.checkpoint_path = self.dir / "checkpoint.ckpt"
+        state = None
+        if cfg.output.resume and not (self.dir / "summary.json").exists():
+            if self.checkpoint_path.exists():
+                state = checkpoint.load(fabric, self.checkpoint_path, self.algorithm, cfg)
+            elif fabric.is_global_zero:
+                print(f"fedmeta: no checkpoint in {self.dir}: starting at round 1", file=sys.stderr)
+        self.history = state["history"] if state else {}
+        self.recorder = RunRecorder(self.dir, cfg, fabric.is_global_zero, self.history or None)
+        self.round_seconds = list(self.history.get("round_seconds", []))
+        curves = self.history.get("last_curves")
+        self.result = PersonalizationResult(curves) if curves is not None else None
+        self.resumed_at = state["round"] if state else None
+        self.first_round = (state["round"] + 1) if state else 1
+        self.saved_round = state["round"] if state else None
+        self.error: str | None = None
+
+    @property
+    def federated(self) -> Federated:
+        return Federated(self.algorithm, self.federation, self.cfg.seed)
+
+    def save_checkpoint(self, round_: int) -> None:
+        checkpoint.save(self.fabric, self.checkpoint_path, self.algorithm, self.cfg, round_, {
+            "metrics": self.recorder.rows, "curves": self.recorder.curves, "round_seconds": self.round_seconds,
+            "last_curves": None if self.result is None else self.result.curves, "wandb_id": self.recorder.wandb_id,
+            "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started})
+        self.saved_round = round_
+
+    def fail(self, error: str) -> None:
+        kept = (f"the last good checkpoint (round {self.saved_round}) is kept in {self.checkpoint_path}: lower the learning "
+                "rates and resume with output.resume=true") if self.saved_round else "no checkpoint was written yet"
+        self.error = f"{self.dir}: {error}; {kept}" if self.stacked > 1 else f"{error}; {kept}"
+
+    def summary(self) -> dict:
+        cfg, fabric = self.cfg, self.fabric
+        return {
+            "setting": setting_name(cfg), "dataset": cfg.dataset.name, "partition": cfg.partition.name,
+            "method": cfg.method.name, "variant": cfg.variant, "seed": cfg.seed,
+            "accuracy": self.result.accuracy, "accuracy_std": self.result.accuracy_std, "curve": self.result.curve,
+            "rounds": cfg.federation.rounds, "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
+            "seconds_per_round": statistics.median(self.round_seconds), "resumed_at_round": self.resumed_at,
+            "new_clients": len(self.federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
+            "vectorized": bool(cfg.federation.vectorize), "seeds_stacked": self.stacked, "hardware": hardware_name(fabric.device),
+        }
+
+
+def train(cfg: DictConfig, show_progress: bool = True) -> dict | list[dict] | None:
     """Run one experiment end to end and return its summary (also written to summary.json; None
-    on the other processes of a multi-process run).
+    on the other processes of a multi-process run). With ``seeds=[…]`` the seeds' federations run
+    in lockstep in this process, their clients computed together, each in its own run folder
+    exactly as a run of that seed alone; the summaries come back as a list.
     With ``output.resume=true`` an unfinished run continues from its last checkpoint."""
-    started = time.perf_counter()
-    run_dir = Path(cfg.output.root) / run_name(cfg)
-    fabric, federation, algorithm = setup(cfg)
+    fabric = make_fabric(cfg)
+    configs = seed_configs(cfg)
+    runs = [Run(fabric, one, len(configs)) for one in configs]
     fed = cfg.federation
-    checkpoint_path = run_dir / "checkpoint.ckpt"
-    state = None
-    if cfg.output.resume and not (run_dir / "summary.json").exists():
-        if checkpoint_path.exists():
-            state = checkpoint.load(fabric, checkpoint_path, algorithm, cfg)
-        elif fabric.is_global_zero:
-            print(f"fedmeta: no checkpoint in {run_dir}: starting at round 1", file=sys.stderr)
-    history = state["history"] if state else {}
-    recorder = RunRecorder(run_dir, cfg, fabric.is_global_zero, history or None)
-
-    shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
-    map_clients = client_map(fed.client_threads)
-    round_seconds = list(history.get("round_seconds", []))
-    result = PersonalizationResult(history["last_curves"]) if history.get("last_curves") is not None else None
-    first_round, saved_round = (state["round"] + 1, state["round"]) if state else (1, None)
-
-    def save_checkpoint(round_: int) -> None:
-        checkpoint.save(fabric, checkpoint_path, algorithm, cfg, round_, {
-            "metrics": recorder.rows, "curves": recorder.curves, "round_seconds": round_seconds,
-            "last_curves": None if result is None else result.curves, "wandb_id": recorder.wandb_id,
-            "seconds": history.get("seconds", 0.0) + time.perf_counter() - started})
-
-    bar = tqdm(range(first_round, fed.rounds + 1), desc=f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}",
-               disable=not (show_progress and fabric.is_global_zero), unit="round", initial=first_round - 1, total=fed.rounds)
+    shard, gather, engine = (fabric.global_rank, fabric.world_size), gather_updates(fabric), make_engine(cfg)
+    first = min(run.first_round for run in runs)
+    label = f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}" + (f" ×{len(runs)} seeds" if len(runs) > 1 else "")
+    bar = tqdm(range(first, fed.rounds + 1), desc=label, disable=not (show_progress and fabric.is_global_zero),
+               unit="round", initial=first - 1, total=fed.rounds)
     for round_ in bar:
+        active = [run for run in runs if run.error is None and run.first_round <= round_]
+        if not active:
+            break
         tick = time.perf_counter()
-        try:
-            outcome = federated_round(algorithm, federation, round_, fed.clients_per_round, cfg.seed, shard, gather,
-                                      map_clients, fed.client_failure_rate)
-        except FedmetaError as exc:  # divergence: the last good checkpoint stays as it is
-            kept = (f"the last good checkpoint (round {saved_round}) is kept in {checkpoint_path}: lower the learning "
-                    "rates and resume with output.resume=true") if saved_round else "no checkpoint was written yet"
-            raise FedmetaError(f"{exc}; {kept}") from None
-        round_seconds.append(time.perf_counter() - tick)
+        outcomes = federated_rounds([run.federated for run in active], round_, fed.clients_per_round, shard, gather,
+                                    engine, fed.client_failure_rate)
+        seconds = (time.perf_counter() - tick) / len(active)  # a stacked seed's share of the lockstep round
+        evaluating = [run for run, outcome in zip(active, outcomes) if outcome.error is None
+                      and (round_ % fed.eval_every == 0 or round_ == fed.rounds)]
+        tick = time.perf_counter()
+        results = evaluate_on_ranks(fabric, [run.federated for run in evaluating], cfg.personalization, engine) if evaluating else []
+        evaluations = dict(zip(map(id, evaluating), results))
+        for run, outcome in zip(active, outcomes):
+            if outcome.error:  # divergence: this run stops, its last good checkpoint stays as it is
+                run.fail(outcome.error)
+                continue
+            run.round_seconds.append(seconds)
+            if fabric.is_global_zero:
+                for line in outcome.dropped:
+                    log.warning(f"round {round_}: {line}; dropped from the aggregate")
+            row = {"round": round_, "train_loss": outcome.loss, "round_seconds": seconds,
+                   "clients_dropped": len(outcome.dropped),
+                   "eval_accuracy": "", "eval_accuracy_std": "", "eval_step0_accuracy": ""}
+            if id(run) in evaluations:
+                run.result = evaluations[id(run)]
+                row.update(eval_accuracy=run.result.accuracy, eval_accuracy_std=run.result.accuracy_std,
+                           eval_step0_accuracy=run.result.curve[0])
+                run.recorder.log_curve(round_, run.result.curve)
+            run.recorder.log_round(row)
+            if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
+                run.save_checkpoint(round_)
+        shown = active[0]
+        bar.set_postfix(loss=f"{outcomes[0].loss:.3f}", acc="-" if shown.result is None else f"{shown.result.accuracy:.3f}")
 
-        if fabric.is_global_zero:
-            for line in outcome.dropped:
-                log.warning(f"round {round_}: {line}; dropped from the aggregate")
-        row = {"round": round_, "train_loss": outcome.loss, "round_seconds": round_seconds[-1],
-               "clients_dropped": len(outcome.dropped),
-               "eval_accuracy": "", "eval_accuracy_std": "", "eval_step0_accuracy": ""}
-        if round_ % fed.eval_every == 0 or round_ == fed.rounds:
-            result = evaluate_on_ranks(fabric, algorithm, federation, cfg.personalization, map_clients)
-            row.update(eval_accuracy=result.accuracy, eval_accuracy_std=result.accuracy_std, eval_step0_accuracy=result.curve[0])
-            recorder.log_curve(round_, result.curve)
-        recorder.log_round(row)
-        bar.set_postfix(loss=f"{outcome.loss:.3f}", acc="-" if result is None else f"{result.accuracy:.3f}")
-        if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
-            save_checkpoint(round_)
-            saved_round = round_
-
-    summary = {
-        "setting": setting_name(cfg), "dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
-        "variant": cfg.variant, "seed": cfg.seed,
-        "accuracy": result.accuracy, "accuracy_std": result.accuracy_std, "curve": result.curve,
-        "rounds": fed.rounds, "seconds": history.get("seconds", 0.0) + time.perf_counter() - started,
-        "seconds_per_round": statistics.median(round_seconds), "resumed_at_round": state["round"] if state else None,
-        "new_clients": len(federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
-        "hardware": hardware_name(fabric.device),
-    }
-    recorder.finish(summary)
-    return summary if fabric.is_global_zero else None
+    summaries = []
+    for run in runs:
+        if run.error is None:
+            summary = run.summary()
+            run.recorder.finish(summary)
+            summaries.append(summary)
+    failed = [run.error for run in runs if run.error]
+    if failed:
+        raise FedmetaError(failed[0] if len(failed) == 1 else f"{len(failed)} of {len(runs)} seeds stopped: " + " | ".join(failed))
+    if not fabric.is_global_zero:
+        return None
+    return summaries if cfg.seeds else summaries[0]

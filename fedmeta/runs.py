@@ -35,7 +35,8 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, name: str, run_id: str | None =
 
     os.environ.setdefault("WANDB_SILENT", "true")
     resume = {"id": run_id, "resume": "allow"} if run_id else {}
-    return WandbLogger(project=cfg.wandb.project, name=name, group=setting_name(cfg),
+    # reinit="create_new": stacked seeds hold one W&B run each at the same time in this process
+    return WandbLogger(project=cfg.wandb.project, name=name, group=setting_name(cfg), reinit="create_new",
                        save_dir=str(run_dir), offline=mode == "offline", config=OmegaConf.to_container(cfg), **resume)
 
 

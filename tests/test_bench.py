@@ -16,6 +16,9 @@ matmul_size: 256
 datasets: {rmnist: [dataset=rmnist, partition=shards]}
 methods: [perfedavg]
 extra_rows: [[method=cafeme, variant=authors]]
+clients: [sequential, vmap]
+evaluation_methods: [perfedavg]
+seed_rows: [[method=perfedavg, "seeds=[0,1]", federation.vectorize=true]]
 memory:
   overrides: [dataset=rmnist, partition=iid, federation.held_out_fraction=0.34, federation.num_new_clients=4]
   num_clients: [100, 1000]
@@ -35,17 +38,30 @@ def small_bench(tmp_path, monkeypatch, mnist_dir):
 
 def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     out = tmp_path / "bench.json"
-    result = bench.run(extra=["personalization.steps=3"], out=out, config=small_bench, profile=True)
+    result = bench.run(extra=["personalization.steps=3"], out=out, config=small_bench, profile=True, projection="paper")
     assert json.loads(out.read_text()) == result
     assert result["peak_gflops"] > 0 and result["peak_gflops_bf16"] > 0
-    assert [(r["method"], r["variant"]) for r in result["rows"]] == [("perfedavg", "paper"), ("cafeme", "authors")]
+    assert [(r["method"], r["variant"], r["clients"], r["seeds"]) for r in result["rows"]] == [
+        ("perfedavg", "paper", "sequential", 1), ("perfedavg", "paper", "vmap", 1),
+        ("cafeme", "authors", "sequential", 1), ("cafeme", "authors", "vmap", 1), ("perfedavg", "paper", "vmap", 2)]
+    assert all(("evaluation_seconds" in r) == (r["method"] == "perfedavg" and r["seeds"] == 1) for r in result["rows"])
+    # each vmap row and the stacked-seed row against the sequential row of its method, from this run
+    ratios = {(s["method"], s["clients"], s["seeds"]): s for s in result["speedups"]}
+    assert set(ratios) == {("perfedavg", "vmap", 1), ("cafeme", "vmap", 1), ("perfedavg", "vmap", 2)}
+    assert all(s["round"] > 0 and s["personalize"] > 0 for s in ratios.values())
+    assert ratios[("perfedavg", "vmap", 1)]["evaluation"] > 0
+    # the paper preset's cost on this machine, from the rows measured (RMNIST only, and only Per-FedAvg of the paper's methods)
+    lines = result["projection"]["lines"]
+    assert any(line.startswith("rmnist-shards: ") and "not measured: cafeme" in line for line in lines)
+    assert "cifar10-shards: not measured" in lines and lines[-1].startswith("total of the measured settings: ")
     for row in result["rows"]:
         assert row["seconds_per_round"] > 0 and row["gflop_per_round"] > 0 and row["peak_rss_mb"] > 100
         assert row["gflops"] == pytest.approx(row["gflop_per_round"] / row["seconds_per_round"])
     # A CAFeMe client: 5 inner steps on 30 images + one outer step on 180, through base and modulator
     # (≈ 13–16 GFLOP a client, SPEC §2). FLOPs are counted through the second-order inner loops too.
-    assert 50 < result["rows"][1]["gflop_per_round"] < 100
-    profile = result["rows"][1]["profile"]  # the convolutions are where a CAFeMe round's time goes
+    assert 50 < result["rows"][2]["gflop_per_round"] < 100
+    assert result["rows"][4]["gflop_per_round"] == pytest.approx(result["rows"][0]["gflop_per_round"], rel=0.2)  # per seed
+    profile = result["rows"][2]["profile"]  # the convolutions are where a CAFeMe round's time goes
     assert len(profile) == bench.PROFILE_TOP and any("convolution" in op["op"] for op in profile[:3])
 
     memory = {(m["method"], m["num_clients"]): m for m in result["memory"]}

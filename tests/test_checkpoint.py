@@ -87,7 +87,7 @@ def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path, mnist_dir, capsys
 def test_divergence_keeps_the_last_good_checkpoint(tmp_path, mnist_dir, monkeypatch):
     from fedmeta.algorithms import FedAvg
 
-    honest = FedAvg.local_update
+    honest = FedAvg.run_client
 
     def diverging_in_round_3(self, client, round_):
         update = honest(self, client, round_)
@@ -95,7 +95,7 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path, mnist_dir, monkeypa
             update.loss = float("nan")
         return update
 
-    monkeypatch.setattr(FedAvg, "local_update", diverging_in_round_3)
+    monkeypatch.setattr(FedAvg, "run_client", diverging_in_round_3)
     cfg = compose(["method=fedavg", "method.local_epochs=1", "federation.rounds=6", "federation.checkpoint_every=2",
                    "wandb.mode=disabled", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"])
     with pytest.raises(FedmetaError, match=r"round 3: client \d+ produced a non-finite loss .*the last good checkpoint "

@@ -21,7 +21,7 @@ def small(tmp_path, mnist_dir, *overrides):
 def test_failing_and_nonfinite_clients_are_dropped_not_fatal(tmp_path, mnist_dir, monkeypatch):
     cfg = small(tmp_path, mnist_dir)
     _, federation, algorithm = setup(cfg)
-    honest = FedAvg.local_update
+    honest = FedAvg.run_client
     clients = federation.sample_round(1, 5, cfg.seed)
     broken, poisoned = clients[1].id, clients[3].id
 
@@ -33,7 +33,7 @@ def test_failing_and_nonfinite_clients_are_dropped_not_fatal(tmp_path, mnist_dir
             update.params = {k: torch.full_like(v, float("inf")) for k, v in update.params.items()}
         return update
 
-    monkeypatch.setattr(FedAvg, "local_update", faulty)
+    monkeypatch.setattr(FedAvg, "run_client", faulty)
     before = {k: v.clone() for k, v in algorithm.global_params().items()}
     outcome = federated_round(algorithm, federation, 1, 5, cfg.seed)
     assert len(outcome.dropped) == 2
@@ -44,7 +44,7 @@ def test_failing_and_nonfinite_clients_are_dropped_not_fatal(tmp_path, mnist_dir
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     # every client raising is not a fault of one client: the run stops in one line
-    monkeypatch.setattr(FedAvg, "local_update", lambda self, client, round_: 1 / 0)
+    monkeypatch.setattr(FedAvg, "run_client", lambda self, client, round_: 1 / 0)
     with pytest.raises(FedmetaError, match="round 2: every client failed .*ZeroDivisionError"):
         federated_round(algorithm, federation, 2, 5, cfg.seed)
 

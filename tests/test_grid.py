@@ -52,3 +52,18 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     written = {p.name for p in (tmp_path / "results").glob("*.png")}
     # Heterogeneity from the two table settings on its axis; no Meta-Dataset runs, so no images-per-client figure.
     assert written == {"fig_personalization.png", "fig_convergence.png", "fig_heterogeneity.png"}
+
+
+def test_vectorized_grid_stacks_each_methods_seeds_in_one_process(tmp_path, monkeypatch, mnist_dir, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
+    args = ["table", "--datasets", "rmnist-shards", "--methods", "local", "perfedavg", "--seeds", "0", "1", "--parallel", "1",
+            *TINY, "federation.vectorize=true"]
+    assert main(args) == 0
+    assert "4 to run in 2 processes" in capsys.readouterr().out
+    logs = sorted(p.name for p in tmp_path.glob("runs/quick/logs/*.log"))
+    assert logs == ["rmnist-shards-local-seeds0-1.log", "rmnist-shards-perfedavg-seeds0-1.log"]
+    summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("runs/quick/rmnist-shards/*/seed*/summary.json"))]
+    assert [(s["method"], s["seed"], s["seeds_stacked"]) for s in summaries] == [
+        ("local", 0, 2), ("local", 1, 2), ("perfedavg", 0, 2), ("perfedavg", 1, 2)]
+    assert "| Per-FedAvg |" in (tmp_path / "results" / "TABLES.md").read_text()

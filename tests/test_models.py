@@ -7,9 +7,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from fedmeta.algorithms import CAFeMe
-from fedmeta.algorithms.base import trainable_copy
 from fedmeta.data import ImageDataset, build_federation
-from fedmeta.functional import sgd_step
+from fedmeta.functional import adam, adam_state, sgd
 from fedmeta.models import ConvNet, ModulatedNet, Modulator, modulate
 
 TINY = dict(in_channels=1, image_size=8, num_classes=3, conv_channels=[2], kernel_size=3, padding=1)
@@ -59,10 +58,15 @@ def test_sigmoid_gating_keeps_activations_between_zero_and_themselves():
     assert modulate(torch.ones(2, 3), torch.ones(1, 3), "c0").eq(2.0).all()
 
 
-def _directional_derivative(algorithm, client, direction, eps=1e-5):
+def _meta_gradient(algorithm, client):
+    data = algorithm.draw(client, 1)
+    omega = algorithm.global_params()
+    return omega, data, torch.func.grad(algorithm.meta_loss)(omega, data)
+
+
+def _directional_derivative(algorithm, omega, data, direction, eps=1e-5):
     def loss_at(t):
-        omega = trainable_copy({k: v + t * direction[k] for k, v in algorithm.global_params().items()})
-        return algorithm.meta_loss(omega, client, client.generator(1)).item()
+        return algorithm.meta_loss({k: v + t * direction[k] for k, v in omega.items()}, data).item()
     return (loss_at(eps) - loss_at(-eps)) / (2 * eps)
 
 
@@ -70,21 +74,30 @@ def _directional_derivative(algorithm, client, direction, eps=1e-5):
 def test_second_order_outer_gradient_matches_finite_differences(modulation):
     client = tiny_client()
     exact = tiny_cafeme(modulation)
-    omega = trainable_copy(exact.global_params())
-    exact.meta_loss(omega, client, client.generator(1)).backward()
+    omega, data, grad = _meta_gradient(exact, client)
     g = torch.Generator().manual_seed(3)
     direction = {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in omega.items()}
     # the gradient must reach the modulator μ through the inner loop
-    assert any(omega[k].grad.abs().sum() > 0 for k in omega if k.startswith("modulator."))
-    analytic = sum((omega[k].grad * direction[k]).sum() for k in omega).item()
-    numeric = _directional_derivative(exact, client, direction)
+    assert any(grad[k].abs().sum() > 0 for k in grad if k.startswith("modulator."))
+    analytic = sum((grad[k] * direction[k]).sum() for k in grad).item()
+    numeric = _directional_derivative(exact, omega, data, direction)
     assert analytic == pytest.approx(numeric, rel=1e-5, abs=1e-8)
 
     first = tiny_cafeme(modulation, first_order=True)
-    omega_fo = trainable_copy(first.global_params())
-    first.meta_loss(omega_fo, client, client.generator(1)).backward()
-    first_order = sum((omega_fo[k].grad * direction[k]).sum() for k in omega_fo).item()
+    _, _, grad_fo = _meta_gradient(first, client)
+    first_order = sum((grad_fo[k] * direction[k]).sum() for k in grad_fo).item()
     assert abs(first_order - numeric) > 100 * abs(analytic - numeric)  # second-order terms matter
+
+
+def test_masked_batch_statistics_equal_those_of_the_unpadded_batch():
+    """A padded client (vectorized rounds) computes exactly what it computes alone."""
+    model = tiny_cafeme().model
+    x, y = torch.randn(7, 1, 8, 8, dtype=torch.float64), torch.randint(0, 3, (7,))
+    padded_x, padded_y = torch.cat([x, torch.zeros(3, 1, 8, 8, dtype=torch.float64)]), torch.cat([y, torch.zeros(3, dtype=torch.long)])
+    mask = torch.arange(10) < 7
+    alone = model(x, x, y)
+    padded = model(padded_x, padded_x, padded_y, mask, mask)
+    torch.testing.assert_close(padded[:7], alone, rtol=1e-12, atol=1e-12)
 
 
 def test_functional_inner_loop_matches_learn2learn_maml():
@@ -100,13 +113,18 @@ def test_functional_inner_loop_matches_learn2learn_maml():
     F.cross_entropy(learner(xq), yq).backward()
     reference = {k: p.grad.clone() for k, p in net.named_parameters()}
 
-    params = trainable_copy(dict(net.named_parameters()))
-    adapted = params
-    for _ in range(3):
-        adapted = sgd_step(adapted, F.cross_entropy(torch.func.functional_call(net, adapted, (x,)), y), 0.2, create_graph=True)
-    F.cross_entropy(torch.func.functional_call(net, adapted, (xq,)), yq).backward()
-    for k, p in params.items():
-        torch.testing.assert_close(p.grad, reference[k])
+    def loss(params, inputs, labels):
+        return F.cross_entropy(torch.func.functional_call(net, params, (inputs,)), labels)
+
+    def meta_loss(params):  # the inner loop as CAFeMe writes it: nested torch.func.grad
+        for _ in range(3):
+            grads = torch.func.grad(loss)(params, x, y)
+            params = {k: params[k] - 0.2 * grads[k] for k in params}
+        return loss(params, xq, yq)
+
+    ours = torch.func.grad(meta_loss)({k: p.detach() for k, p in net.named_parameters()})
+    for k, g in ours.items():
+        torch.testing.assert_close(g, reference[k])
 
 
 def test_conv_block_computes_the_spec_order_exactly():
@@ -130,14 +148,32 @@ def test_authors_client_adam_state_is_kept_compactly_and_resumed(dtype, bytes_pe
     algorithm.cfg.client_optimizer_state, algorithm.cfg.client_state_dtype = True, dtype
     client = tiny_client()
     client.data.x = client.data.x.float()
-    algorithm.aggregate([algorithm.local_update(client, 1)])  # the server keeps what the client keeps
+    algorithm.aggregate([algorithm.run_client(client, 1)])  # the server keeps what the client keeps
     state = algorithm.client_states[client.id]
     numbers = sum(p.numel() for p in algorithm.model.parameters())
-    assert all(set(m) == {"step", "exp_avg", "exp_avg_sq"} and int(m["step"]) == 1 for m in state.values())
-    assert sum(m["exp_avg"].nbytes + m["exp_avg_sq"].nbytes for m in state.values()) == 2 * numbers * bytes_per_number
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and int(state["step"]) == 1
+    assert sum(m.nbytes for key in ("exp_avg", "exp_avg_sq") for m in state[key].values()) == 2 * numbers * bytes_per_number
 
     before = {k: p.detach().clone() for k, p in algorithm.model.named_parameters()}
-    update = algorithm.local_update(client, 2)  # the second visit continues the client's Adam: step 2
+    update = algorithm.run_client(client, 2)  # the second visit continues the client's Adam: step 2
     algorithm.aggregate([update])
-    assert all(int(m["step"]) == 2 for m in algorithm.client_states[client.id].values())
+    assert int(algorithm.client_states[client.id]["step"]) == 2
     assert all(torch.isfinite(update.params[k]).all() and not torch.equal(update.params[k], before[k]) for k in before)
+
+
+def test_functional_adam_and_sgd_match_torch_optim():
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(5, 3, generator=g, dtype=torch.float64), "b": torch.randn(3, generator=g, dtype=torch.float64)}
+    grads = [{k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in start.items()} for _ in range(3)]
+    for make, step in [(lambda p: torch.optim.Adam(p, lr=0.01), lambda p, gr, s: adam(p, gr, s, 0.01)),
+                       (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p, gr, s: sgd(p, gr, 0.1, 0.9, s))]:
+        leaves = {k: v.clone().requires_grad_() for k, v in start.items()}
+        optimizer = make(leaves.values())
+        params, state = dict(start), adam_state(start) if "Adam" in str(make(leaves.values())) else {k: torch.zeros_like(v) for k, v in start.items()}
+        for gr in grads:
+            for k, p in leaves.items():
+                p.grad = gr[k].clone()
+            optimizer.step()
+            params, state = step(params, gr, state)
+        for k in start:
+            torch.testing.assert_close(params[k], leaves[k].detach(), rtol=1e-12, atol=1e-12)

@@ -60,15 +60,15 @@ def test_federation_splits_clients_and_their_data(rmnist):
     round_clients = fed.sample_round(1, 5, seed=0)
     assert len({c.id for c in round_clients}) == 5
     assert {c.id for c in round_clients} <= {c.id for c in fed.train_clients}
-    x, y = round_clients[0].batch("pers", 30, round_clients[0].generator(1))
-    x2, y2 = round_clients[0].batch("pers", 30, round_clients[0].generator(1))
+    x, y = round_clients[0].batch("pers", 30, round_clients[0].generator(1))[:2]
+    x2, y2 = round_clients[0].batch("pers", 30, round_clients[0].generator(1))[:2]
     assert x.shape == (30, 1, 28, 28) and torch_equal(y, y2) and torch_equal(x, x2)
 
     # An epoch never ends in a batch of one (BatchNorm on batch statistics cannot train on it).
     client = fed.train_clients[0]
-    sizes = [len(y) for _, y in client.epoch("pers", 479, client.generator(1))]
+    sizes = [len(b.y) for b in client.epoch("pers", 479, client.generator(1))]
     assert sizes == [480]
-    assert [len(y) for _, y in client.epoch("pers", 100, client.generator(1))] == [100, 100, 100, 100, 80]
+    assert [len(b.y) for b in client.epoch("pers", 100, client.generator(1))] == [100, 100, 100, 100, 80]
 
 
 def torch_equal(a, b):

@@ -85,20 +85,19 @@ def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkey
 def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, method):
     """federation.client_threads=2 runs a round's clients two at a time: the global model after two
     rounds and the new clients' accuracies are exactly those of one client after another."""
-    from fedmeta.loop import client_map, federated_round, setup
-    from fedmeta.evaluation import evaluate_new_clients
+    from fedmeta.loop import Federated, evaluate_on_ranks, federated_round, make_engine, setup
 
     outcomes = []
     for threads in (1, 2):
         cfg = config(tmp_path, mnist_dir, *method.replace("cafeme", "method=cafeme").replace("fedavg", "method=fedavg").split(),
                      "federation.num_new_clients=4", "personalization.steps=3", f"federation.client_threads={threads}")
-        _, federation, algorithm = setup(cfg)
-        run_clients = client_map(threads)
+        fabric, federation, algorithm = setup(cfg)
+        engine = make_engine(cfg)
         for round_ in (1, 2):
-            federated_round(algorithm, federation, round_, 5, seed=0, map_clients=run_clients)
-        result = evaluate_new_clients(algorithm, federation.new_clients, cfg.personalization, federation.num_classes, run_clients)
+            federated_round(algorithm, federation, round_, 5, seed=0, engine=engine)
+        result = evaluate_on_ranks(fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine)[0]
         outcomes.append(({k: v.clone() for k, v in algorithm.model.state_dict().items()}, result.curves))
-    torch.set_num_threads(1)  # client_map(2) set it for the process
+    torch.set_num_threads(1)  # two client threads set it for the process
     (model_1, curves_1), (model_2, curves_2) = outcomes
     assert all(torch.equal(model_1[k], model_2[k]) for k in model_1)
     assert torch.equal(curves_1, curves_2)
@@ -113,5 +112,5 @@ def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
     cfg = config(tmp_path, mnist_dir, "method=fedavg_ft", "fabric.precision=bf16-mixed", "personalization.lr=0.05",
                  "personalization.steps=20")
     _, federation, algorithm = setup(cfg)
-    _, curve = personalize_client(algorithm, federation.new_clients[0], cfg.personalization, federation.num_classes)
+    _, curve = personalize_client(algorithm, federation.new_clients[0], cfg.personalization)
     assert curve[-1] > curve[0] + 0.3

@@ -20,7 +20,15 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 
 
 def build_model(cfg, num_classes: int):
-    """The global model a method trains: the base CNN; with the modulator for CAFeMe; k of them for IFCA."""
+    """The global model a method trains: the base CNN; with the modulator for CAFeMe; k of them for IFCA.
+    Activations are NHWC (faster convolutions on CPU) except for second-order CAFeMe, whose batch
+    norm double backward is slower in it (and fedmeta.engine turns NHWC off for vmapped clients)."""
+    model = _model(cfg, num_classes)
+    set_channels_last(model, not (cfg.method.algorithm == "cafeme" and not cfg.method.first_order))
+    return model
+
+
+def _model(cfg, num_classes: int):
     shape = dict(in_channels=cfg.dataset.in_channels, image_size=cfg.dataset.image_size, num_classes=num_classes)
     if cfg.method.algorithm == "ifca":
         return ClusteredNets(lambda: build_base_net(cfg.model, **shape), cfg.method.clusters, cfg.method.share_body)
@@ -32,9 +40,7 @@ def build_model(cfg, num_classes: int):
                           after_mean=cfg.model.modulator.after_mean,
                           layer_sizes=base.hidden_sizes(include_flatten=cfg.method.modulate_flatten),
                           modulation=cfg.method.modulation, use_labels=cfg.method.context == "labelled")
-    model = ModulatedNet(base, modulator, modulate_flatten=cfg.method.modulate_flatten)
-    set_channels_last(model, cfg.method.first_order)
-    return model
+    return ModulatedNet(base, modulator, modulate_flatten=cfg.method.modulate_flatten)
 
 
 def build_algorithm(cfg, num_classes: int) -> Algorithm:

@@ -1,14 +1,17 @@
 """The interface every algorithm implements, on top of a functional view of one global model.
 
-A federated algorithm differs from another in three places only, and a subclass overrides just
-those: ``local_update`` (what a sampled client does with the global parameters),
-``aggregate`` (how the server combines the clients' results) and the personalization hooks
-(``personal_params``, ``adaptation_loss``, ``adaptation_context``, ``prediction_context``) used
-by the one test-time procedure that all methods share (fedmeta.evaluation).
+A federated algorithm differs from another in a few places only, and a subclass overrides just
+those: which batches a sampled client reads (``draw``), what it computes from the global
+parameters and those batches (``local_update``), what it sends and keeps (``to_update``), how the
+server combines the clients' results (``aggregate``), and the personalization hooks
+(``personal_params``, ``adaptation_loss``, ``adaptation_context``, ``prediction_context``) used by
+the one test-time procedure that all methods share (fedmeta.evaluation).
 
-Models are used as pure functions of a parameter dict (``torch.func.functional_call``), so a
-client is data plus a seed: no per-client module copies, and the same code can later be
-vmapped over the clients of a round.
+``local_update`` is a pure function of tensors — parameters, the client's kept state and its
+batches in, new parameters, loss and state out — written with ``torch.func`` gradients and the
+optimizers of fedmeta.functional. It is written once, for one client; fedmeta.engine calls it for
+one client at a time or ``vmap``s it over the stacked clients of a round (and of several seeds).
+A client is therefore data plus a seed: no per-client module copies.
 """
 
 from __future__ import annotations
@@ -17,18 +20,26 @@ import math
 from abc import abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedmeta.data.federation import Client
-from fedmeta.functional import call
+from fedmeta.data.federation import Batch, Client
+from fedmeta.functional import Params, call, masked_mean, sgd
 
-Params = dict[str, torch.Tensor]
-Batch = tuple[torch.Tensor, torch.Tensor]
-Context = tuple[torch.Tensor, torch.Tensor | None] | None
+Context = Batch | None  # what a modulated model conditions on: a batch (labels optional)
+ClientData = dict[str, Any]  # a client's batches for one local update: Batch / list[Batch] values
+
+
+class LocalResult(NamedTuple):
+    """What ``local_update`` returns, per client (stacked along dim 0 when vmapped)."""
+    params: Params  # the parameters after local training
+    loss: torch.Tensor  # the training loss the client reports
+    state: dict  # what the client keeps for its next round ({} when nothing)
+    extra: dict  # anything else ``to_update`` needs (IFCA: the chosen model)
 
 
 @dataclass
@@ -53,9 +64,20 @@ def _tree_to(tree, device):
     return tree.to(device) if isinstance(tree, torch.Tensor) else tree
 
 
-def trainable_copy(params: Params) -> Params:
-    """Fresh leaf tensors with gradients, starting from ``params``."""
-    return {name: p.detach().clone().requires_grad_() for name, p in params.items()}
+def masked(mask: torch.Tensor | None) -> dict:
+    """The ``mask`` keyword for a model's forward, only where there is one (any module works unpadded)."""
+    return {} if mask is None else {"mask": mask}
+
+
+def unless_idle(batch: Batch, new: dict, old: dict) -> dict:
+    """``new``, except on a padding step of a stacked client (``batch.active`` false): ``old``."""
+    if batch.active is None:
+        return new
+    return {k: torch.where(batch.active, new[k], old[k]) for k in new}
+
+
+def step_weight(batch: Batch) -> torch.Tensor | float:
+    return 1.0 if batch.active is None else batch.active.float()
 
 
 class Algorithm(L.LightningModule):
@@ -73,26 +95,49 @@ class Algorithm(L.LightningModule):
     def global_params(self) -> Params:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
-    def run_model(self, module: nn.Module, params: Params, *inputs) -> torch.Tensor:
+    def run_model(self, module: nn.Module, params: Params, *inputs, **options) -> torch.Tensor:
         """``module`` as a function of ``params``, under the run's precision; logits in float32.
         Autocast is entered per forward pass, not around a whole round: it caches the low-precision
         copies of leaf parameters until it exits, so in-place optimizer steps inside one long
         autocast region would go unseen by later forward passes."""
         with self.autocast():
-            logits = call(module, params, *inputs)
+            logits = call(module, params, *inputs, **options)
         return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
-    def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
-        return self.run_model(self.model, params, x)
+    def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run_model(self.model, params, x, **masked(mask))
 
     def loss(self, params: Params, batch: Batch, context: Context = None) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(params, x, context), y)
+        logits = self(params, batch.x, context, batch.mask)
+        return masked_mean(F.cross_entropy(logits, batch.y, reduction="none"), batch.mask)
 
     # ---- federated training ------------------------------------------------------------------
     @abstractmethod
-    def local_update(self, client: Client, round_: int) -> ClientUpdate:
-        """Run a sampled client's local work from the current global parameters."""
+    def draw(self, client: Client, round_: int) -> ClientData:
+        """The batches a sampled client reads in its local update of ``round_`` (its own seeded
+        generator decides them, so they do not depend on which process or lane runs it)."""
+
+    @abstractmethod
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
+        """A client's local work from the global ``params``, its kept ``state`` and its batches:
+        a pure function of tensors (vmappable)."""
+
+    def client_state(self, client_id: int, params: Params) -> dict:
+        """The state a client's local update starts from; ``{}`` for stateless methods."""
+        return {}
+
+    def update_weight(self, client: Client) -> float:
+        return float(client.num_samples)
+
+    def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
+        """What the client sends (all trained parameters by default) and keeps."""
+        return ClientUpdate(client.id, {k: p.detach() for k, p in result.params.items()}, self.update_weight(client),
+                            float(result.loss), result.state or None)
+
+    def run_client(self, client: Client, round_: int) -> ClientUpdate:
+        """One client's local update on its own (fedmeta.engine runs many at once)."""
+        params = self.global_params()
+        return self.to_update(client, self.local_update(params, self.client_state(client.id, params), self.draw(client, round_)))
 
     def aggregate(self, updates: list[ClientUpdate]) -> None:
         """Each global parameter becomes the weighted mean of the clients that sent it (FedAvg);
@@ -108,36 +153,47 @@ class Algorithm(L.LightningModule):
                     total = sum((u.weight * u.params[name] for u in senders), torch.zeros_like(p))
                     p.copy_(total / sum(u.weight for u in senders))
 
-    def local_sgd(self, params: Params, client: Client, generator: torch.Generator, epochs: int, lr: float,
-                  momentum: float = 0.0, trainable: list[str] | None = None) -> float:
-        """``epochs`` shuffled passes of SGD over the client's data, updating ``params[trainable]``
-        (all by default) in place; returns the mean training loss."""
-        optimizer = torch.optim.SGD([params[n] for n in (trainable or params)], lr=lr, momentum=momentum)
-        losses = []
-        for _ in range(epochs):
-            for batch in client.epoch("all", self.cfg.batch_size, generator):
-                loss = self.loss(params, batch)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.detach())
-        return torch.stack(losses).mean().item()
+    def local_sgd(self, params: Params, batches: list[Batch], lr: float, momentum: float = 0.0,
+                  trainable: list[str] | None = None) -> tuple[Params, torch.Tensor]:
+        """SGD over ``batches`` (a client's shuffled epochs), updating ``params[trainable]`` (all by
+        default); returns the new parameters and the mean training loss."""
+        names = trainable or list(params)
+        if not batches:
+            return params, torch.zeros(())
+        velocity = {n: torch.zeros_like(params[n]) for n in names} if momentum else None
+        total, steps = 0.0, 0.0
+        for batch in batches:
+            def loss_of(trained: Params, batch=batch) -> torch.Tensor:
+                return self.loss({**params, **trained}, batch)
+
+            grads, loss = torch.func.grad_and_value(loss_of)({n: params[n] for n in names})
+            trained, new_velocity = sgd({n: params[n] for n in names}, grads, lr, momentum, velocity)
+            params = {**params, **unless_idle(batch, trained, params)}
+            if momentum:
+                velocity = unless_idle(batch, new_velocity, velocity)
+            total, steps = total + step_weight(batch) * loss, steps + step_weight(batch)
+        return params, total / steps
 
     # ---- the shared test-time personalization (fedmeta.evaluation) ---------------------------
-    def personal_params(self, client: Client) -> Params:
-        """Where a new client's personalization starts: the global model by default."""
-        return trainable_copy(self.global_params())
+    def personalization_data(self, client: Client) -> ClientData:
+        """Batches a method needs to choose a new client's starting point (IFCA's model choice)."""
+        return {}
 
-    def adaptation_loss(self, params: Params, batch: Batch) -> torch.Tensor:
-        """The loss a personalization step minimizes (Ditto adds its proximal term)."""
+    def personal_params(self, params: Params, data: ClientData) -> Params:
+        """Where a new client's personalization starts, given the global ``params``: those."""
+        return params
+
+    def adaptation_loss(self, params: Params, batch: Batch, start: Params) -> torch.Tensor:
+        """The loss a personalization step minimizes; ``start`` is where the client started (Ditto
+        pulls toward it)."""
         return self.loss(params, batch, self.adaptation_context(batch))
 
     def adaptation_context(self, batch: Batch) -> Context:
         """The context a personalization step on ``batch`` conditions on (none for plain models)."""
         return None
 
-    def prediction_context(self, x: torch.Tensor, last_batch: Batch) -> Context:
-        """The context used to classify held-out ``x`` after adapting on ``last_batch``."""
+    def prediction_context(self, batch: Batch, last_batch: Batch) -> Context:
+        """The context used to classify the held-out ``batch`` after adapting on ``last_batch``."""
         return None
 
     # ---- the whole federation state, for checkpoints ----------------------------------------

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from fedmeta.algorithms.base import Algorithm, Batch, ClientUpdate, Context, Params, trainable_copy
-from fedmeta.data.federation import Client
-from fedmeta.functional import sgd_step
+from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
+from fedmeta.data.federation import Batch, Client
+from fedmeta.functional import Params, adam, adam_state
 from fedmeta.models import ModulatedNet
 
 
@@ -30,48 +30,59 @@ class CAFeMe(Algorithm):
         super().__init__(model, cfg)
         self.transductive = cfg.context == "transductive"
 
-    def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
-        context_x, context_y = context
-        return self.run_model(self.model, params, x, context_x, context_y)
+    def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run_model(self.model, params, x, context.x, context.y, mask, context.mask)
 
     def adaptation_context(self, batch: Batch) -> Context:
-        x, y = batch
-        return (x, None) if self.transductive else (x, y)
+        return Batch(batch.x, None, batch.mask) if self.transductive else Batch(batch.x, batch.y, batch.mask)
 
-    def prediction_context(self, x: torch.Tensor, last_batch: Batch) -> Context:
+    def prediction_context(self, batch: Batch, last_batch: Batch) -> Context:
         # Paper: ζ = g_μ'(D') from the last personalization batch. Authors' code: from x itself.
-        return (x, None) if self.transductive else self.adaptation_context(last_batch)
+        return Batch(batch.x, None, batch.mask) if self.transductive else self.adaptation_context(last_batch)
 
-    def personalize(self, params: Params, client: Client, generator: torch.Generator) -> tuple[Params, Batch]:
+    def draw(self, client: Client, round_: int) -> ClientData:
+        generator = client.generator(round_)
+        inner = [client.batch("pers", self.cfg.batch_size, generator) for _ in range(self.cfg.inner_steps)]
+        return {"inner": inner, "outer": client.batch("held_out", self.cfg.eval_batch_size, generator)}
+
+    def personalize(self, params: Params, batches: list[Batch]) -> tuple[Params, Batch]:
         """Algorithm 2, differentiable: returns ψ', μ' and the last batch D' (which gives ζ)."""
-        for _ in range(self.cfg.inner_steps):
-            batch = client.batch("pers", self.cfg.batch_size, generator)
-            loss = self.loss(params, batch, self.adaptation_context(batch))
-            params = sgd_step(params, loss, self.cfg.inner_lr, create_graph=not self.cfg.first_order)
+        for batch in batches:
+            grads = torch.func.grad(lambda p, b=batch: self.loss(p, b, self.adaptation_context(b)))(params)
+            if self.cfg.first_order:  # first-order MAML: the inner gradient is a constant
+                grads = {k: g.detach() for k, g in grads.items()}
+            params = {k: params[k] - self.cfg.inner_lr * grads[k] for k in params}
         return params, batch
 
-    def meta_loss(self, omega: Params, client: Client, generator: torch.Generator) -> torch.Tensor:
+    def meta_loss(self, omega: Params, data: ClientData) -> torch.Tensor:
         """L_{D_eval}(f_ψ'|ζ) after Personalization(S, α, D_pers, ω): the outer objective of line 8."""
-        adapted, last_batch = self.personalize(omega, client, generator)
-        x, y = client.batch("held_out", self.cfg.eval_batch_size, generator)
-        return self.loss(adapted, (x, y), self.prediction_context(x, last_batch))
+        adapted, last_batch = self.personalize(omega, data["inner"])
+        outer = data["outer"]
+        return self.loss(adapted, outer, self.prediction_context(outer, last_batch))
 
-    def local_update(self, client: Client, round_: int) -> ClientUpdate:
-        generator = client.generator(round_)
-        omega = trainable_copy(self.global_params())
-        optimizer = torch.optim.Adam(omega.values(), lr=self.cfg.outer_lr)
-        if self.cfg.client_optimizer_state and client.id in self.client_states:
-            # load_state_dict casts the moments back to the parameters' dtype
-            optimizer.load_state_dict({"state": self.client_states[client.id],
-                                       "param_groups": optimizer.state_dict()["param_groups"]})
+    def client_state(self, client_id: int, params: Params) -> dict:
+        if not self.cfg.client_optimizer_state:
+            return {}
+        kept = self.client_states.get(client_id)
+        if kept is None:
+            return adam_state(params)
+        dtype = next(iter(params.values())).dtype  # moments kept in bfloat16 are used in the parameters' dtype
+        return {"step": kept["step"], **{key: {k: v.to(dtype) for k, v in kept[key].items()} for key in ("exp_avg", "exp_avg_sq")}}
 
-        outer_loss = self.meta_loss(omega, client, generator)
-        outer_loss.backward()
-        optimizer.step()
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
+        grads, outer_loss = torch.func.grad_and_value(self.meta_loss)(params, data)
+        # A fresh Adam per client per round unless the client keeps its own (client_optimizer_state)
+        new, adam_after = adam(params, grads, state or adam_state(params), self.cfg.outer_lr)
+        return LocalResult(new, outer_loss, adam_after if self.cfg.client_optimizer_state else {}, {})
 
-        kept = None
-        if self.cfg.client_optimizer_state:  # the client's Adam moments, for its next round
+    def update_weight(self, client: Client) -> float:
+        return 1.0  # uniform, as the paper's Algorithm 1
+
+    def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
+        update = super().to_update(client, result)
+        if update.state is not None:  # the client's Adam moments, compactly, for its next round
             dtype = getattr(torch, self.cfg.client_state_dtype)
-            kept = {index: {key: value if key == "step" else value.to(dtype) for key, value in moments.items()}
-                    for index, moments in optimizer.state_dict()["state"].items()}
-        return ClientUpdate(client.id, {k: p.detach() for k, p in omega.items()}, 1.0, outer_loss.item(), state=kept)
+            update.state = {"step": result.state["step"].detach(),
+                            **{key: {k: v.detach().to(dtype) for k, v in result.state[key].items()}
+                               for key in ("exp_avg", "exp_avg_sq")}}
+        return update

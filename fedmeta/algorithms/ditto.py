@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from fedmeta.algorithms.base import Batch, Params
 from fedmeta.algorithms.fedavg import FedAvg
+from fedmeta.data.federation import Batch
+from fedmeta.functional import Params
 
 
 class Ditto(FedAvg):
-    def adaptation_loss(self, params: Params, batch: Batch) -> torch.Tensor:
-        w = self.global_params()
-        proximal = sum(((params[name] - w[name]) ** 2).sum() for name in params)
-        return super().adaptation_loss(params, batch) + 0.5 * self.cfg.lam * proximal
+    def adaptation_loss(self, params: Params, batch: Batch, start: Params) -> torch.Tensor:
+        proximal = sum(((params[name] - start[name]) ** 2).sum() for name in params)  # start = w
+        return super().adaptation_loss(params, batch, start) + 0.5 * self.cfg.lam * proximal

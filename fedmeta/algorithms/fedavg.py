@@ -6,13 +6,15 @@ global model with the shared personalization procedure (its config sets the step
 
 from __future__ import annotations
 
-from fedmeta.algorithms.base import Algorithm, ClientUpdate, trainable_copy
+from fedmeta.algorithms.base import Algorithm, ClientData, LocalResult
 from fedmeta.data.federation import Client
+from fedmeta.functional import Params
 
 
 class FedAvg(Algorithm):
-    def local_update(self, client: Client, round_: int) -> ClientUpdate:
-        params = trainable_copy(self.global_params())
-        loss = self.local_sgd(params, client, client.generator(round_), self.cfg.local_epochs, self.cfg.local_lr,
-                              self.cfg.momentum)
-        return ClientUpdate(client.id, {k: p.detach() for k, p in params.items()}, float(client.num_samples), loss)
+    def draw(self, client: Client, round_: int) -> ClientData:
+        return {"epochs": client.epochs("all", self.cfg.batch_size, client.generator(round_), self.cfg.local_epochs)}
+
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
+        params, loss = self.local_sgd(params, data["epochs"], self.cfg.local_lr, self.cfg.momentum)
+        return LocalResult(params, loss, {}, {})

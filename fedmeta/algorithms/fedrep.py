@@ -9,8 +9,9 @@ never changes — so it stays at its initialization, as does a new client's at t
 
 from __future__ import annotations
 
-from fedmeta.algorithms.base import Algorithm, ClientUpdate, trainable_copy
+from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalResult
 from fedmeta.data.federation import Client
+from fedmeta.functional import Params
 
 HEAD_PREFIX = "head."
 
@@ -22,12 +23,21 @@ class FedRep(Algorithm):
         self.head_names = [n for n in names if n.startswith(HEAD_PREFIX)]
         self.body_names = [n for n in names if not n.startswith(HEAD_PREFIX)]
 
-    def local_update(self, client: Client, round_: int) -> ClientUpdate:
+    def draw(self, client: Client, round_: int) -> ClientData:
         generator = client.generator(round_)
-        params = trainable_copy({**self.global_params(), **self.client_states.get(client.id, {})})
-        self.local_sgd(params, client, generator, self.cfg.head_epochs, self.cfg.local_lr, self.cfg.momentum,
-                       trainable=self.head_names)
-        loss = self.local_sgd(params, client, generator, self.cfg.body_epochs, self.cfg.local_lr, self.cfg.momentum,
-                              trainable=self.body_names)
-        return ClientUpdate(client.id, {n: params[n].detach() for n in self.body_names}, float(client.num_samples), loss,
-                            state={n: params[n].detach().clone() for n in self.head_names})  # the head stays with the client
+        head = client.epochs("all", self.cfg.batch_size, generator, self.cfg.head_epochs)
+        return {"head": head, "body": client.epochs("all", self.cfg.batch_size, generator, self.cfg.body_epochs)}
+
+    def client_state(self, client_id: int, params: Params) -> dict:
+        return self.client_states.get(client_id) or {n: params[n] for n in self.head_names}
+
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
+        params = {**params, **state}  # the client's own head
+        params, _ = self.local_sgd(params, data["head"], self.cfg.local_lr, self.cfg.momentum, trainable=self.head_names)
+        params, loss = self.local_sgd(params, data["body"], self.cfg.local_lr, self.cfg.momentum, trainable=self.body_names)
+        return LocalResult({n: params[n] for n in self.body_names}, loss, {n: params[n] for n in self.head_names}, {})
+
+    def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
+        update = super().to_update(client, result)
+        update.state = {n: p.detach().clone() for n, p in result.state.items()}  # the head stays with the client
+        return update

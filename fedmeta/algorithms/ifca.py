@@ -6,16 +6,20 @@ averages each model over the clients that chose it (a model nobody chose is kept
 head; a client's trained body is sent for every cluster, so the body is averaged over all clients
 while each head is averaged over its own cluster. IFCA-FT: a new client picks its model the same
 way, on its personalization split, and fine-tunes it with the shared test-time procedure.
+
+The choice is data-dependent, yet the local update stays one vmappable function: the chosen
+model's parameters are gathered from the k stacked ones by index, so stacked clients may choose
+different models.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fedmeta.algorithms.base import Algorithm, ClientUpdate, Context, Params, trainable_copy
-from fedmeta.data.federation import Client
+from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult, masked
+from fedmeta.data.federation import Batch, Client
+from fedmeta.functional import Params
 
 HEAD_PREFIX = "head."
 
@@ -35,28 +39,47 @@ class ClusteredNets(nn.Module):
 class IFCA(Algorithm):
     model: ClusteredNets
 
-    def cluster_params(self, j: int) -> Params:
-        prefix = f"nets.{j}."
-        return {n[len(prefix):]: p for n, p in self.global_params().items() if n.startswith(prefix)}
+    @property
+    def clusters(self) -> int:
+        return len(self.model.nets)
 
-    def forward(self, params: Params, x: torch.Tensor, context: Context = None) -> torch.Tensor:
-        return self.run_model(self.model.nets[0], params, x)  # params: one cluster's network
+    def cluster_params(self, params: Params, j: int | torch.Tensor) -> Params:
+        """Model ``j`` of the k in ``params``; ``j`` may be a (vmapped) tensor."""
+        names = [n[len("nets.0."):] for n in params if n.startswith("nets.0.")]
+        if isinstance(j, int):
+            return {n: params[f"nets.{j}.{n}"] for n in names}
+        return {n: torch.stack([params[f"nets.{c}.{n}"] for c in range(self.clusters)])[j] for n in names}
+
+    def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run_model(self.model.nets[0], params, x, **masked(mask))  # params: one cluster's network
+
+    def choose(self, params: Params, batch: Batch) -> torch.Tensor:
+        """The index of the model with the lowest loss on ``batch``."""
+        with torch.no_grad():
+            losses = torch.stack([self.loss(self.cluster_params(params, j), batch) for j in range(self.clusters)])
+        return losses.argmin()
 
     def choose_cluster(self, client: Client, split: str) -> int:
-        x, y = client.data.take(client.indices(split))
-        with torch.no_grad():
-            losses = [F.cross_entropy(self(self.cluster_params(j), x), y) for j in range(len(self.model.nets))]
-        return int(torch.stack(losses).argmin())
+        return int(self.choose(self.global_params(), client.batch(split, None)))
 
-    def local_update(self, client: Client, round_: int) -> ClientUpdate:
-        j = self.choose_cluster(client, "all")
-        params = trainable_copy(self.cluster_params(j))
-        loss = self.local_sgd(params, client, client.generator(round_), self.cfg.local_epochs, self.cfg.local_lr,
-                              self.cfg.momentum)
-        clusters = range(len(self.model.nets)) if self.cfg.share_body else [j]
-        sent = {f"nets.{c}.{n}": p.detach() for c in clusters for n, p in params.items()
+    def draw(self, client: Client, round_: int) -> ClientData:
+        return {"choice": client.batch("all", None),
+                "epochs": client.epochs("all", self.cfg.batch_size, client.generator(round_), self.cfg.local_epochs)}
+
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
+        j = self.choose(params, data["choice"])
+        trained, loss = self.local_sgd(self.cluster_params(params, j), data["epochs"], self.cfg.local_lr, self.cfg.momentum)
+        return LocalResult(trained, loss, {}, {"cluster": j})
+
+    def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
+        j = int(result.extra["cluster"])
+        clusters = range(self.clusters) if self.cfg.share_body else [j]
+        sent = {f"nets.{c}.{n}": p.detach() for c in clusters for n, p in result.params.items()
                 if c == j or not n.startswith(HEAD_PREFIX)}
-        return ClientUpdate(client.id, sent, float(client.num_samples), loss)
+        return ClientUpdate(client.id, sent, self.update_weight(client), float(result.loss))
 
-    def personal_params(self, client: Client) -> Params:
-        return trainable_copy(self.cluster_params(self.choose_cluster(client, "pers")))
+    def personalization_data(self, client: Client) -> ClientData:
+        return {"choice": client.batch("pers", None)}
+
+    def personal_params(self, params: Params, data: ClientData) -> Params:
+        return self.cluster_params(params, self.choose(params, data["choice"]))

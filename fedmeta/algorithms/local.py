@@ -4,15 +4,18 @@ test-time step budget as every method — the floor every federated method must 
 
 from __future__ import annotations
 
-import torch
-
-from fedmeta.algorithms.base import Algorithm, ClientUpdate
+from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalResult
 from fedmeta.data.federation import Client
+from fedmeta.functional import Params
 
 
 class Local(Algorithm):
-    def local_update(self, client: Client, round_: int) -> ClientUpdate:
+    def draw(self, client: Client, round_: int) -> ClientData:
+        return {"batch": client.batch("all", self.cfg.batch_size, client.generator(round_))}
+
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         # Nothing is trained or sent; the reported loss is that of the (untouched) initial model.
-        with torch.no_grad():
-            loss = self.loss(self.global_params(), client.batch("all", self.cfg.batch_size, client.generator(round_)))
-        return ClientUpdate(client.id, {}, 0.0, loss.item())
+        return LocalResult({}, self.loss(params, data["batch"]).detach(), {}, {})
+
+    def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
+        return ClientUpdate(client.id, {}, 0.0, float(result.loss))

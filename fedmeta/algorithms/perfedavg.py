@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from fedmeta.algorithms.base import Algorithm, Batch, ClientUpdate, Params, trainable_copy
-from fedmeta.data.federation import Client
+from fedmeta.algorithms.base import Algorithm, ClientData, LocalResult
+from fedmeta.data.federation import Batch, Client
+from fedmeta.functional import Params
 
 
 class PerFedAvg(Algorithm):
     def gradient(self, params: Params, batch: Batch) -> Params:
-        params = trainable_copy(params)
-        grads = torch.autograd.grad(self.loss(params, batch), list(params.values()))
-        return dict(zip(params, grads))
+        return torch.func.grad(self.loss)(params, batch)
 
     def hessian_vector_product(self, w: Params, v: Params, batch: Batch) -> Params:
         delta = self.cfg.delta
@@ -27,7 +26,7 @@ class PerFedAvg(Algorithm):
         minus = self.gradient({k: w[k] - delta * v[k] for k in w}, batch)
         return {k: (plus[k] - minus[k]) / (2 * delta) for k in w}
 
-    def meta_gradient(self, w: Params, batches: tuple[Batch, Batch, Batch]) -> Params:
+    def meta_gradient(self, w: Params, batches: list[Batch]) -> Params:
         inner, outer, hessian = batches
         step = self.gradient(w, inner)
         g = self.gradient({k: w[k] - self.cfg.inner_lr * step[k] for k in w}, outer)
@@ -36,13 +35,16 @@ class PerFedAvg(Algorithm):
         hv = self.hessian_vector_product(w, g, hessian)
         return {k: g[k] - self.cfg.inner_lr * hv[k] for k in w}
 
-    def local_update(self, client: Client, round_: int) -> ClientUpdate:
+    def draw(self, client: Client, round_: int) -> ClientData:
         generator = client.generator(round_)
-        w = {k: p.detach().clone() for k, p in self.global_params().items()}
-        for _ in range(self.cfg.local_steps):
-            batches = tuple(client.batch("all", self.cfg.batch_size, generator) for _ in range(3))
+        steps = [[client.batch("all", self.cfg.batch_size, generator) for _ in range(3)] for _ in range(self.cfg.local_steps)]
+        return {"steps": steps, "loss": client.batch("all", self.cfg.batch_size, generator)}
+
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
+        w = params
+        for batches in data["steps"]:
             g = self.meta_gradient(w, batches)
             w = {k: w[k] - self.cfg.outer_lr * g[k] for k in w}
         with torch.no_grad():
-            loss = self.loss(w, client.batch("all", self.cfg.batch_size, generator)).item()
-        return ClientUpdate(client.id, w, float(client.num_samples), loss)
+            loss = self.loss(w, data["loss"])
+        return LocalResult(w, loss, {}, {})

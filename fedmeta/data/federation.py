@@ -7,6 +7,7 @@ client's work is the same whichever process or order runs it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -16,6 +17,17 @@ from fedmeta.data.partition import partition
 from fedmeta.errors import FedmetaError
 
 TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE = 0, 1, 2
+
+
+class Batch(NamedTuple):
+    """Images ``x`` and labels ``y`` (None where a batch serves only as an unlabelled context).
+    When the clients of a round are stacked into one computation, their batches are padded to one
+    size: ``mask`` marks the real samples (1) of each, and ``active`` says whether the step that
+    reads the batch is real for its client (a client with fewer steps idles through the others)."""
+    x: torch.Tensor
+    y: torch.Tensor | None
+    mask: torch.Tensor | None = None
+    active: torch.Tensor | None = None
 
 
 @dataclass
@@ -41,22 +53,24 @@ class Client:
         """Sample indices of ``split``: "pers", "held_out" or "all"."""
         return self._splits[split]
 
-    def batch(self, split: str, size: int | None, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, split: str, size: int | None, generator: torch.Generator | None = None) -> Batch:
         """A batch drawn without replacement from ``split``; ``size=None`` takes the whole split."""
         indices = self.indices(split)
         if size is not None and size < len(indices):
             indices = indices[torch.randperm(len(indices), generator=generator)[:size]]
-        return self.data.take(indices)
+        return Batch(*self.data.take(indices))
 
-    def epoch(self, split: str, batch_size: int, generator: torch.Generator):
+    def epoch(self, split: str, batch_size: int, generator: torch.Generator) -> list[Batch]:
         """One shuffled pass over ``split`` in batches of ``batch_size``. A last batch of one sample
         joins the one before: BatchNorm with batch statistics cannot normalize a single sample."""
         indices = self.indices(split)
         chunks = list(indices[torch.randperm(len(indices), generator=generator)].split(batch_size))
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             chunks[-2:] = [torch.cat(chunks[-2:])]
-        for chunk in chunks:
-            yield self.data.take(chunk)
+        return [Batch(*self.data.take(chunk)) for chunk in chunks]
+
+    def epochs(self, split: str, batch_size: int, generator: torch.Generator, count: int) -> list[Batch]:
+        return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator)]
 
 
 class Federation:

@@ -1,7 +1,10 @@
 """The base network f_ψ: conv blocks → dense blocks → linear head (SPEC §6).
 
 BatchNorm uses batch statistics only (``track_running_stats=False``), so a model is its
-parameters alone: no buffers to carry between clients.
+parameters alone: no buffers to carry between clients. Every forward takes an optional sample
+``mask``: when the clients of a round are stacked (``federation.vectorize``), a client whose batch
+is smaller than its neighbours' is padded, and the mask keeps the padding out of the batch
+statistics — the statistics of the real samples are exactly those of the unpadded batch.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: int | str) -> nn.Sequential:
@@ -21,6 +25,25 @@ def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: i
         nn.MaxPool2d(2),
         nn.ReLU(),
     )
+
+
+def batch_norm(layer: _BatchNorm, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``layer(x)`` with batch statistics over the samples where ``mask`` is 1 (all when None)."""
+    if mask is None:
+        return layer(x)
+    dims = [0, *range(2, x.dim())]
+    weights = mask.to(x.dtype).view(-1, *[1] * (x.dim() - 1))
+    count = weights.sum() * x[0, 0].numel()
+    mean = (x * weights).sum(dims, keepdim=True) / count
+    var = ((x - mean).square() * weights).sum(dims, keepdim=True) / count  # biased, as batch norm normalizes
+    shape = [1, -1, *[1] * (x.dim() - 2)]
+    return (x - mean) * torch.rsqrt(var + layer.eps) * layer.weight.view(shape) + layer.bias.view(shape)
+
+
+def run_block(block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    for layer in block:
+        x = batch_norm(layer, x, mask) if isinstance(layer, _BatchNorm) else layer(x)
+    return x
 
 
 def dense_block(in_units: int, out_units: int) -> nn.Sequential:
@@ -38,11 +61,11 @@ class ConvFeatures(nn.Module):
         with torch.no_grad():
             self.flat_dim = self(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
 
-    def forward(self, x: torch.Tensor, after_block: Callable | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, after_block: Callable | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.channels_last:  # NHWC: oneDNN's convolutions and pooling are markedly faster in it on CPU
             x = x.contiguous(memory_format=torch.channels_last)
         for i, block in enumerate(self.blocks):
-            x = block(x)
+            x = run_block(block, x, mask)
             if after_block is not None:
                 x = after_block(i, x)
         return x.flatten(1)
@@ -76,15 +99,15 @@ class ConvNet(nn.Module):
         return self.conv_channels + ([self.features.flat_dim] if include_flatten else []) + self.dense_units
 
     def forward(self, x: torch.Tensor, gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-                gate_flatten: bool = False) -> torch.Tensor:
+                gate_flatten: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
         keep = gate or (lambda _, a: a)
-        x = self.features(x, keep)
+        x = self.features(x, keep, mask)
         layer = len(self.conv_channels)
         if gate_flatten:
             x = keep(layer, x)
             layer += 1
         for i, block in enumerate(self.dense):
-            x = keep(layer + i, block(x))
+            x = keep(layer + i, run_block(block, x, mask))
         return self.head(x)
 
 

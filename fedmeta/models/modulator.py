@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedmeta.models.cnn import ConvFeatures, ConvNet
@@ -51,19 +50,27 @@ class Modulator(nn.Module):
         self.per_sample = nn.Sequential(*mlp([self.extractor.flat_dim + (num_classes if use_labels else 0), *before_mean]))
         self.per_context = nn.Sequential(*mlp([before_mean[-1], *after_mean]), nn.Linear(after_mean[-1], k * sum(layer_sizes)))
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> list[torch.Tensor]:
-        features = self.extractor(x)
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        features = self.extractor(x, mask=mask)
         if self.use_labels:
             if y is None:
                 raise ValueError("this modulator reads labelled batches: pass the context labels")
-            features = torch.cat([features, F.one_hot(y, self.num_classes).to(features.dtype)], dim=1)
-        context = self.per_sample(features).mean(dim=0)
+            # one-hot by comparison: F.one_hot checks the label range, data-dependent control flow that vmap refuses
+            one_hot = (y[:, None] == torch.arange(self.num_classes, device=y.device)).to(features.dtype)
+            features = torch.cat([features, one_hot], dim=1)
+        per_sample = self.per_sample(features)
+        if mask is None:
+            context = per_sample.mean(dim=0)
+        else:  # the mean over the real samples of a padded batch
+            weights = mask.to(per_sample.dtype)
+            context = (per_sample * weights[:, None]).sum(0) / weights.sum()
         k = VECTORS_PER_LAYER[self.modulation]
         return list(self.per_context(context).view(k, -1).split(self.layer_sizes, dim=1))
 
 
 class ModulatedNet(nn.Module):
-    """ω = {μ, ψ}: ``forward(x, context_x, context_y)`` classifies x with f_ψ | g_μ(context)."""
+    """ω = {μ, ψ}: ``forward(x, context_x, context_y)`` classifies x with f_ψ | g_μ(context); the
+    masks mark the real samples of padded batches (fedmeta.models.cnn)."""
 
     def __init__(self, base: ConvNet, modulator: Modulator, modulate_flatten: bool = False):
         super().__init__()
@@ -71,7 +78,8 @@ class ModulatedNet(nn.Module):
         self.modulator = modulator
         self.modulate_flatten = modulate_flatten
 
-    def forward(self, x: torch.Tensor, context_x: torch.Tensor, context_y: torch.Tensor | None = None) -> torch.Tensor:
-        zetas = self.modulator(context_x, context_y)
+    def forward(self, x: torch.Tensor, context_x: torch.Tensor, context_y: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, context_mask: torch.Tensor | None = None) -> torch.Tensor:
+        zetas = self.modulator(context_x, context_y, context_mask)
         kind = self.modulator.modulation
-        return self.base(x, lambda layer, a: modulate(a, zetas[layer], kind), gate_flatten=self.modulate_flatten)
+        return self.base(x, lambda layer, a: modulate(a, zetas[layer], kind), gate_flatten=self.modulate_flatten, mask=mask)

@@ -1,0 +1,203 @@
+"""How clients are computed: one after another (optionally on CPU threads), or stacked into one
+``torch.func.vmap``-ed computation (``federation.vectorize``).
+
+A *lane* is one client of one federation: (algorithm, client). A round of one run is M lanes;
+with stacked seeds (``seeds=[0,1,2]``) it is M lanes per seed, each seed with its own algorithm
+instance (its own global model and client states) — the algorithms share their class and
+config, so one pure ``local_update`` serves every lane. Vectorized, each lane's global
+parameters, kept state and batches are stacked along a new leading axis and the algorithm's
+``local_update`` (or the shared ``personalize``) is vmapped over it.
+
+Clients whose batches differ in size (Dirichlet partitions, FEMNIST writers, small held-out
+splits) are **padded**: each batch to the largest size among the lanes at that step, with a
+sample mask that keeps the padding out of the loss, the batch-norm statistics, the modulator's
+mean and the accuracy; a lane with fewer steps (fewer batches per epoch) idles through the
+others' extra steps, its parameters unchanged (``Batch.active``). Lanes of equal size are
+stacked without masks, so the common case runs the same kernels as one client alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from fedmeta.algorithms import Algorithm, ClientUpdate
+from fedmeta.data.federation import Batch, Client
+from fedmeta.errors import FedmetaError
+from fedmeta.evaluation import check_finite, draw_personalization, personalize
+from fedmeta.models import set_channels_last
+
+log = logging.getLogger("fedmeta")
+
+Lane = tuple[Algorithm, Client]
+ClientMap = Callable[[Callable[[Any], Any], list], list]  # runs a function on each item, in order
+
+
+def sequential(fn: Callable[[Any], Any], items: list) -> list:
+    return [fn(item) for item in items]
+
+
+def thread_map(threads: int) -> ClientMap:
+    """``threads`` clients at a time, each on one intra-op thread — a client's small ops use CPU
+    cores better side by side than split across them. A result does not depend on its thread."""
+    if threads <= 1:
+        return sequential
+    torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="client")
+    return lambda fn, items: list(pool.map(fn, items))
+
+
+# ---- stacking lanes ---------------------------------------------------------------------------
+def _idle(tree):
+    """A copy of a lane's last step that changes nothing: padding for lanes with fewer steps."""
+    if isinstance(tree, Batch):
+        return tree._replace(active=torch.zeros((), dtype=torch.bool, device=tree.x.device))
+    return [_idle(item) for item in tree]
+
+
+def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((size - len(t), *t.shape[1:]))]) if len(t) < size else t
+
+
+def _stack_batches(batches: list[Batch]) -> Batch:
+    size = max(len(b.x) for b in batches)
+    ragged = any(len(b.x) != size or b.mask is not None for b in batches)
+    x = torch.stack([_pad(b.x, size) for b in batches])
+    y = None if batches[0].y is None else torch.stack([_pad(b.y, size) for b in batches])
+    mask = None
+    if ragged:
+        mask = torch.stack([_pad(torch.ones(len(b.x), dtype=torch.bool, device=b.x.device) if b.mask is None else b.mask, size)
+                            for b in batches])
+    active = None
+    if any(b.active is not None for b in batches):
+        true = torch.ones((), dtype=torch.bool, device=x.device)
+        active = torch.stack([true if b.active is None else b.active for b in batches])
+    return Batch(x, y, mask, active)
+
+
+def stack(items: list):
+    """Lanes' pytrees (dicts, lists of batches, tensors) stacked along a new axis 0, padded."""
+    first = items[0]
+    if isinstance(first, Batch):
+        return _stack_batches(items)
+    if isinstance(first, dict):
+        return {key: stack([item[key] for item in items]) for key in first}
+    if isinstance(first, list):
+        length = max(len(item) for item in items)
+        return [stack([item[i] if i < len(item) else _idle(item[-1]) for item in items]) for i in range(length)]
+    return torch.stack(items)
+
+
+def lane(tree, i: int):
+    """Lane ``i`` of a stacked result."""
+    return tree_map(lambda t: t[i] if isinstance(t, torch.Tensor) else t, tree)
+
+
+def in_dims(tree):
+    """vmap's ``in_dims`` for a stacked pytree: 0 for tensors, None for the absent (None) fields."""
+    return tree_map(lambda t: 0 if isinstance(t, torch.Tensor) else None, tree)
+
+
+def _for_vmap(lanes: list[Lane]) -> Algorithm:
+    """The algorithm whose pure functions serve every lane, with NCHW activations throughout:
+    vmap cannot lay batched tensors out as channels_last (the same function, another layout)."""
+    for algorithm in {id(a): a for a, _ in lanes}.values():
+        set_channels_last(algorithm.model, False)
+    return lanes[0][0]
+
+
+class Engine:
+    """Runs the local updates of a round's lanes and the personalization of new clients."""
+
+    def __init__(self, vectorize: bool = False, threads: int = 1, max_lanes: int = 0):
+        self.vectorize = vectorize
+        self.map = thread_map(threads)
+        self.max_lanes = max_lanes  # lanes per vmapped call (memory); 0: all at once
+
+    def _chunks(self, lanes: list[Lane]) -> list[list[Lane]]:
+        size = self.max_lanes or len(lanes)
+        return [lanes[i:i + size] for i in range(0, len(lanes), size)]
+
+    # ---- federated training ------------------------------------------------------------------
+    def local_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate | str]:
+        """Each lane's update, or a failed client's reason (one line), in lane order."""
+        if self.vectorize and len(lanes) > 1:
+            try:
+                return [update for chunk in self._chunks(lanes) for update in self._vectorized_updates(chunk, round_)]
+            except (FedmetaError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # noqa: BLE001 — find out below whether a client or vmap failed
+                results = self._sequential_updates(lanes, round_)
+                if not any(isinstance(r, str) for r in results):
+                    self._give_up(lanes[0][0], exc)
+                return results
+        return self._sequential_updates(lanes, round_)
+
+    def _sequential_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate | str]:
+        def attempt(item: Lane) -> ClientUpdate | str:
+            algorithm, client = item
+            try:
+                return algorithm.run_client(client, round_)
+            except (FedmetaError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # noqa: BLE001 — a failing client is dropped, not the run
+                return f"client {client.id} failed: {type(exc).__name__}: {exc}".splitlines()[0]
+
+        return self.map(attempt, lanes)
+
+    def _vectorized_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate]:
+        algorithm = _for_vmap(lanes)
+        shared = all(a is algorithm for a, _ in lanes)  # one federation: the global parameters need no stacking
+        params = [a.global_params() for a, _ in lanes]
+        states = stack([a.client_state(c.id, p) for (a, c), p in zip(lanes, params)])
+        data = stack([a.draw(c, round_) for a, c in lanes])
+        params_in = params[0] if shared else stack(params)
+        dims = (None if shared else in_dims(params_in), in_dims(states), in_dims(data))
+        results = torch.func.vmap(algorithm.local_update, in_dims=dims)(params_in, states, data)
+        return [a.to_update(c, lane(results, i)) for i, (a, c) in enumerate(lanes)]
+
+    def _give_up(self, algorithm: Algorithm, exc: Exception) -> None:
+        self.vectorize = False
+        log.warning(f"federation.vectorize: {type(algorithm).__name__} could not be vmapped "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); its clients run one at a time")
+
+    # ---- the shared test-time procedure ------------------------------------------------------
+    def personalization_curves(self, lanes: list[Lane], cfg) -> torch.Tensor:
+        """(lanes, steps + 1): each new client's held-out accuracy after 0…steps personalization steps."""
+        if not lanes:
+            return torch.empty(0, cfg.steps + 1)
+        if self.vectorize and len(lanes) > 1:
+            try:
+                return torch.cat([self._vectorized_curves(chunk, cfg) for chunk in self._chunks(lanes)])
+            except (FedmetaError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # noqa: BLE001 — vmap could not run it: one at a time instead
+                self._give_up(lanes[0][0], exc)
+
+        def one(item: Lane) -> torch.Tensor:
+            algorithm, client = item
+            _, curve, losses = personalize(algorithm, algorithm.global_params(), draw_personalization(algorithm, client, cfg), cfg)
+            check_finite(client, losses)
+            return curve
+
+        return torch.stack(self.map(one, lanes)).cpu()
+
+    def _vectorized_curves(self, lanes: list[Lane], cfg) -> torch.Tensor:
+        algorithm = _for_vmap(lanes)
+        shared = all(a is algorithm for a, _ in lanes)
+        params = algorithm.global_params() if shared else stack([a.global_params() for a, _ in lanes])
+        data = stack([draw_personalization(a, c, cfg) for a, c in lanes])
+
+        def curve(p, d):
+            _, accuracies, losses = personalize(algorithm, p, d, cfg)
+            return accuracies, losses
+
+        curves, losses = torch.func.vmap(curve, in_dims=(None if shared else in_dims(params), in_dims(data)))(params, data)
+        for (_, client), client_losses in zip(lanes, losses):
+            check_finite(client, client_losses)
+        return curves.cpu()

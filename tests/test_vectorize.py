@@ -1,0 +1,142 @@
+"""federation.vectorize and stacked seeds compute what one client, and one seed, at a time compute.
+
+The equivalence tests run in float64 on clients of different sizes (a Dirichlet partition), so
+they exercise the padding: batches padded to the largest lane with a sample mask, and lanes with
+fewer batches idling through the others' extra steps. In float64 the two paths agree to ~1e-10;
+what remains is the order of floating-point sums (a grouped convolution over the stacked clients
+against one convolution per client). In float32 the same rounding differences are amplified where
+an algorithm amplifies noise — a fresh Adam's first step is ≈ β·sign(g), so a gradient component
+within rounding of zero moves a weight by up to 2β either way; Per-FedAvg's finite differences
+divide by 2δ = 0.002 — which is why the float32 end-to-end test compares accuracy curves, not weights.
+"""
+
+import csv
+import logging
+
+import pytest
+import torch
+
+from fedmeta.algorithms import FedAvg, build_algorithm
+from fedmeta.config import compose
+from fedmeta.data import Batch, ImageDataset, build_federation
+from fedmeta.engine import Engine, stack
+from fedmeta.loop import Federated, evaluate_on_ranks, federated_round, make_fabric, train
+
+SMALL = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "wandb.mode=disabled", "personalization.steps=4",
+         "personalization.lr=0.05"]
+FAST = {"fedavg_ft": ["method.local_epochs=1", "method.local_lr=0.05"], "ifca_ft": ["method.local_epochs=1"],
+        "ditto": ["method.local_epochs=1"], "fedrep": ["method.head_epochs=1"], "perfedavg": ["method.local_steps=2"],
+        "local": [], "cafeme": [], "cafeme variant=authors": []}
+
+
+@pytest.fixture(scope="module")
+def uneven(rmnist):
+    """2,400 RMNIST images split by Dirichlet(0.5) over 12 clients: 38 to 500 images each."""
+    keep = torch.arange(2400)
+    data = ImageDataset(x=rmnist.x[keep], y=rmnist.y[keep], num_classes=10)
+    return data
+
+
+def paths(method: str, data: ImageDataset):
+    """The same algorithm and federation twice, in float64: for the sequential and the vectorized engine."""
+    name, *variant = method.split()
+    cfg = compose([f"method={name}", *variant, *SMALL, *FAST[method]])
+    fabric = make_fabric(cfg)
+    built = []
+    for _ in range(2):
+        federation = build_federation(data, {"name": "dirichlet", "alpha": 0.5}, 12, 4, 0.25, seed=0)
+        federation.x = federation.x.double()
+        fabric.seed_everything(0, verbose=False)
+        algorithm = build_algorithm(cfg, 10).double()
+        built.append((algorithm, federation))
+    return fabric, cfg, built
+
+
+@pytest.mark.parametrize("method", sorted(FAST))
+def test_vectorized_rounds_and_evaluation_equal_sequential(method, uneven):
+    fabric, cfg, built = paths(method, uneven)
+    sizes = {c.num_samples for c in built[0][1].train_clients}
+    assert len(sizes) > 5  # clients of many sizes: padded batches and idle steps are exercised
+    results = []
+    for (algorithm, federation), vectorize in zip(built, (False, True)):
+        engine = Engine(vectorize, max_lanes=3)  # the 4 clients of a round in two vmapped calls
+        losses = [federated_round(algorithm, federation, r, 4, seed=0, engine=engine).loss for r in (1, 2, 3)]
+        curves = evaluate_on_ranks(fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine)[0].curves
+        assert engine.vectorize == vectorize  # vmap did not fall back to one client at a time
+        results.append((algorithm.global_params(), losses, curves, algorithm.client_states))
+    (seq_params, seq_losses, seq_curves, seq_states), (vec_params, vec_losses, vec_curves, vec_states) = results
+    for name in seq_params:
+        torch.testing.assert_close(vec_params[name], seq_params[name], rtol=1e-8, atol=1e-10)
+    assert vec_losses == pytest.approx(seq_losses, rel=1e-8)
+    assert torch.equal(vec_curves, seq_curves)  # float64: not a single held-out prediction differs
+    assert not torch.equal(seq_curves[:, -1], seq_curves[:, 0])  # personalization moved the accuracies
+    assert seq_states.keys() == vec_states.keys()  # FedRep heads / the authors' Adam moments, per client
+    for client_id, state in seq_states.items():
+        flat_seq = torch.cat([t.flatten().double() for t in _leaves(state)])
+        flat_vec = torch.cat([t.flatten().double() for t in _leaves(vec_states[client_id])])
+        torch.testing.assert_close(flat_vec, flat_seq, rtol=1e-8, atol=1e-10)
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        return [leaf for key in sorted(tree) for leaf in _leaves(tree[key])]
+    return [tree]
+
+
+def test_stacking_pads_batches_with_a_mask_and_idles_short_lanes():
+    def batch(n):
+        return Batch(torch.ones(n, 1, 2, 2), torch.ones(n, dtype=torch.long))
+
+    stacked = stack([{"epochs": [batch(5), batch(3)]}, {"epochs": [batch(4), batch(4), batch(2)]}])["epochs"]
+    assert len(stacked) == 3 and stacked[0].x.shape == (2, 5, 1, 2, 2)
+    assert stacked[0].mask.tolist() == [[True] * 5, [True] * 4 + [False]]
+    assert stacked[1].active is None and stacked[1].mask.sum(1).tolist() == [3, 4]
+    assert stacked[2].active.tolist() == [False, True]  # lane 0 has no third step: it idles through it
+    assert stack([{"b": batch(3)}, {"b": batch(3)}])["b"].mask is None  # equal sizes: no mask, no masked kernels
+
+
+def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch, caplog):
+    fabric, cfg, built = paths("fedavg_ft", uneven)
+    honest = FedAvg.local_update
+
+    def data_dependent(self, params, state, data):
+        result = honest(self, params, state, data)
+        float(result.loss)  # reading a value inside the update: vmap refuses it
+        return result
+
+    monkeypatch.setattr(FedAvg, "local_update", data_dependent)
+    algorithm, federation = built[0]
+    engine = Engine(True)
+    with caplog.at_level(logging.WARNING, logger="fedmeta"):
+        for r in (1, 2):
+            outcome = federated_round(algorithm, federation, r, 4, seed=0, engine=engine)
+    assert not outcome.dropped and not engine.vectorize
+    notices = [r.message for r in caplog.records if "could not be vmapped" in r.message]
+    assert len(notices) == 1 and "one at a time" in notices[0]
+
+
+@pytest.mark.parametrize("method", ["cafeme variant=authors", "fedavg_ft"])
+def test_stacked_seeds_are_the_seeds_run_alone(method, tmp_path, mnist_dir):
+    """seeds=[0,1] in one process writes the two run folders that the two seeds' own runs write:
+    the same numbers as each seed run alone through the same vectorized engine, and — float32
+    rounding apart (see the top of this file) — as each seed run sequentially."""
+    name, *variant = method.split()
+    common = [f"method={name}", *variant, *SMALL, *FAST[method], f"dataset.dir={mnist_dir}", "federation.rounds=2",
+              "federation.eval_every=1", "federation.num_new_clients=5", "personalization.lr=0.01"]
+    stacked = train(compose([*common, f"output.root={tmp_path / 'stacked'}", "seeds=[0,1]", "federation.vectorize=true"]),
+                    show_progress=False)
+    assert [s["seed"] for s in stacked] == [0, 1] and all(s["seeds_stacked"] == 2 and s["vectorized"] for s in stacked)
+    alone = [train(compose([*common, f"output.root={tmp_path / 'alone'}", f"seed={seed}", "federation.vectorize=true"]),
+                   show_progress=False) for seed in (0, 1)]
+    sequential = [train(compose([*common, f"output.root={tmp_path / 'sequential'}", f"seed={seed}"]), show_progress=False)
+                  for seed in (0, 1)]
+    for one, together, one_by_one in zip(alone, stacked, sequential):
+        assert together["curve"] == pytest.approx(one["curve"], abs=0.02)
+        assert together["curve"] == pytest.approx(one_by_one["curve"], abs=0.05)
+        run = f"rmnist-shards/{name}{'-authors' if variant else ''}/seed{one['seed']}"
+        rows = [list(csv.DictReader(open(tmp_path / root / run / "metrics.csv"))) for root in ("sequential", "stacked")]
+        assert [r["round"] for r in rows[0]] == [r["round"] for r in rows[1]] == ["1", "2"]
+        for a, b in zip(*rows):
+            assert float(b["train_loss"]) == pytest.approx(float(a["train_loss"]), rel=1e-2)
+        assert (tmp_path / "stacked" / run / "checkpoint.ckpt").exists()
+    assert alone[0]["curve"] != alone[1]["curve"]  # the seeds are different federations
