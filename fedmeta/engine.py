@@ -30,6 +30,7 @@ from fedmeta.algorithms import Algorithm, ClientUpdate
 from fedmeta.data.federation import Batch, Client
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import check_finite, draw_personalization, personalize
+from fedmeta.functional import vmapped
 from fedmeta.models import set_channels_last
 
 log = logging.getLogger("fedmeta")
@@ -158,7 +159,8 @@ class Engine:
         data = stack([a.draw(c, round_) for a, c in lanes])
         params_in = params[0] if shared else stack(params)
         dims = (None if shared else in_dims(params_in), in_dims(states), in_dims(data))
-        results = torch.func.vmap(algorithm.local_update, in_dims=dims)(params_in, states, data)
+        with vmapped():
+            results = torch.func.vmap(algorithm.local_update, in_dims=dims)(params_in, states, data)
         return [a.to_update(c, lane(results, i)) for i, (a, c) in enumerate(lanes)]
 
     def _give_up(self, algorithm: Algorithm, exc: Exception) -> None:
@@ -197,7 +199,8 @@ class Engine:
             _, accuracies, losses = personalize(algorithm, p, d, cfg)
             return accuracies, losses
 
-        curves, losses = torch.func.vmap(curve, in_dims=(None if shared else in_dims(params), in_dims(data)))(params, data)
+        with vmapped():
+            curves, losses = torch.func.vmap(curve, in_dims=(None if shared else in_dims(params), in_dims(data)))(params, data)
         for (_, client), client_losses in zip(lanes, losses):
             check_finite(client, client_losses)
         return curves.cpu()

@@ -18,7 +18,7 @@ from fedmeta.algorithms import Algorithm
 from fedmeta.algorithms.base import ClientData
 from fedmeta.data.federation import PERSONALIZE_PURPOSE, Batch, Client
 from fedmeta.errors import FedmetaError
-from fedmeta.functional import Params, masked_mean, sgd
+from fedmeta.functional import Params, grad_and_value, masked_mean, sgd
 
 
 @dataclass
@@ -66,7 +66,7 @@ def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> 
 
     personal, accuracies, losses = start, [held_out_accuracy(start, data["context"])], []
     for batch, lr in zip(data["steps"], step_sizes(cfg)):
-        grads, loss = torch.func.grad_and_value(algorithm.adaptation_loss)(personal, batch, start)
+        grads, loss = grad_and_value(algorithm.adaptation_loss)(personal, batch, start)
         personal, _ = sgd(personal, grads, lr)
         accuracies.append(held_out_accuracy(personal, batch))
         losses.append(loss.detach())

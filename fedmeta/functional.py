@@ -10,11 +10,49 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
 
 Params = dict[str, torch.Tensor]
+
+
+_vmapped: ContextVar[bool] = ContextVar("vmapped", default=False)
+
+
+@contextmanager
+def vmapped() -> Iterator[None]:
+    """Marks code that runs under ``torch.func.vmap`` (fedmeta.engine): gradients then go through
+    ``torch.func``, since ``torch.autograd.grad`` cannot run inside vmap."""
+    token = _vmapped.set(True)
+    try:
+        yield
+    finally:
+        _vmapped.reset(token)
+
+
+def grad_and_value(fn: Callable[..., torch.Tensor], second_order: bool = False) -> Callable[..., tuple[Params, torch.Tensor]]:
+    """``fn``'s gradient with respect to its first argument (a parameter dict), and its value.
+    With ``second_order`` the gradient stays differentiable for an enclosing gradient (MAML's inner
+    steps); without it, it is a constant. The same mathematics runs on two engines: ``torch.func``
+    under vmap, and plain autograd for one client at a time — measured 20–35 % faster on CPU than
+    ``torch.func``'s transforms (docs/vectorization.md)."""
+    def by_torch_func(params: Params, *args):
+        grads, value = torch.func.grad_and_value(fn)(params, *args)
+        return (grads if second_order else {k: g.detach() for k, g in grads.items()}), value
+
+    def by_autograd(params: Params, *args):
+        with torch.enable_grad():
+            inputs = {k: p if p.requires_grad else p.detach().requires_grad_() for k, p in params.items()}
+            value = fn(inputs, *args)
+            grads = torch.autograd.grad(value, list(inputs.values()), create_graph=second_order, allow_unused=True,
+                                        materialize_grads=True)
+        return dict(zip(inputs, grads)), value.detach()
+
+    return lambda params, *args: (by_torch_func if _vmapped.get() else by_autograd)(params, *args)
 
 
 def sgd(params: Params, grads: Params, lr: float, momentum: float = 0.0,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmeta.data.federation import Batch, Client
-from fedmeta.functional import Params, call, masked_mean, sgd
+from fedmeta.functional import Params, call, grad_and_value, masked_mean, sgd
 
 Context = Batch | None  # what a modulated model conditions on: a batch (labels optional)
 ClientData = dict[str, Any]  # a client's batches for one local update: Batch / list[Batch] values
@@ -166,7 +166,7 @@ class Algorithm(L.LightningModule):
             def loss_of(trained: Params, batch=batch) -> torch.Tensor:
                 return self.loss({**params, **trained}, batch)
 
-            grads, loss = torch.func.grad_and_value(loss_of)({n: params[n] for n in names})
+            grads, loss = grad_and_value(loss_of)({n: params[n] for n in names})
             trained, new_velocity = sgd({n: params[n] for n in names}, grads, lr, momentum, velocity)
             params = {**params, **unless_idle(batch, trained, params)}
             if momentum:

@@ -19,7 +19,7 @@ import torch
 
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
 from fedmeta.data.federation import Batch, Client
-from fedmeta.functional import Params, adam, adam_state
+from fedmeta.functional import Params, adam, adam_state, grad_and_value
 from fedmeta.models import ModulatedNet
 
 
@@ -48,9 +48,9 @@ class CAFeMe(Algorithm):
     def personalize(self, params: Params, batches: list[Batch]) -> tuple[Params, Batch]:
         """Algorithm 2, differentiable: returns ψ', μ' and the last batch D' (which gives ζ)."""
         for batch in batches:
-            grads = torch.func.grad(lambda p, b=batch: self.loss(p, b, self.adaptation_context(b)))(params)
-            if self.cfg.first_order:  # first-order MAML: the inner gradient is a constant
-                grads = {k: g.detach() for k, g in grads.items()}
+            # first-order MAML: the inner gradient is a constant
+            grads, _ = grad_and_value(lambda p, b=batch: self.loss(p, b, self.adaptation_context(b)),
+                                      second_order=not self.cfg.first_order)(params)
             params = {k: params[k] - self.cfg.inner_lr * grads[k] for k in params}
         return params, batch
 
@@ -70,7 +70,7 @@ class CAFeMe(Algorithm):
         return {"step": kept["step"], **{key: {k: v.to(dtype) for k, v in kept[key].items()} for key in ("exp_avg", "exp_avg_sq")}}
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
-        grads, outer_loss = torch.func.grad_and_value(self.meta_loss)(params, data)
+        grads, outer_loss = grad_and_value(self.meta_loss)(params, data)
         # A fresh Adam per client per round unless the client keeps its own (client_optimizer_state)
         new, adam_after = adam(params, grads, state or adam_state(params), self.cfg.outer_lr)
         return LocalResult(new, outer_loss, adam_after if self.cfg.client_optimizer_state else {}, {})

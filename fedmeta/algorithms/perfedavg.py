@@ -13,12 +13,12 @@ import torch
 
 from fedmeta.algorithms.base import Algorithm, ClientData, LocalResult
 from fedmeta.data.federation import Batch, Client
-from fedmeta.functional import Params
+from fedmeta.functional import Params, grad_and_value
 
 
 class PerFedAvg(Algorithm):
     def gradient(self, params: Params, batch: Batch) -> Params:
-        return torch.func.grad(self.loss)(params, batch)
+        return grad_and_value(self.loss)(params, batch)[0]
 
     def hessian_vector_product(self, w: Params, v: Params, batch: Batch) -> Params:
         delta = self.cfg.delta
