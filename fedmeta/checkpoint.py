@@ -66,7 +66,7 @@ def save(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig, roun
 def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> dict:
     """Restore ``algorithm`` and the generators from ``path``; returns the round and history."""
     try:
-        state = fabric.load(path)
+        state = fabric.load(path, weights_only=True)  # explicit: a crafted checkpoint must not run code
         saved_identity, round_ = state["identity"], int(state["round"])
     except Exception as exc:
         raise FedmetaError(f"{path} cannot be read ({type(exc).__name__}): it is corrupt or not a fedmeta checkpoint; "

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings (e.g. personalization.lr=0.05); appended to the run's evaluations.jsonl."))
     evaluate_cmd.add_argument("run_dir")
     evaluate_cmd.add_argument("overrides", nargs="*", metavar="personalization.key=value")
+    evaluate_cmd.add_argument("--unfinished", action="store_true", help="evaluate the last checkpoint of an unfinished run")
     grid_args = argparse.ArgumentParser(add_help=False)
     grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")
     grid_args.add_argument("--datasets", nargs="+", help="only these data sets (cifar10) or settings (cifar10-shards)")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
             from fedmeta.loop import evaluate_run
 
-            record = evaluate_run(Path(args.run_dir), args.overrides)
+            record = evaluate_run(Path(args.run_dir), args.overrides, args.unfinished)
             print(json.dumps(record["personalization"]))
             print(f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
                   f"(step 0: {100 * record['curve'][0]:.2f} %)")
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except FedmetaError as exc:
         print(f"fedmeta: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a read-only output root, a full disk, a folder in the way: name the path
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fedmeta: error: {where}{exc.strerror or exc}: check the path and its permissions or free space", file=sys.stderr)
         return 2
     for one in summary if isinstance(summary, list) else [summary]:  # stacked seeds: one summary each
         print(json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")}))

@@ -8,6 +8,8 @@ configs/config.yaml, dataset/<d>.yaml, partition/<p>.yaml (default: the data set
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,16 +21,23 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("dataset", "partition", "method", "variant")
 GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant",
                "preset": "preset"}
-PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+# Fabric's mixed precisions enter autocast per forward pass (Algorithm.run_model); its "-true"
+# precisions would convert the model's parameters, which fedmeta's functional models never hand
+# to Fabric: refused rather than recorded without effect.
+PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed")
 
 
 def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
     return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
 
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a file name of a config folder, or a setting: no path
+
+
 def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
     path = config_dir / group / f"{name}.yaml"
-    if not path.exists():
+    plain = isinstance(name, str) and all(NAME.fullmatch(part) and ".." not in part for part in name.split("/"))
+    if not plain or not path.exists():
         raise FedmetaError(f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}")
     cfg = OmegaConf.load(path)
     parent = cfg.pop("inherits", None)
@@ -48,10 +57,6 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
             choice[key] = value
         else:
             settings.append(override)
-    try:
-        cli = OmegaConf.from_dotlist(settings)
-    except OmegaConfBaseException as exc:
-        raise FedmetaError(f"cannot parse overrides: {exc}".splitlines()[0]) from None
     base = OmegaConf.load(config_dir / "config.yaml")
 
     dataset = load_group("dataset", choice["dataset"] or base.defaults.dataset, config_dir)
@@ -70,6 +75,19 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
     cfg.variant = variant
     del cfg["defaults"]
     OmegaConf.set_struct(cfg, True)
+    return apply_overrides(cfg, settings)
+
+
+def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
+    """``cfg`` (struct) with ``key=value`` settings merged in — each key must exist and each value
+    have its key's type — resolved and range-checked."""
+    try:
+        cli = OmegaConf.from_dotlist(list(settings))
+    except Exception as exc:  # OmegaConf's own errors, and YAML's for values such as "["
+        raise FedmetaError(f"cannot parse overrides {list(settings)}: {exc}".splitlines()[0]) from None
+    for override in settings:
+        key = override.split("=", 1)[0]
+        _check_type(key, OmegaConf.select(cfg, key, default=None), OmegaConf.select(cli, key, default=None))
     try:
         cfg = OmegaConf.merge(cfg, cli)
         OmegaConf.resolve(cfg)
@@ -78,6 +96,29 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
         raise FedmetaError(f"unknown or invalid config key {key!r}: see configs/ for the keys that exist") from None
     validate(cfg)
     return cfg
+
+
+def _check_type(key: str, default, value) -> None:
+    """A command-line value must have the type of the key's configured value: numbers for numbers
+    (an int where an int is configured; finite), true/false for flags, lists for lists. Keys whose
+    configured value is null or a string take any value (paths, names)."""
+    if default is None:
+        return
+    _require(value is not None, f"{key} needs a value (got none): e.g. {key}={default}")
+    if isinstance(default, str):
+        return
+    shown = f"{key} must be {{}}, got {value!r}"
+    if isinstance(default, bool):
+        _require(isinstance(value, bool), shown.format("true or false"))
+    elif isinstance(default, int):
+        _require(isinstance(value, int) and not isinstance(value, bool), shown.format("an integer"))
+    elif isinstance(default, float):
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                 shown.format("a finite number"))
+    elif OmegaConf.is_list(default) or isinstance(default, list):
+        _require(OmegaConf.is_list(value) or isinstance(value, list), shown.format("a list, e.g. [32,64]"))
+    elif OmegaConf.is_dict(default):
+        _require(OmegaConf.is_dict(value) or isinstance(value, dict), shown.format("a mapping"))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -107,6 +148,8 @@ def validate(cfg: DictConfig) -> None:
     _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
     _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,
              "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 1")
+    if cfg.partition.name == "shards":
+        _require(cfg.partition.shards_per_client >= 1, f"partition.shards_per_client must be ≥ 1, got {cfg.partition.shards_per_client}")
     if cfg.partition.name == "dirichlet":
         _require(cfg.partition.alpha > 0, f"partition.alpha must be > 0, got {cfg.partition.alpha}")
     for key in ("inner_lr", "outer_lr", "local_lr"):
@@ -119,7 +162,11 @@ def validate(cfg: DictConfig) -> None:
         _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
         _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
                  f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
-    _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {PRECISIONS}, got {cfg.fabric.precision!r}")
+    setting = cfg.output.setting
+    _require(setting is None or (isinstance(setting, str) and NAME.fullmatch(setting) is not None and ".." not in setting),
+             f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
+    _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {PRECISIONS} (the -true precisions other "
+             f"than 32 are not applied to fedmeta's models), got {cfg.fabric.precision!r}")
     _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}")
 
 

@@ -25,14 +25,14 @@ from tqdm.auto import tqdm
 
 from fedmeta import checkpoint
 from fedmeta.algorithms import Algorithm, build_algorithm
-from fedmeta.config import compose, run_name, setting_name
+from fedmeta.config import apply_overrides, compose, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.engine import Engine
 from fedmeta.evaluation import PersonalizationResult
-from fedmeta.runs import RunRecorder
+from fedmeta.runs import RunLock, RunRecorder
 
 log = logging.getLogger("fedmeta")
 
@@ -44,6 +44,8 @@ def make_fabric(cfg: DictConfig) -> Fabric:
                         precision=f.precision)
     except (ValueError, RuntimeError, TypeError) as exc:
         raise FedmetaError(f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision") from None
+    if fabric.device.type == "cpu" and str(f.precision) == "16-mixed":  # Fabric would run bf16 and record 16
+        raise FedmetaError("fabric.precision=16-mixed needs a GPU; on the CPU use bf16-mixed")
     fabric.launch()
     return fabric
 
@@ -208,25 +210,39 @@ def make_engine(cfg: DictConfig) -> Engine:
     return Engine(cfg.federation.vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes)
 
 
-def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
+def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) -> dict:
     """The shared test-time procedure again on a finished run's final model, with other
-    ``personalization.*`` settings (e.g. the step size); appended to the run's evaluations.jsonl."""
+    ``personalization.*`` settings (e.g. the step size); appended to the run's evaluations.jsonl.
+    ``unfinished`` allows the last checkpoint of a run that has not finished."""
     if not (run_dir / "checkpoint.ckpt").exists() or not (run_dir / "config.yaml").exists():
-        raise FedmetaError(f"{run_dir} holds no finished run (config.yaml and checkpoint.ckpt): give a run folder")
+        raise FedmetaError(f"{run_dir} holds no run (config.yaml and checkpoint.ckpt): give a run folder")
+    if not unfinished and not (run_dir / "summary.json").exists():
+        raise FedmetaError(f"{run_dir} holds an unfinished run: finish it (output.resume=true), or evaluate its last "
+                           "checkpoint with --unfinished")
     if any(not o.startswith("personalization.") for o in overrides):
         raise FedmetaError("evaluate changes only personalization.* settings (the model is the run's): "
                            f"got {[o for o in overrides if not o.startswith('personalization.')]}")
     saved = OmegaConf.load(run_dir / "config.yaml")
+    base = compose([f"dataset={saved.dataset.name}", f"partition={saved.partition.name}",
+                    f"method={saved.method.name}", f"variant={saved.variant}"])
     try:  # today's defaults under the saved config, so runs from before a new key still load
-        base = compose([f"dataset={saved.dataset.name}", f"partition={saved.partition.name}",
-                        f"method={saved.method.name}", f"variant={saved.variant}"])
         OmegaConf.set_struct(base, False)
-        cfg = OmegaConf.merge(base, saved, OmegaConf.from_dotlist(overrides))
+        cfg = OmegaConf.merge(base, saved)
+        OmegaConf.set_struct(cfg, True)
     except Exception as exc:
-        raise FedmetaError(f"bad override ({exc})") from None
+        raise FedmetaError(f"{run_dir / 'config.yaml'} cannot be read as a fedmeta config ({exc})".splitlines()[0]) from None
+    cfg = apply_overrides(cfg, overrides)
+    lock = RunLock(run_dir).acquire()  # not while a training process writes the folder, nor two evaluations at once
+    try:
+        return _evaluate_run(run_dir, cfg)
+    finally:
+        lock.release()
+
+
+def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
     fabric, federation, algorithm = setup(cfg)
     try:
-        state = fabric.load(run_dir / "checkpoint.ckpt")
+        state = fabric.load(run_dir / "checkpoint.ckpt", weights_only=True)
         algorithm.load_federation_state(state["federation"])
     except Exception as exc:
         raise FedmetaError(f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
@@ -259,7 +275,19 @@ class Run:
         self.cfg, self.fabric, self.stacked = cfg, fabric, stacked
         self.started = time.perf_counter()
         self.dir = Path(cfg.output.root) / run_name(cfg)
-        self.federation, self.algorithm = build(fabric, cfg)
+        self.federation, self.algorithm = build(fabric, cfg)  # bad data or settings: refused before anything is on disk
+        self.lock = RunLock(self.dir)
+        if fabric.is_global_zero:
+            self.lock.acquire()
+        try:
+            self._open()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self) -> None:
+        """The checkpoint to resume from, and the run folder's recorder."""
+        cfg, fabric = self.cfg, self.fabric
         self.checkpoint_path = self.dir / "checkpoint.ckpt"
         state = None
         if cfg.output.resume and not (self.dir / "summary.json").exists():
@@ -300,7 +328,7 @@ class Run:
             "method": cfg.method.name, "variant": cfg.variant, "seed": cfg.seed,
             "accuracy": self.result.accuracy, "accuracy_std": self.result.accuracy_std, "curve": self.result.curve,
             "rounds": cfg.federation.rounds, "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
-            "seconds_per_round": statistics.median(self.round_seconds), "resumed_at_round": self.resumed_at,
+            "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None, "resumed_at_round": self.resumed_at,
             "new_clients": len(self.federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
             "vectorized": bool(cfg.federation.vectorize), "seeds_stacked": self.stacked, "hardware": hardware_name(fabric.device),
         }
@@ -314,7 +342,17 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict | list[dict] | No
     With ``output.resume=true`` an unfinished run continues from its last checkpoint."""
     fabric = make_fabric(cfg)
     configs = seed_configs(cfg)
-    runs = [Run(fabric, one, len(configs)) for one in configs]
+    runs: list[Run] = []
+    try:
+        for one in configs:
+            runs.append(Run(fabric, one, len(configs)))
+        return _train(fabric, cfg, runs, show_progress)
+    finally:
+        for run in runs:
+            run.lock.release()  # a run that failed to set up never took its lock
+
+
+def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool) -> dict | list[dict] | None:
     fed = cfg.federation
     shard, gather, engine = (fabric.global_rank, fabric.world_size), gather_updates(fabric), make_engine(cfg)
     first = min(run.first_round for run in runs)
@@ -356,6 +394,11 @@ def train(cfg: DictConfig, show_progress: bool = True) -> dict | list[dict] | No
         shown = active[0]
         bar.set_postfix(loss=f"{outcomes[0].loss:.3f}", acc="-" if shown.result is None else f"{shown.result.accuracy:.3f}")
 
+    final = [run for run in runs if run.error is None and (not run.recorder.curves or run.recorder.curves[-1][0] != fed.rounds)]
+    if final:  # resumed at its last round (rounds lowered to the checkpoint's): the final evaluation is still due
+        for run, result in zip(final, evaluate_on_ranks(fabric, [r.federated for r in final], cfg.personalization, engine)):
+            run.result = result
+            run.recorder.log_curve(fed.rounds, result.curve)
     summaries = []
     for run in runs:
         if run.error is None:

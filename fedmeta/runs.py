@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +24,53 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+class RunLock:
+    """An exclusive claim on a run folder: ``<folder>.lock`` beside it holds the owner's pid and
+    host. A second process that wants the folder is refused in one line; a lock whose process is
+    gone (same host) is stale and taken over."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir.with_name(run_dir.name + ".lock")
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        owner = f"{os.getpid()}@{socket.gethostname()}"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self.path.read_text().strip() if self.path.exists() else ""
+                if not self._stale(holder):
+                    raise FedmetaError(f"{self.path.with_suffix('')} is in use by another fedmeta process ({holder}): "
+                                       f"wait for it to finish, or delete {self.path} if that process is gone") from None
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(owner)
+            self.held = True
+            return self
+        raise FedmetaError(f"could not lock {self.path}: another process keeps taking it")
+
+    @staticmethod
+    def _stale(holder: str) -> bool:
+        pid, _, host = holder.partition("@")
+        if host != socket.gethostname() or not pid.isdigit():
+            return not holder  # another machine's lock is trusted; an empty one is debris
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
 
 
 def wandb_logger(cfg: DictConfig, run_dir: Path, name: str, run_id: str | None = None):
@@ -54,8 +102,13 @@ class RunRecorder:
         self.logger = None
         if self.main:
             if run_dir.exists() and history is None:
-                shutil.rmtree(run_dir)  # an unfinished earlier attempt not resumed: nothing in it is a result
+                kept = [name for name in ("checkpoint.ckpt", "metrics.csv", "summary.json") if (run_dir / name).exists()]
+                if kept and not (cfg.output.overwrite or cfg.output.resume):  # resume without a checkpoint: nothing to keep
+                    raise FedmetaError(f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
+                                       "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true")
+                shutil.rmtree(run_dir)  # empty of results, or replacing them was asked for
             run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "checkpoint.ckpt.tmp").unlink(missing_ok=True)  # a checkpoint write cut off by a kill
             atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
             with open(run_dir / "metrics.csv", "w", newline="") as f:
                 writer = csv.DictWriter(f, METRIC_FIELDS)

@@ -38,6 +38,29 @@ BAD = [
     (["partition=iid", "federation.num_clients=20000"], "too few for personalization and held-out splits"),
     (["fabric.strategy=telepathy"], "fabric settings rejected"),
     (["fabric.devices=0"], "fabric settings rejected"),
+    # untyped command-line values are checked against each key's type, before anything is created
+    (["federation.rounds=abc"], "federation.rounds must be an integer, got 'abc'"),
+    (["federation.rounds=2.5"], "federation.rounds must be an integer, got 2.5"),
+    (["federation.num_clients=10.5"], "federation.num_clients must be an integer"),
+    (["seed=abc"], "seed must be an integer"),
+    (["personalization.lr=nan"], "personalization.lr must be a finite number, got 'nan'"),
+    (["personalization.lr=.inf"], "personalization.lr must be a finite number"),
+    (["model.dense_units=5"], "model.dense_units must be a list"),
+    (["partition.shards_per_client=0"], "partition.shards_per_client must be ≥ 1"),
+    (["federation.rounds="], "federation.rounds needs a value"),
+    (["federation.rounds=["], "cannot parse overrides"),
+    (["seeds=[0,0]"], "seeds must be a list of distinct integers"),
+    (["seeds=abc"], "seeds must be a list of distinct integers"),
+    (["federation.vectorize_lanes=-1"], "federation.vectorize_lanes must be ≥ 0"),
+    # paths: names from their folders only, settings without separators
+    (["output.setting=x/../../escape"], "output.setting must be a plain folder name"),
+    ([f"output.setting={'s' * 300}"], "output.setting must be a plain folder name"),
+    (["method=../../somewhere/evil"], "unknown method '../../somewhere/evil'"),
+    (["dataset=../configs/config"], "unknown data set"),
+    # precisions Fabric offers but fedmeta would not apply are refused, not recorded
+    (["fabric.precision=16-true"], "the -true precisions other than 32 are not applied"),
+    (["fabric.precision=bf16-true"], "the -true precisions other than 32 are not applied"),
+    (["fabric.precision=64-true"], "the -true precisions other than 32 are not applied"),
 ]
 
 

@@ -191,3 +191,25 @@ def test_a_corrupt_archive_is_one_line(tmp_path, monkeypatch, capsys):
         error = capsys.readouterr().err
         assert error.startswith("fedmeta: error:") and error.count("\n") == 1 and path in error
     assert not (tmp_path / "folder-dirichlet").exists()
+
+
+def test_a_mirror_that_never_answers_times_out_in_one_line(tmp_path, monkeypatch, capsys):
+    """A server that accepts the connection and then says nothing: the download gives up after
+    its timeout and retries, in one line, and leaves no temporary folder behind."""
+    import socket
+
+    from fedmeta.data import download as downloads
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepted by the kernel, never read or answered
+    monkeypatch.setattr(downloads, "TIMEOUT_S", 0.5)
+    monkeypatch.setattr(downloads, "ATTEMPTS", 2)
+    (tmp_path / ".mnist-download-stale").mkdir()  # left by a killed download
+    try:
+        assert download("mnist", f"http://127.0.0.1:{silent.getsockname()[1]}/", tmp_path) == 2
+    finally:
+        silent.close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "failed" in err and "--mirror" in err
+    assert list(tmp_path.iterdir()) == []  # neither the stale folder nor this download's

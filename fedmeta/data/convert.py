@@ -39,6 +39,22 @@ def _idx(path: Path, dims: int) -> np.ndarray:
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles plain data only — containers, strings, numbers and numpy arrays. A pickle that
+    names any other callable (which is how a pickle runs code) is refused."""
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a data file")
+
+
+def _load_pickle(stream) -> dict:
+    return _ArraysOnly(stream, encoding="bytes").load()
+
+
 def cifar_pickles(archive: Path, label_key: str = "labels", names_key: str = "label_names") -> dict[str, np.ndarray]:
     """CIFAR-10/100's python tarball: pickled batches ``data_batch_*``/``train`` and ``test_batch``/``test``
     of (N, 3072) uint8 rows, plus ``batches.meta``/``meta`` with the class names."""
@@ -48,11 +64,11 @@ def cifar_pickles(archive: Path, label_key: str = "labels", names_key: str = "la
         for member in sorted((m for m in tar if m.isfile()), key=lambda m: m.name):
             base = PurePosixPath(member.name).name
             if base.startswith("data_batch") or base == "train":
-                batches[0].append(pickle.load(tar.extractfile(member), encoding="bytes"))
+                batches[0].append(_load_pickle(tar.extractfile(member)))
             elif base in ("test_batch", "test"):
-                batches[1].append(pickle.load(tar.extractfile(member), encoding="bytes"))
+                batches[1].append(_load_pickle(tar.extractfile(member)))
             elif base in ("batches.meta", "meta"):
-                names = [n.decode() for n in pickle.load(tar.extractfile(member), encoding="bytes")[names_key.encode()]]
+                names = [n.decode() for n in _load_pickle(tar.extractfile(member))[names_key.encode()]]
     if not batches[0] or names is None:
         raise ValueError(f"{archive.name} holds no CIFAR training batches or no class names")
     parts = [(b[b"data"], b[label_key.encode()], split) for split in (0, 1) for b in batches[split]]

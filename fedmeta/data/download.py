@@ -9,7 +9,11 @@ server in the tests).
 from __future__ import annotations
 
 import functools
+import pickle
+import shutil
+import socket
 import tarfile
+import time
 import tempfile
 import urllib.error
 import zipfile
@@ -69,11 +73,13 @@ def download(name: str, directory: Path, mirror: str | None = None, verify: bool
                            "or put a canonical .npz or an ImageFolder tree in the data folder")
     upstream, target = CATALOG[name], directory / f"{name}.npz"
     directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f".{name}-download-*"):  # left by a download that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=f".{name}-download-") as tmp:
         paths = [_fetch(url, md5 if verify else None, Path(tmp), mirror) for url, md5 in upstream.files]
         try:
             arrays = upstream.convert(*paths)
-        except (ValueError, KeyError, OSError, EOFError, tarfile.TarError, zipfile.BadZipFile) as exc:
+        except (ValueError, KeyError, OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
             raise FedmetaError(f"the files of {name} are not in the expected format ({exc}): "
                                "check the mirror, or download again") from None
     save_canonical(target, **arrays)
@@ -85,13 +91,35 @@ def _fetch(url: str, md5: str | None, folder: Path, mirror: str | None) -> Path:
     if mirror:
         url = f"{mirror.rstrip('/')}/{filename}"
     try:
-        download_url(url, str(folder), filename, md5)
+        _with_retries(lambda: download_url(url, str(folder), filename, md5))
     except RuntimeError:  # torchvision's "File not found or corrupted." after the checksum test
         raise FedmetaError(f"{filename} from {url} does not match the publisher's MD5 {md5}: the download is "
                            "corrupt or the mirror serves another file (--no-verify skips the check)") from None
     except (urllib.error.URLError, OSError) as exc:
         raise FedmetaError(f"downloading {url} failed ({exc}): check the network, or pass --mirror URL") from None
     return folder / filename
+
+
+TIMEOUT_S, ATTEMPTS = 60, 3  # per connection and read; tries per file
+
+
+def _with_retries(fetch: Callable[[], None]) -> None:
+    """``fetch`` with a socket timeout (a server that accepts and never answers must not hang the
+    download), tried again after 1 s and 2 s on network errors."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(TIMEOUT_S)
+    try:
+        for attempt in range(ATTEMPTS):
+            try:
+                return fetch()
+            except urllib.error.HTTPError:  # the server answered (404, 403): asking again will not help
+                raise
+            except (urllib.error.URLError, TimeoutError, ConnectionError):
+                if attempt == ATTEMPTS - 1:
+                    raise
+                time.sleep(2 ** attempt)
+    finally:
+        socket.setdefaulttimeout(previous)
 
 
 def save_canonical(target: Path, **arrays: np.ndarray) -> None:

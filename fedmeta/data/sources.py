@@ -59,6 +59,13 @@ def _converted_tree(tree: Path, target: Path, **options) -> Path:
     return target
 
 
+def _fingerprint(path: Path) -> str:
+    """What the decoded copy of a tree depends on: every file's relative path, size and
+    modification time (a folder's own time does not change when a file inside it is edited)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return "|".join(f"{p.relative_to(path) if path.is_dir() else p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
 def load_source(entry: str, directory: Path, download: bool = True, size: int | None = None,
                 channels: int = 3) -> dict[str, np.ndarray]:
     """A data set named in a config: a path to a canonical ``.npz`` or to an ImageFolder tree
@@ -72,10 +79,11 @@ def load_source(entry: str, directory: Path, download: bool = True, size: int | 
             raise FedmetaError(f"{entry} not found: give the path of a canonical .npz, an ImageFolder folder or archive, "
                                f"or the name of a file in {directory}")
         return load_npz(entry, directory, download)
+    if not (path.is_file() or path.is_dir()):  # a device or a pipe (/dev/zero) would be read without end
+        raise FedmetaError(f"{path} is neither a regular file nor a folder: give a canonical .npz or an ImageFolder tree")
     if path.suffix == ".npz":
         return read_canonical(path)
-    stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}|{stat.st_mtime_ns}|{stat.st_size}|{size}|{channels}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{path.resolve()}|{_fingerprint(path)}|{size}|{channels}".encode()).hexdigest()[:12]
     target = cache_dir() / "trees" / f"{path.stem}-{key}.npz"
     return read_canonical(_converted_tree(path, target, size=size, mode="L" if channels == 1 else "RGB"))
 
@@ -104,6 +112,17 @@ def read_canonical(path: Path) -> dict[str, np.ndarray]:
     missing = {"x", "y"} - arrays.keys()
     if missing:
         raise FedmetaError(f"{path} lacks the arrays {sorted(missing)}: it is not in fedmeta's canonical form (README, Data)")
-    if arrays["x"].dtype != np.uint8 or len(arrays["x"]) != len(arrays["y"]):
+    x, y = arrays["x"], arrays["y"]
+    if x.dtype != np.uint8 or len(x) != len(y):
         raise FedmetaError(f"{path} must hold uint8 images x and one label y per image: it is not in fedmeta's canonical form")
+    if not (x.ndim == 3 or (x.ndim == 4 and x.shape[-1] in (1, 3))) or min(x.shape[1:3], default=0) < 1:
+        raise FedmetaError(f"{path}: images x must be N×H×W (grey) or N×H×W×3 (colour), got shape {x.shape}")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise FedmetaError(f"{path}: labels y must be one integer per image, got {y.dtype} of shape {y.shape}")
+    if len(y) and y.min() < 0:
+        raise FedmetaError(f"{path}: labels y must be ≥ 0, found {int(y.min())}")
+    if "classes" in arrays and len(y) and y.max() >= len(arrays["classes"]):
+        raise FedmetaError(f"{path}: label {int(y.max())} has no entry in its {len(arrays['classes'])} classes")
+    if len(np.unique(y)) < 2:
+        raise FedmetaError(f"{path}: a classification data set needs at least 2 classes, found {len(np.unique(y))}")
     return arrays

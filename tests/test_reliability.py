@@ -1,0 +1,179 @@
+"""Never lose a run, never a traceback: run folders, locks, resume edge cases, data files, evaluate."""
+
+import contextlib
+import io
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedmeta.cli import main
+from fedmeta.config import compose
+from fedmeta.data.convert import _load_pickle
+from fedmeta.data.sources import _fingerprint, read_canonical
+from fedmeta.errors import FedmetaError
+from fedmeta.loop import train
+
+QUICK = ["method=local", "federation.rounds=2", "federation.eval_every=2", "federation.num_new_clients=2",
+         "personalization.steps=1", "wandb.mode=disabled"]
+
+
+def run_args(tmp_path, mnist_dir, *extra):
+    return ["train", *QUICK, f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", *extra]
+
+
+def unfinished_run(tmp_path, mnist_dir):
+    """A run whose folder holds a checkpoint and metrics but no summary (interrupted at the end)."""
+    assert main(run_args(tmp_path, mnist_dir)) == 0
+    run = tmp_path / "rmnist-shards" / "local" / "seed0"
+    (run / "summary.json").unlink()
+    return run
+
+
+def test_rerunning_an_interrupted_run_keeps_its_checkpoint(tmp_path, mnist_dir, capsys):
+    run = unfinished_run(tmp_path, mnist_dir)
+    checkpoint = (run / "checkpoint.ckpt").read_bytes()
+    capsys.readouterr()
+    assert main(run_args(tmp_path, mnist_dir)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "output.resume=true" in err and "output.overwrite=true" in err
+    assert (run / "checkpoint.ckpt").read_bytes() == checkpoint  # nothing was deleted
+    assert main(run_args(tmp_path, mnist_dir, "output.overwrite=true")) == 0 and (run / "summary.json").exists()
+
+
+def test_a_locked_run_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, mnist_dir, capsys):
+    lock = tmp_path / "rmnist-shards" / "local" / "seed0.lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f"{holder.pid}@{os.uname().nodename}")
+        assert main(run_args(tmp_path, mnist_dir)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "in use by another fedmeta process" in err and str(holder.pid) in err
+        assert not (tmp_path / "rmnist-shards" / "local" / "seed0").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(run_args(tmp_path, mnist_dir)) == 0  # its process is gone: the lock is stale
+    assert not lock.exists()  # released at the end
+
+
+def test_resume_at_the_checkpoints_round_evaluates_and_finishes(tmp_path, mnist_dir, monkeypatch):
+    import fedmeta.loop as loop
+
+    honest = loop.federated_rounds
+
+    def interrupted_in_round_3(runs, round_, *args, **kwargs):
+        if round_ == 3:
+            raise KeyboardInterrupt
+        return honest(runs, round_, *args, **kwargs)
+
+    args = [*QUICK, f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "federation.checkpoint_every=2"]
+    monkeypatch.setattr(loop, "federated_rounds", interrupted_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(compose([*args, "federation.rounds=4", "federation.eval_every=4"]), show_progress=False)
+    monkeypatch.setattr(loop, "federated_rounds", honest)
+    run = tmp_path / "rmnist-shards" / "local" / "seed0"
+    (run / "checkpoint.ckpt.tmp").write_bytes(b"x" * 1000)  # a checkpoint write cut off by a kill
+    assert not (run.parent / "seed0.lock").exists()  # the interrupted run let go of its folder
+    summary = train(compose([*args, "federation.rounds=2", "federation.eval_every=4", "output.resume=true"]), show_progress=False)
+    assert summary["resumed_at_round"] == 2 and summary["rounds"] == 2 and 0 <= summary["accuracy"] <= 1
+    assert not (run / "checkpoint.ckpt.tmp").exists()
+
+
+def test_evaluate_refuses_unfinished_runs_unknown_keys_and_bad_values(tmp_path, mnist_dir, capsys, monkeypatch):
+    monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
+    run = unfinished_run(tmp_path, mnist_dir)
+    capsys.readouterr()
+    for extra, message in [([], "holds an unfinished run"), (["personalization.stepz=1", "--unfinished"], "personalization.stepz"),
+                           (["personalization.lr=-1", "--unfinished"], "lr > 0"),
+                           (["personalization.steps=abc", "--unfinished"], "must be an integer")]:
+        assert main(["evaluate", str(run), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (extra, err)
+    assert main(["evaluate", str(run), "--unfinished"]) == 0
+
+
+def canonical(tmp_path, **arrays):
+    path = tmp_path / "data.npz"
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("arrays,message", [
+    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 2, 0, 1, 2.5])), "labels y must be one integer per image"),
+    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, -1, 0, 1, 0])), "labels y must be ≥ 0"),
+    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.zeros(6, np.int64)), "at least 2 classes"),
+    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 5, 0, 1, 0]), classes=np.array(["a", "b"])), "has no entry"),
+    (dict(x=np.zeros((6, 8, 8, 4), np.uint8), y=np.array([0, 1, 0, 1, 0, 1])), "N×H×W×3"),
+    (dict(x=np.zeros((6, 8, 8), np.float32), y=np.array([0, 1, 0, 1, 0, 1])), "uint8 images"),
+])
+def test_data_files_are_validated_when_loaded(tmp_path, arrays, message):
+    with pytest.raises(FedmetaError, match=message):
+        read_canonical(canonical(tmp_path, **arrays))
+
+
+def test_devices_are_not_read_as_data(tmp_path, capsys):
+    assert main(["train", "dataset=folder", "dataset.options.path=/dev/zero", f"output.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "neither a regular file nor a folder" in err
+
+
+def test_pickles_that_name_code_are_refused():
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        _load_pickle(io.BytesIO(pickle.dumps(Exploit())))
+    plain = {b"data": np.arange(6, dtype=np.uint8).reshape(2, 3), b"labels": [0, 1], b"batch_label": b"x"}
+    assert _load_pickle(io.BytesIO(pickle.dumps(plain)))[b"labels"] == [0, 1]
+
+
+def test_an_edit_inside_an_image_tree_changes_its_cache_key(tmp_path):
+    image = tmp_path / "tree" / "train" / "cat" / "1.png"
+    image.parent.mkdir(parents=True)
+    image.write_bytes(b"one")
+    before = _fingerprint(tmp_path / "tree")
+    image.write_bytes(b"other bytes")
+    assert _fingerprint(tmp_path / "tree") != before
+
+
+KEYS = ["federation.rounds", "federation.num_clients", "federation.clients_per_round", "federation.held_out_fraction",
+        "personalization.lr", "personalization.steps", "seed", "seeds", "method.inner_lr", "partition.shards_per_client",
+        "output.setting", "fabric.precision", "model.dense_units", "federation.vectorize", "no.such.key"]
+VALUES = st.one_of(st.integers(-5, 10**6), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                   st.text("ab/.-_0129[],x ", max_size=12), st.lists(st.integers(-2, 64), max_size=3).map(str))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=4))
+def test_generated_configs_give_exit_0_or_one_line(tmp_path, overrides):
+    root = tmp_path / "root"
+    args = ["train", "--print-config", f"output.root={root}", *(f"{k}={v}" for k, v in overrides)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(args)
+    assert code in (0, 2)
+    if code == 2:
+        assert err.getvalue().count("\n") == 1 and err.getvalue().startswith("fedmeta: error: ")
+    assert "Traceback" not in err.getvalue() and not root.exists()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 5), st.sampled_from([(8, 8), (8, 8, 3), (8, 8, 4), (0,), ()]),
+       st.sampled_from(["uint8", "float32", "int64"]), st.lists(st.integers(-2, 4), max_size=6),
+       st.sampled_from(["int64", "float64", "uint8"]))
+def test_generated_data_files_load_or_are_refused_in_one_line(tmp_path, n, shape, x_dtype, labels, y_dtype):
+    path = canonical(tmp_path, x=np.zeros((n, *shape), x_dtype), y=np.array(labels, y_dtype))
+    try:
+        arrays = read_canonical(path)
+    except FedmetaError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert arrays["x"].dtype == np.uint8 and len(np.unique(arrays["y"])) >= 2
