@@ -168,11 +168,14 @@ def speedups(rows: list[dict]) -> list[dict]:
     method, variant, precision and client threads: seconds per round (per seed), per personalized
     client and per whole evaluation (per seed). Both come from the same bench run."""
     key = ("dataset", "method", "variant", "precision", "client_threads")
-    baseline = {tuple(r[k] for k in key): r for r in rows if r["clients"] == "sequential" and r["seeds"] == 1}
+    baseline: dict[tuple, dict] = {}
+    for r in rows:
+        if r["clients"] == "sequential" and r["seeds"] == 1:  # the first: a vmap row that fell back is sequential too
+            baseline.setdefault(tuple(r[k] for k in key), r)
     result = []
     for row in rows:
         base = baseline.get(tuple(row[k] for k in key))
-        if base is None or row is base:
+        if base is None or (row["clients"] == "sequential" and row["seeds"] == 1):
             continue
         ratio = {"round": base["seconds_per_round"] / row["seconds_per_round"],
                  "personalize": base["personalize_seconds_per_client"] / row["personalize_seconds_per_client"]}

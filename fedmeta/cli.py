@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), profile=args.profile,
                       projection=args.project)
             return 0
+        if args.command in ("table", "figures") and args.parallel < 1:
+            raise FedmetaError(f"--parallel must be ≥ 1 (runs at once), got {args.parallel}")
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
         if args.command == "data" and args.data_command == "download":

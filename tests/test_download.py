@@ -213,3 +213,9 @@ def test_a_mirror_that_never_answers_times_out_in_one_line(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "failed" in err and "--mirror" in err
     assert list(tmp_path.iterdir()) == []  # neither the stale folder nor this download's
+
+
+def test_a_mirror_that_is_not_a_url_is_one_line(tmp_path, capsys):
+    assert download("mnist", "not a url", tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a URL" in err and list(tmp_path.iterdir()) == []

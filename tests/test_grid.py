@@ -67,3 +67,8 @@ def test_vectorized_grid_stacks_each_methods_seeds_in_one_process(tmp_path, monk
     assert [(s["method"], s["seed"], s["seeds_stacked"]) for s in summaries] == [
         ("local", 0, 2), ("local", 1, 2), ("perfedavg", 0, 2), ("perfedavg", 1, 2)]
     assert "| Per-FedAvg |" in (tmp_path / "results" / "TABLES.md").read_text()
+
+
+def test_parallel_must_be_positive(capsys):
+    assert main(["table", "--parallel", "0"]) == 2
+    assert "--parallel must be ≥ 1" in capsys.readouterr().err

@@ -47,7 +47,14 @@ def build_algorithm(cfg, num_classes: int) -> Algorithm:
     name = cfg.method.algorithm
     if name not in ALGORITHMS:
         raise FedmetaError(f"unknown algorithm {name!r}: choose one of {sorted(ALGORITHMS)}")
-    return ALGORITHMS[name](build_model(cfg, num_classes), cfg.method)
+    try:
+        model = build_model(cfg, num_classes)
+    except RuntimeError as exc:  # the conv stack, probed with the data's image size, does not fit it
+        m = cfg.model
+        raise FedmetaError(f"the model does not fit {cfg.dataset.image_size}×{cfg.dataset.image_size} images (conv_channels "
+                           f"{list(m.conv_channels)}, kernel_size {m.kernel_size}, padding {m.padding}: "
+                           f"{str(exc).splitlines()[0]}): use a smaller kernel, more padding or fewer conv blocks") from None
+    return ALGORITHMS[name](model, cfg.method)
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "CAFeMe", "ClientUpdate", "Ditto", "FedAvg", "FedRep", "IFCA", "Local", "PerFedAvg",

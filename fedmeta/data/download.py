@@ -97,6 +97,8 @@ def _fetch(url: str, md5: str | None, folder: Path, mirror: str | None) -> Path:
                            "corrupt or the mirror serves another file (--no-verify skips the check)") from None
     except (urllib.error.URLError, OSError) as exc:
         raise FedmetaError(f"downloading {url} failed ({exc}): check the network, or pass --mirror URL") from None
+    except ValueError as exc:  # urllib: "unknown url type"
+        raise FedmetaError(f"{url} is not a URL fedmeta can fetch ({exc}): give --mirror as http(s)://host/folder/") from None
     return folder / filename
 
 
