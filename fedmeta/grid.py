@@ -1,6 +1,6 @@
 """Experiment grids of a preset (``configs/preset/``): method × setting × seed, each a plain
-``fedmeta train`` in its own process. Runs already finished in ``runs/<preset>/`` are skipped, so an
-interrupted grid resumes where it stopped; ``parallel`` processes go at once. When the runs are
+``fedmeta train`` in its own process. Runs already finished in ``runs/<preset>/`` are skipped and
+unfinished ones continue from their last checkpoint, so an interrupted grid resumes where it stopped; ``parallel`` processes go at once. When the runs are
 vectorized (``federation.vectorize=true``), the unfinished seeds of a setting × method share one
 process as stacked seeds (``seeds=[…]``), each still writing its own run folder."""
 
@@ -55,7 +55,7 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
         evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
         common = [*setting.overrides, f"federation.rounds={rounds}",
                   f"federation.eval_every={math.ceil(rounds / evaluations)}",
-                  f"output.root={root}", f"output.setting={name}", *preset.overrides, *extra]
+                  f"output.root={root}", f"output.setting={name}", "output.resume=true", *preset.overrides, *extra]
         for seed in seeds if seeds is not None else preset.seeds:
             for method in methods or preset.methods:
                 jobs.append(Job(name, method, int(seed), (*common, f"method={method}", f"seed={seed}")))

@@ -39,13 +39,14 @@ log = logging.getLogger("fedmeta")
 
 def make_fabric(cfg: DictConfig) -> Fabric:
     f = cfg.fabric
+    on_cpu = f.accelerator == "cpu" or (f.accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and str(f.precision) == "16-mixed":  # Fabric would run bf16 while the config says 16
+        raise FedmetaError("fabric.precision=16-mixed needs a GPU; on the CPU use bf16-mixed")
     try:
         fabric = Fabric(accelerator=f.accelerator, devices=f.devices, num_nodes=f.num_nodes, strategy=f.strategy,
                         precision=f.precision)
     except (ValueError, RuntimeError, TypeError) as exc:
         raise FedmetaError(f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision") from None
-    if fabric.device.type == "cpu" and str(f.precision) == "16-mixed":  # Fabric would run bf16 and record 16
-        raise FedmetaError("fabric.precision=16-mixed needs a GPU; on the CPU use bf16-mixed")
     fabric.launch()
     return fabric
 

@@ -6,13 +6,19 @@
 #   2. one 1,000-round RMNIST-shards CAFeMe run of 5 stacked seeds (the paper's protocol).
 # Results go to $OUT (or results/gpu/): gpu.txt, bench_gpu.json/.txt, stacked_seeds.txt/.json (the 5 runs' summaries).
 # Usage: scripts/gpu_check.sh [max seconds for the 1,000-round run, default 420]
+# A GPU machine image with torch, Lightning and torchmetrics but no network needs OmegaConf as a
+# carried wheel: here, `.venv/bin/pip download omegaconf -d .gpu_wheels` (and list .gpu_wheels in
+# .git/info/exclude); carry .gpu_wheels along with the working tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-export WANDB_MODE=disabled
+if ! "$PY" -c "import omegaconf" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --find-links .gpu_wheels omegaconf
+fi
+export WANDB_MODE=disabled PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
 "$PY" -m fedmeta.cli bench --datasets rmnist cifar10 --methods cafeme fedavg_ft --no-memory --project paper \

@@ -63,6 +63,7 @@ BAD = [
     (["fabric.precision=16-true"], "the -true precisions other than 32 are not applied"),
     (["fabric.precision=bf16-true"], "the -true precisions other than 32 are not applied"),
     (["fabric.precision=64-true"], "the -true precisions other than 32 are not applied"),
+    (["fabric.precision=16-mixed"], "16-mixed needs a GPU; on the CPU use bf16-mixed"),
 ]
 
 
