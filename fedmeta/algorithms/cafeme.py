@@ -82,7 +82,8 @@ class CAFeMe(Algorithm):
         update = super().to_update(client, result)
         if update.state is not None:  # the client's Adam moments, compactly, for its next round
             dtype = getattr(torch, self.cfg.client_state_dtype)
-            update.state = {"step": result.state["step"].detach(),
-                            **{key: {k: v.detach().to(dtype) for k, v in result.state[key].items()}
+            # copies: a vmapped round's results are views into tensors of all its clients
+            update.state = {"step": result.state["step"].detach().clone(),
+                            **{key: {k: v.detach().to(dtype, copy=True) for k, v in result.state[key].items()}
                                for key in ("exp_avg", "exp_avg_sq")}}
         return update
