@@ -44,7 +44,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
     methods = list(preset.methods)
     lines = [f"# Results — preset `{preset_name}`", "",
              f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
-             f"the seeds run; beside it the paper's number (SPEC §7, 5 seeds, full protocol) and ours minus the paper's.",
+             f"the seeds run; beside it the paper's number (5 seeds, full protocol) and ours minus the paper's.",
              "", f"Command: `{command}`. Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from `{root}/`.", "",
              "| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
     for method in methods:

@@ -58,7 +58,7 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
         assert row["seconds_per_round"] > 0 and row["gflop_per_round"] > 0 and row["peak_rss_mb"] > 100
         assert row["gflops"] == pytest.approx(row["gflop_per_round"] / row["seconds_per_round"])
     # A CAFeMe client: 5 inner steps on 30 images + one outer step on 180, through base and modulator
-    # (≈ 13–16 GFLOP a client, SPEC §2). FLOPs are counted through the second-order inner loops too.
+    # (≈ 13–16 GFLOP a client, as counted for the authors' code). FLOPs are counted through the second-order inner loops too.
     assert 50 < result["rows"][2]["gflop_per_round"] < 100
     assert result["rows"][4]["gflop_per_round"] == pytest.approx(result["rows"][0]["gflop_per_round"], rel=0.2)  # per seed
     profile = result["rows"][2]["profile"]  # the convolutions are where a CAFeMe round's time goes

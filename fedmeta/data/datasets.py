@@ -31,7 +31,7 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: int = 10,
                  degrees_per_group: float = 20.0) -> ImageDataset:
-    """Rotated MNIST (SPEC §5): MNIST-train cut into equal random groups, group g rotated g·20°.
+    """Rotated MNIST: MNIST-train cut into equal random groups, group g rotated g·20°.
 
     Every image is rotated once here, not per sample per epoch.
     """
@@ -92,7 +92,7 @@ def to_shape(x: np.ndarray, channels: int, size: int) -> torch.Tensor:
 
 def build_meta_dataset(directory: Path, seed: int, download: bool = True, sources: tuple[str, ...] = (),
                        num_clients: int = 100, classes_per_client: int = 10, images_per_client: int = 600) -> ImageDataset:
-    """Meta-Dataset-style concept shift (SPEC §5): client i draws one source, N of its classes and
+    """Meta-Dataset-style concept shift: client i draws one source, N of its classes and
     ``images_per_client`` images (as evenly over the classes as the source allows), relabelled
     0…N−1 in a random order of its own. ``groups`` holds the client of every image; only the
     drawn images are kept, as 32×32 RGB."""

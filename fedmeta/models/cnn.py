@@ -1,4 +1,4 @@
-"""The base network f_ψ: conv blocks → dense blocks → linear head (SPEC §6).
+"""The base network f_ψ: conv blocks → dense blocks → linear head.
 
 BatchNorm uses batch statistics only (``track_running_stats=False``), so a model is its
 parameters alone: no buffers to carry between clients. Every forward takes an optional sample
@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: int | str) -> nn.Sequential:
-    # conv → BN → ReLU → max-pool (SPEC §6), computed with the pool first: max and ReLU commute
+    # conv → BN → ReLU → max-pool, computed with the pool first: max and ReLU commute
     # (both monotone), so the function and its gradients are the same and ReLU touches 4× fewer values.
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding),
