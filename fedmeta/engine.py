@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 from fedmeta.algorithms import Algorithm, ClientUpdate
 from fedmeta.data.federation import Batch, Client
 from fedmeta.errors import FedmetaError
-from fedmeta.evaluation import check_finite, draw_personalization, personalize
+from fedmeta.evaluation import check_finite, draw_personalization, personalize, personalize_client
 from fedmeta.functional import vmapped
 from fedmeta.models import set_channels_last
 
@@ -181,13 +181,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 — vmap could not run it: one at a time instead
                 self._give_up(lanes[0][0], exc)
 
-        def one(item: Lane) -> torch.Tensor:
-            algorithm, client = item
-            _, curve, losses = personalize(algorithm, algorithm.global_params(), draw_personalization(algorithm, client, cfg), cfg)
-            check_finite(client, losses)
-            return curve
-
-        return torch.stack(self.map(one, lanes)).cpu()
+        return torch.stack(self.map(lambda item: personalize_client(*item, cfg)[1], lanes))
 
     def _vectorized_curves(self, lanes: list[Lane], cfg) -> torch.Tensor:
         algorithm = _for_vmap(lanes)
