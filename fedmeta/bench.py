@@ -28,14 +28,18 @@ QUIET = ["wandb.mode=disabled"]
 PROFILE_TOP = 8
 
 
-def matmul_peak_gflops(size: int, dtype: torch.dtype = torch.float32, repeats: int = 10) -> float:
-    """Best achieved GFLOP/s of a square matmul: the machine's practical peak at this precision."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+def matmul_peak_gflops(size: int, dtype: torch.dtype = torch.float32, repeats: int = 10,
+                       device: torch.device = torch.device("cpu")) -> float:
+    """Best achieved GFLOP/s of a square matmul: the device's practical peak at this precision."""
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
+        synchronize()
         tick = time.perf_counter()
         torch.mm(a, b)
+        synchronize()
         best = min(best, time.perf_counter() - tick)
     return 2 * size**3 / best / 1e9
 
@@ -269,9 +273,12 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
         load_preset(projection)  # an unknown preset: one line before anything runs
     for overrides in [row["overrides"] for row in rows] + memory_rows:  # bad names or values: one line before anything runs
         compose([*overrides, *QUIET])
-    result = {"machine": hardware_name(torch.device("cpu")),
-              "peak_gflops": matmul_peak_gflops(bench.matmul_size),
-              "peak_gflops_bf16": matmul_peak_gflops(bench.matmul_size, torch.bfloat16),
+    accelerator = compose([*rows[0]["overrides"], *QUIET]).fabric.accelerator if rows else "cpu"
+    device = torch.device("cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+                          else "cpu")  # the rows' device: the "% peak" column compares with its matmul
+    result = {"machine": hardware_name(device),
+              "peak_gflops": matmul_peak_gflops(bench.matmul_size, device=device),
+              "peak_gflops_bf16": matmul_peak_gflops(bench.matmul_size, torch.bfloat16, device=device),
               "rows": [], "memory": []}
     print(f"{result['machine']}: fp32 matmul peak {result['peak_gflops']:.0f} GFLOP/s, "
           f"bf16 {result['peak_gflops_bf16']:.0f} GFLOP/s")

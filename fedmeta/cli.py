@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--profile", action="store_true", help="also list each row's most expensive operators (torch.profiler)")
     bench_cmd.add_argument("--project", metavar="PRESET", help="also print the projected wall time of make table PRESET=…")
     bench_cmd.add_argument("--out", default="results/bench.json")
+    bench_cmd.add_argument("--config", help="the rows to run (default: configs/bench.yaml; the GPU check's: configs/bench_gpu.yaml)")
     bench_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda")
     args = parser.parse_args(argv)
 
@@ -76,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
 
             from fedmeta import bench
 
-            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), profile=args.profile,
-                      projection=args.project)
+            config = Path(args.config) if args.config else bench.CONFIG_DIR / "bench.yaml"
+            if not config.is_file():
+                raise FedmetaError(f"--config {config}: no such file; the bench configs are configs/bench*.yaml")
+            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), config,
+                      profile=args.profile, projection=args.project)
             return 0
         if args.command in ("table", "figures") and args.parallel < 1:
             raise FedmetaError(f"--parallel must be ≥ 1 (runs at once), got {args.parallel}")

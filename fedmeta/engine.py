@@ -124,12 +124,29 @@ class Engine:
         size = self.max_lanes or len(lanes)
         return [lanes[i:i + size] for i in range(0, len(lanes), size)]
 
+    def _in_chunks(self, run: Callable[[list[Lane]], Any], lanes: list[Lane]) -> list:
+        """``run`` on each chunk of lanes; out of memory, the chunks halve until they fit (a vmapped
+        call's results are applied only after all of them, so a repeated chunk changes nothing)."""
+        while True:
+            try:
+                return [run(chunk) for chunk in self._chunks(lanes)]
+            except torch.OutOfMemoryError:
+                size = len(self._chunks(lanes)[0])
+                if size == 1:
+                    raise
+                self.max_lanes = size // 2
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                log.warning(f"federation.vectorize_lanes: {size} lanes did not fit in memory; "
+                            f"now {self.max_lanes} per vmapped call")
+
     # ---- federated training ------------------------------------------------------------------
     def local_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate | str]:
         """Each lane's update, or a failed client's reason (one line), in lane order."""
         if self.vectorize and len(lanes) > 1:
             try:
-                return [update for chunk in self._chunks(lanes) for update in self._vectorized_updates(chunk, round_)]
+                return [update for chunk in self._in_chunks(lambda c: self._vectorized_updates(c, round_), lanes)
+                        for update in chunk]
             except (FedmetaError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 — find out below whether a client or vmap failed
@@ -175,7 +192,7 @@ class Engine:
             return torch.empty(0, cfg.steps + 1)
         if self.vectorize and len(lanes) > 1:
             try:
-                return torch.cat([self._vectorized_curves(chunk, cfg) for chunk in self._chunks(lanes)])
+                return torch.cat(self._in_chunks(lambda c: self._vectorized_curves(c, cfg), lanes))
             except (FedmetaError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 — vmap could not run it: one at a time instead

@@ -115,6 +115,27 @@ def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch
     assert len(notices) == 1 and "one at a time" in notices[0]
 
 
+def test_out_of_memory_halves_the_lanes_per_call_and_keeps_vmapping(uneven, monkeypatch, caplog):
+    fabric, cfg, built = paths("fedavg_ft", uneven)
+    expected = [federated_round(*built[0], r, 4, seed=0, engine=Engine()).loss for r in (1, 2)]
+    honest, sizes = Engine._vectorized_updates, []
+
+    def small_memory(self, lanes, round_):  # a card that holds 2 lanes' activations, not 4
+        sizes.append(len(lanes))
+        if len(lanes) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return honest(self, lanes, round_)
+
+    monkeypatch.setattr(Engine, "_vectorized_updates", small_memory)
+    engine = Engine(True)
+    with caplog.at_level(logging.WARNING, logger="fedmeta"):
+        losses = [federated_round(*built[1], r, 4, seed=0, engine=engine).loss for r in (1, 2)]
+    assert engine.vectorize and engine.max_lanes == 2 and sizes == [4, 2, 2, 2, 2]
+    assert losses == pytest.approx(expected, rel=1e-8)  # the failed call left nothing behind
+    assert [r.message for r in caplog.records if "did not fit" in r.message] == [
+        "federation.vectorize_lanes: 4 lanes did not fit in memory; now 2 per vmapped call"]
+
+
 @pytest.mark.parametrize("method", ["cafeme variant=authors", "fedavg_ft"])
 def test_stacked_seeds_are_the_seeds_run_alone(method, tmp_path, mnist_dir):
     """seeds=[0,1] in one process writes the two run folders that the two seeds' own runs write:
