@@ -148,6 +148,9 @@ def validate(cfg: DictConfig) -> None:
     _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
     _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,
              "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 1")
+    _require(pers.batches in ("independent", "stream"), f"personalization.batches must be independent or stream, got {pers.batches!r}")
+    _require(pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
+             f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}")
     if cfg.partition.name == "shards":
         _require(cfg.partition.shards_per_client >= 1, f"partition.shards_per_client must be ≥ 1, got {cfg.partition.shards_per_client}")
     if cfg.partition.name == "dirichlet":
@@ -160,6 +163,10 @@ def validate(cfg: DictConfig) -> None:
         _require(cfg.method.context in ("labelled", "transductive"),
                  f"method.context must be labelled or transductive, got {cfg.method.context!r}")
         _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
+        _require(cfg.method.outer_optimizer in ("adam_fresh", "adam_kept", "sgd"),
+                 f"method.outer_optimizer must be adam_fresh, adam_kept or sgd, got {cfg.method.outer_optimizer!r}")
+        _require(cfg.method.batches in ("independent", "stream"),
+                 f"method.batches must be independent or stream, got {cfg.method.batches!r}")
         _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
                  f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
     setting = cfg.output.setting

@@ -4,7 +4,10 @@ Each new client starts from ``algorithm.personal_params``, takes ``steps`` SGD s
 of its personalization split (step size decayed by ``decay`` every ``decay_every`` steps), and its
 held-out accuracy is measured before the first step and after every step: a curve of steps+1
 points. The batches come from the client's own seeded generator, so every method sees the same
-batches. ``personalize`` is a pure function of one client's parameters and batches, so
+batches: each drawn afresh (``batches=independent``) or read from a persistent drop_last iterator
+(``stream``). The held-out split is scored in one pass, or in loader batches of
+``held_out_batch_size`` (then each batch gives its own context and batch statistics, and the
+accuracy is the mean of the per-batch accuracies, as a loop over a test loader computes it). ``personalize`` is a pure function of one client's parameters and batches, so
 fedmeta.engine runs it for one client at a time or vmapped over all of them.
 """
 
@@ -15,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from fedmeta.algorithms import Algorithm
-from fedmeta.algorithms.base import ClientData
-from fedmeta.data.federation import PERSONALIZE_PURPOSE, Batch, Client
+from fedmeta.algorithms.base import ClientData, step_weight
+from fedmeta.data.federation import PERSONALIZE_PURPOSE, PERSONALIZE_STREAM_PURPOSE, Batch, Client
 from fedmeta.errors import FedmetaError
 from fedmeta.functional import Params, grad_and_value, masked_mean, sgd
 
@@ -39,11 +42,18 @@ class PersonalizationResult:
 
 
 def draw_personalization(algorithm: Algorithm, client: Client, cfg) -> ClientData:
-    """A new client's batches: its held-out split, the context batch before any step, one batch per step."""
+    """A new client's batches: its held-out split (one batch, or loader batches in order), the
+    context batch before any step, one batch per step."""
     generator = client.generator(0, PERSONALIZE_PURPOSE)
     held_out = client.batch("held_out", None, generator)
-    context = client.batch("pers", cfg.batch_size, generator)
-    steps = [client.batch("pers", cfg.batch_size, generator) for _ in range(cfg.steps)]
+    if cfg.held_out_batch_size:
+        held_out = client.epoch("held_out", cfg.held_out_batch_size, None)
+    if cfg.batches == "stream":  # the first batch is also the context of the step-0 accuracy
+        steps = client.stream("pers", cfg.batch_size, 0, max(cfg.steps, 1), PERSONALIZE_STREAM_PURPOSE)
+        context, steps = steps[0], steps[:cfg.steps]
+    else:
+        context = client.batch("pers", cfg.batch_size, generator)
+        steps = [client.batch("pers", cfg.batch_size, generator) for _ in range(cfg.steps)]
     return {"held_out": held_out, "context": context, "steps": steps, **algorithm.personalization_data(client)}
 
 
@@ -57,12 +67,19 @@ def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> 
     ``cfg.steps`` steps and the loss of each step. Accuracy is the share of correct predictions
     (written out rather than torchmetrics', whose input checks cannot run under vmap)."""
     start = algorithm.personal_params(params, data)
-    held_out: Batch = data["held_out"]
+    held_out: list[Batch] = data["held_out"] if isinstance(data["held_out"], list) else [data["held_out"]]
 
     def held_out_accuracy(p: Params, last_batch: Batch) -> torch.Tensor:
+        accuracies, weights = [], []
         with torch.no_grad():
-            logits = algorithm(p, held_out.x, algorithm.prediction_context(held_out, last_batch), held_out.mask)
-        return masked_mean((logits.argmax(1) == held_out.y).float(), held_out.mask)
+            for batch in held_out:
+                logits = algorithm(p, batch.x, algorithm.prediction_context(batch, last_batch), batch.mask)
+                accuracies.append(masked_mean((logits.argmax(1) == batch.y).float(), batch.mask))
+                weights.append(step_weight(batch))  # a padded (idle) batch of a stacked client counts 0
+        if len(held_out) == 1:
+            return accuracies[0]
+        weights = torch.stack([torch.as_tensor(w, dtype=accuracies[0].dtype, device=accuracies[0].device) for w in weights])
+        return (torch.stack(accuracies) * weights).sum() / weights.sum()
 
     personal, accuracies, losses = start, [held_out_accuracy(start, data["context"])], []
     for batch, lr in zip(data["steps"], step_sizes(cfg)):

@@ -80,7 +80,7 @@ def test_vectorized_rounds_and_evaluation_equal_sequential(method, uneven):
 def _leaves(tree):
     if isinstance(tree, dict):
         return [leaf for key in sorted(tree) for leaf in _leaves(tree[key])]
-    return [tree]
+    return [torch.as_tensor(tree)]  # tensors, and the count of batches a client's iterator has read
 
 
 def test_stacking_pads_batches_with_a_mask_and_idles_short_lanes():

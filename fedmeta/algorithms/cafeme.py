@@ -1,26 +1,36 @@
 """CAFeMe (paper Algorithms 1–2): a federated modulator g_μ gates a MAML-personalized base f_ψ.
 
 Each sampled client runs Personalization(S, α, D_pers, ω) — S differentiable SGD steps on μ and ψ,
-each on a fresh batch D' with ζ = g_μ'(D') — then takes one outer step of the optimizer (Adam, β)
-on ω through that inner loop, with the loss of f_ψ'|ζ on a held-out batch. The server averages
-the clients' ω_i' (uniform weights, as in the paper's Algorithm 1).
+each on a fresh batch D' with ζ = g_μ'(D') — then takes one outer step on ω through that inner
+loop, with the loss of f_ψ'|ζ on a batch of its held-out part D_eval. The server averages the
+clients' ω_i' (uniform weights, as in the paper's Algorithm 1).
 
-Options (the authors' code, ``variant=authors`` turns on all of them):
+Options (``variant=authors`` sets each to what the authors' code does):
+- ``outer_optimizer``: ``adam_fresh`` (a new Adam per client per round: its one step moves every
+  weight by ≈ β·sign(g), i.e. sign-SGD), ``adam_kept`` (each client keeps its Adam across rounds —
+  only the two moments and the step, 2 × |ω| numbers per client seen, as ``client_state_dtype``:
+  float32 is exact, bfloat16 halves the memory), or ``sgd`` (ω − β·g, Algorithm 1 line 8 as written);
+- ``batches=stream``: the inner batches and the outer batch (6 consecutive batches) are read one
+  after another from one persistent iterator over D_pers (``Client.stream``, carried from round
+  to round); D_eval is never used in training. ``independent``: each inner batch is drawn afresh
+  from D_pers and the outer batch from D_eval;
 - ``context=transductive``: ζ comes from the batch being classified (x only), also at test time;
-- ``first_order=true``: the inner gradients are not differentiated (first-order MAML);
-- ``client_optimizer_state=true``: each client keeps its Adam state across rounds — only the two
-  moments and the step (2 × |ω| numbers a client seen), as ``client_state_dtype`` (float32 is exact;
-  bfloat16 halves the memory).
+- ``first_order=true``: the inner gradients are not differentiated (first-order MAML).
 """
 
 from __future__ import annotations
 
 import torch
 
+import logging
+
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
 from fedmeta.data.federation import Batch, Client
-from fedmeta.functional import Params, adam, adam_state, grad_and_value
+from fedmeta.functional import Params, adam, adam_state, grad_and_value, sgd
 from fedmeta.models import ModulatedNet
+
+log = logging.getLogger("fedmeta")
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class CAFeMe(Algorithm):
@@ -29,6 +39,8 @@ class CAFeMe(Algorithm):
     def __init__(self, model: ModulatedNet, cfg):
         super().__init__(model, cfg)
         self.transductive = cfg.context == "transductive"
+        self.keeps_adam = cfg.outer_optimizer == "adam_kept"
+        self.said_outer_size = False
 
     def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.run_model(self.model, params, x, context.x, context.y, mask, context.mask)
@@ -40,10 +52,28 @@ class CAFeMe(Algorithm):
         # Paper: ζ = g_μ'(D') from the last personalization batch. Authors' code: from x itself.
         return Batch(batch.x, None, batch.mask) if self.transductive else self.adaptation_context(last_batch)
 
+    def batches_read(self, client_id: int) -> int:
+        """How far the client's persistent iterator has gone (``batches=stream``)."""
+        return int(self.client_states.get(client_id, {}).get("batches_read", 0))
+
+    def outer_batches(self) -> int:
+        return max(1, self.cfg.eval_batch_size // self.cfg.batch_size)
+
     def draw(self, client: Client, round_: int) -> ClientData:
+        cfg = self.cfg
+        if cfg.batches == "stream":
+            batches = client.stream("pers", cfg.batch_size, self.batches_read(client.id), cfg.inner_steps + self.outer_batches())
+            outer = batches[cfg.inner_steps:]
+            return {"inner": batches[:cfg.inner_steps],
+                    "outer": Batch(torch.cat([b.x for b in outer]), torch.cat([b.y for b in outer]))}
         generator = client.generator(round_)
-        inner = [client.batch("pers", self.cfg.batch_size, generator) for _ in range(self.cfg.inner_steps)]
-        return {"inner": inner, "outer": client.batch("held_out", self.cfg.eval_batch_size, generator)}
+        inner = [client.batch("pers", cfg.batch_size, generator) for _ in range(cfg.inner_steps)]
+        held_out = len(client.indices("held_out"))
+        if cfg.eval_batch_size is not None and held_out < cfg.eval_batch_size and not self.said_outer_size:
+            self.said_outer_size = True
+            log.warning(f"CAFeMe: the outer batch is a client's whole held-out split where it holds fewer than "
+                        f"method.eval_batch_size={cfg.eval_batch_size} images (client {client.id}: {held_out})")
+        return {"inner": inner, "outer": client.batch("held_out", cfg.eval_batch_size, generator)}
 
     def personalize(self, params: Params, batches: list[Batch]) -> tuple[Params, Batch]:
         """Algorithm 2, differentiable: returns ψ', μ' and the last batch D' (which gives ζ)."""
@@ -61,29 +91,34 @@ class CAFeMe(Algorithm):
         return self.loss(adapted, outer, self.prediction_context(outer, last_batch))
 
     def client_state(self, client_id: int, params: Params) -> dict:
-        if not self.cfg.client_optimizer_state:
+        if not self.keeps_adam:
             return {}
         kept = self.client_states.get(client_id)
-        if kept is None:
+        if kept is None or "step" not in kept:
             return adam_state(params)
         dtype = next(iter(params.values())).dtype  # moments kept in bfloat16 are used in the parameters' dtype
-        return {"step": kept["step"], **{key: {k: v.to(dtype) for k, v in kept[key].items()} for key in ("exp_avg", "exp_avg_sq")}}
+        return {"step": kept["step"], **{key: {k: v.to(dtype) for k, v in kept[key].items()} for key in ADAM_KEYS}}
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         grads, outer_loss = grad_and_value(self.meta_loss)(params, data)
-        # A fresh Adam per client per round unless the client keeps its own (client_optimizer_state)
+        if self.cfg.outer_optimizer == "sgd":
+            new, _ = sgd(params, grads, self.cfg.outer_lr)
+            return LocalResult(new, outer_loss, {}, {})
         new, adam_after = adam(params, grads, state or adam_state(params), self.cfg.outer_lr)
-        return LocalResult(new, outer_loss, adam_after if self.cfg.client_optimizer_state else {}, {})
+        return LocalResult(new, outer_loss, adam_after if self.keeps_adam else {}, {})
 
     def update_weight(self, client: Client) -> float:
         return 1.0  # uniform, as the paper's Algorithm 1
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result)
-        if update.state is not None:  # the client's Adam moments, compactly, for its next round
+        kept = {}
+        if self.keeps_adam:  # the client's Adam moments, compactly, for its next round
             dtype = getattr(torch, self.cfg.client_state_dtype)
             # copies: a vmapped round's results are views into tensors of all its clients
-            update.state = {"step": result.state["step"].detach().clone(),
-                            **{key: {k: v.detach().to(dtype, copy=True) for k, v in result.state[key].items()}
-                               for key in ("exp_avg", "exp_avg_sq")}}
+            kept = {"step": result.state["step"].detach().clone(),
+                    **{key: {k: v.detach().to(dtype, copy=True) for k, v in result.state[key].items()} for key in ADAM_KEYS}}
+        if self.cfg.batches == "stream":
+            kept["batches_read"] = self.batches_read(client.id) + self.cfg.inner_steps + self.outer_batches()
+        update.state = kept or None
         return update

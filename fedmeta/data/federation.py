@@ -1,7 +1,10 @@
 """Clients: index sets into one shared data tensor plus a seed — never model copies.
 
 A client's batches come from a generator seeded by (run seed, client id, round, purpose), so a
-client's work is the same whichever process or order runs it.
+client's work is the same whichever process or order runs it. ``Client.stream`` is the other way
+to read a client's data, the one of a persistent iterator over a shuffled ``drop_last`` loader:
+batch k of an endless sequence of epochs, each epoch shuffled by its own seeded generator, so a
+client that has read k batches continues at k — in any process, after any checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from fedmeta.data.datasets import ImageDataset
 from fedmeta.data.partition import partition
 from fedmeta.errors import FedmetaError
 
-TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE = 0, 1, 2
+TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE, TRAIN_STREAM_PURPOSE, PERSONALIZE_STREAM_PURPOSE = 0, 1, 2, 3, 4
 
 
 class Batch(NamedTuple):
@@ -60,17 +63,38 @@ class Client:
             indices = indices[torch.randperm(len(indices), generator=generator)[:size]]
         return Batch(*self.data.take(indices))
 
-    def epoch(self, split: str, batch_size: int, generator: torch.Generator) -> list[Batch]:
-        """One shuffled pass over ``split`` in batches of ``batch_size``. A last batch of one sample
-        joins the one before: BatchNorm with batch statistics cannot normalize a single sample."""
+    def epoch(self, split: str, batch_size: int, generator: torch.Generator | None) -> list[Batch]:
+        """One pass over ``split`` in batches of ``batch_size``, shuffled by ``generator`` (None: in
+        order, as a test loader reads). A last batch of one sample joins the one before: BatchNorm
+        with batch statistics cannot normalize a single sample."""
         indices = self.indices(split)
-        chunks = list(indices[torch.randperm(len(indices), generator=generator)].split(batch_size))
+        if generator is not None:
+            indices = indices[torch.randperm(len(indices), generator=generator)]
+        chunks = list(indices.split(batch_size))
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             chunks[-2:] = [torch.cat(chunks[-2:])]
         return [Batch(*self.data.take(chunk)) for chunk in chunks]
 
     def epochs(self, split: str, batch_size: int, generator: torch.Generator, count: int) -> list[Batch]:
         return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator)]
+
+    def stream(self, split: str, batch_size: int, start: int, count: int, purpose: int = TRAIN_STREAM_PURPOSE) -> list[Batch]:
+        """Batches ``start`` … ``start + count - 1`` of a persistent iterator over ``split``:
+        consecutive, non-overlapping batches of exactly ``batch_size`` (the last partial batch of
+        each epoch is dropped), a fresh shuffle every epoch, wrapping around without end."""
+        indices = self.indices(split)
+        per_epoch = len(indices) // batch_size
+        if per_epoch == 0:
+            raise FedmetaError(f"client {self.id} has {len(indices)} {split} samples, fewer than one batch of "
+                               f"{batch_size}: lower the batch size or use fewer clients")
+        orders: dict[int, torch.Tensor] = {}
+        batches = []
+        for k in range(start, start + count):
+            epoch, position = divmod(k, per_epoch)
+            if epoch not in orders:
+                orders[epoch] = indices[torch.randperm(len(indices), generator=self.generator(epoch, purpose))]
+            batches.append(Batch(*self.data.take(orders[epoch][position * batch_size:(position + 1) * batch_size])))
+        return batches
 
 
 class Federation:

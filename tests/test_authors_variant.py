@@ -1,0 +1,117 @@
+"""variant=authors reproduces the authors' code on each point that changes a number; the paper
+variant's outer optimizer is an explicit choice. One test per behaviour."""
+
+import logging
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fedmeta.config import compose
+from fedmeta.data import ImageDataset, build_federation
+from fedmeta.data.federation import PERSONALIZE_STREAM_PURPOSE
+from fedmeta.evaluation import draw_personalization, personalize
+from fedmeta.functional import grad_and_value
+from test_models import tiny_cafeme
+
+
+def tiny_client():
+    """50 images: 35 to personalize on (5 batches of 6 an epoch, 5 left over), 15 held out."""
+    g = torch.Generator().manual_seed(0)
+    data = ImageDataset(x=torch.randn(100, 1, 8, 8, generator=g, dtype=torch.float64),
+                        y=torch.randint(0, 3, (100,), generator=g), num_classes=3)
+    return build_federation(data, {"name": "iid"}, 2, 1, 0.3, seed=0).train_clients[0]
+
+
+def rows(batch):
+    return {tuple(row.flatten().tolist()) for row in batch.x}
+
+
+def test_stream_reads_consecutive_drop_last_batches_and_reshuffles_every_epoch():
+    client = tiny_client()
+    pers = rows(client.batch("pers", None))
+    assert len(pers) == 35
+    first, second = client.stream("pers", 6, 0, 5), client.stream("pers", 6, 5, 5)
+    assert all(len(b.x) == 6 for b in first + second)
+    seen = [rows(b) for b in first]
+    assert len(set().union(*seen)) == 30 and set().union(*seen) <= pers  # consecutive, non-overlapping, drop_last
+    assert [rows(b) for b in second] != seen  # the next epoch is shuffled afresh
+    again = client.stream("pers", 6, 0, 3) + client.stream("pers", 6, 3, 5)  # resumable from a count
+    assert all(torch.equal(a.x, b.x) for a, b in zip(again, first + second))
+
+
+def test_authors_cafeme_reads_its_rounds_from_one_iterator_over_the_80_percent():
+    algorithm, client = tiny_cafeme(batches="stream", eval_batch_size=12), tiny_client()
+    held_out = rows(client.batch("held_out", None))
+    data = algorithm.draw(client, 1)
+    expected = client.stream("pers", 6, 0, 4)  # 2 inner steps, then an outer batch of 2 loader batches
+    assert all(torch.equal(a.x, b.x) for a, b in zip(data["inner"], expected[:2]))
+    assert torch.equal(data["outer"].x, torch.cat([b.x for b in expected[2:]]))
+    assert not (rows(data["outer"]) | set().union(*map(rows, data["inner"]))) & held_out  # the 20 % is never trained on
+    algorithm.aggregate([algorithm.run_client(client, 1)])
+    assert algorithm.client_states[client.id]["batches_read"] == 4
+    later = algorithm.draw(client, 7)  # the next visit continues where the last stopped, whatever the round
+    assert torch.equal(later["inner"][0].x, client.stream("pers", 6, 4, 1)[0].x)
+
+
+def test_paper_variant_says_once_when_the_outer_batch_is_smaller_than_configured(caplog):
+    algorithm, client = tiny_cafeme(eval_batch_size=100), tiny_client()
+    with caplog.at_level(logging.WARNING, logger="fedmeta"):
+        data = [algorithm.draw(client, r) for r in (1, 2)]
+    assert len(data[0]["outer"].x) == len(client.indices("held_out")) == 15
+    notices = [r.message for r in caplog.records if "outer batch" in r.message]
+    assert len(notices) == 1 and "method.eval_batch_size=100" in notices[0] and ": 15)" in notices[0]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam_fresh"])
+def test_outer_optimizer_sgd_is_line_8_and_a_fresh_adam_is_sign_sgd(optimizer):
+    algorithm, client = tiny_cafeme(outer_optimizer=optimizer), tiny_client()
+    params, data = algorithm.global_params(), algorithm.draw(client, 1)
+    grads, _ = grad_and_value(algorithm.meta_loss)(params, data)
+    new = algorithm.local_update(params, algorithm.client_state(client.id, params), data).params
+    beta = algorithm.cfg.outer_lr
+    for k in params:
+        expected = grads[k] if optimizer == "sgd" else grads[k] / (grads[k].abs() + 1e-8)  # Adam's first step
+        torch.testing.assert_close(new[k], params[k] - beta * expected, rtol=1e-9, atol=1e-12)
+    if optimizer == "adam_fresh":
+        moved = torch.cat([(new[k] - params[k]).abs().flatten() for k in params if grads[k].abs().min() > 1e-6])
+        assert torch.allclose(moved, torch.full_like(moved, beta), rtol=1e-3)  # every weight moves by ≈ β
+
+
+def personalization_cfg(**options):
+    return OmegaConf.create({**dict(steps=3, lr=0.1, decay=0.8, decay_every=5, batch_size=6, batches="independent",
+                                    held_out_batch_size=None), **options})
+
+
+def test_held_out_in_loader_batches_scores_each_batch_with_its_own_context_and_averages():
+    algorithm, client = tiny_cafeme(use_labels=False), tiny_client()  # transductive: ζ from the batch classified
+    cfg = personalization_cfg(held_out_batch_size=4)
+    data = draw_personalization(algorithm, client, cfg)
+    batches = data["held_out"]
+    assert [len(b.x) for b in batches] == [4, 4, 4, 3]  # 15 images in order, the last batch smaller
+    params = algorithm.global_params()
+    _, curve, _ = personalize(algorithm, params, data, cfg)
+    with torch.no_grad():
+        per_batch = [(algorithm(params, b.x, algorithm.prediction_context(b, None)).argmax(1) == b.y).double().mean()
+                     for b in batches]
+    assert curve[0].item() == pytest.approx(torch.stack(per_batch).mean().item(), abs=1e-6)
+
+
+def test_authors_personalization_steps_read_a_persistent_iterator():
+    algorithm, client = tiny_cafeme(), tiny_client()
+    data = draw_personalization(algorithm, client, personalization_cfg(batches="stream", steps=6))
+    expected = client.stream("pers", 6, 0, 6, PERSONALIZE_STREAM_PURPOSE)  # 5 a pass: the 6th starts a new epoch
+    assert all(torch.equal(a.x, b.x) for a, b in zip(data["steps"], expected)) and len(data["steps"]) == 6
+    assert torch.equal(data["context"].x, expected[0].x)
+
+
+@pytest.mark.parametrize("dataset,batch", [("rmnist", 30), ("cifar10", 50)])
+def test_authors_variant_config_names_each_behaviour(dataset, batch):
+    cfg = compose([f"dataset={dataset}", "method=cafeme", "variant=authors"])
+    assert (cfg.method.outer_optimizer, cfg.method.batches, cfg.method.context, cfg.method.first_order) == \
+        ("adam_kept", "stream", "transductive", True)
+    assert cfg.personalization.batches == "stream" and cfg.personalization.held_out_batch_size == batch
+    assert cfg.method.eval_batch_size == 6 * batch
+    paper = compose([f"dataset={dataset}", "method=cafeme"])
+    assert (paper.method.outer_optimizer, paper.method.batches, paper.personalization.held_out_batch_size) == \
+        ("adam_fresh", "independent", None)
