@@ -158,6 +158,14 @@ def validate(cfg: DictConfig) -> None:
     for key in ("inner_lr", "outer_lr", "local_lr"):
         if key in cfg.method:
             _require(cfg.method[key] > 0, f"method.{key} must be > 0, got {cfg.method[key]}")
+    method = cfg.method
+    for key, allowed in (("train_split", ("all", "pers")), ("averaging", ("samples", "uniform")),
+                         ("local_optimizer", ("sgd", "adam_kept"))):
+        if key in method:
+            _require(method[key] in allowed, f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}")
+    for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
+        if key in method:
+            _require(isinstance(method[key], int) and method[key] >= 0, f"method.{key} must be an integer ≥ 0, got {method[key]}")
     if cfg.method.algorithm == "cafeme":
         _require(cfg.method.modulation in ("c0", "c1", "c2"), f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}")
         _require(cfg.method.context in ("labelled", "transductive"),

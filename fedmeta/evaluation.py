@@ -82,9 +82,15 @@ def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> 
         return (torch.stack(accuracies) * weights).sum() / weights.sum()
 
     personal, accuracies, losses = start, [held_out_accuracy(start, data["context"])], []
-    for batch, lr in zip(data["steps"], step_sizes(cfg)):
-        grads, loss = grad_and_value(algorithm.adaptation_loss)(personal, batch, start)
-        personal, _ = sgd(personal, grads, lr)
+    for step, (batch, lr) in enumerate(zip(data["steps"], step_sizes(cfg))):
+        names = algorithm.adapted_names(step) or list(personal)
+        trained = {n: personal[n] for n in names}
+
+        def loss_of(p: Params, fixed=personal, batch=batch) -> torch.Tensor:
+            return algorithm.adaptation_loss({**fixed, **p}, batch, start)
+
+        grads, loss = grad_and_value(loss_of)(trained)
+        personal = {**personal, **sgd(trained, grads, lr)[0]}
         accuracies.append(held_out_accuracy(personal, batch))
         losses.append(loss.detach())
     return personal, torch.stack(accuracies), torch.stack(losses) if losses else torch.zeros(0)

@@ -15,10 +15,10 @@ from fedmeta.functional import grad_and_value
 from test_models import tiny_cafeme
 
 
-def tiny_client():
+def tiny_client(side=8):
     """50 images: 35 to personalize on (5 batches of 6 an epoch, 5 left over), 15 held out."""
     g = torch.Generator().manual_seed(0)
-    data = ImageDataset(x=torch.randn(100, 1, 8, 8, generator=g, dtype=torch.float64),
+    data = ImageDataset(x=torch.randn(100, 1, side, side, generator=g, dtype=torch.float64),
                         y=torch.randint(0, 3, (100,), generator=g), num_classes=3)
     return build_federation(data, {"name": "iid"}, 2, 1, 0.3, seed=0).train_clients[0]
 
@@ -115,3 +115,48 @@ def test_authors_variant_config_names_each_behaviour(dataset, batch):
     paper = compose([f"dataset={dataset}", "method=cafeme"])
     assert (paper.method.outer_optimizer, paper.method.batches, paper.personalization.held_out_batch_size) == \
         ("adam_fresh", "independent", None)
+
+
+# ---- the baselines as the authors' code ran them ---------------------------------------------
+def baseline(method, *overrides):
+    from fedmeta.algorithms import build_algorithm
+
+    cfg = compose([f"method={method}", "variant=authors", "model.conv_channels=[4,8]", "model.dense_units=[16]",
+                   "method.batch_size=6", *overrides])
+    torch.manual_seed(0)
+    return build_algorithm(cfg, 3).double()
+
+
+def test_authors_fedavg_trains_on_the_80_percent_in_drop_last_epochs_and_averages_uniformly():
+    fedavg, client = baseline("fedavg_ft", "method.local_epochs=2"), tiny_client(28)
+    data = fedavg.draw(client, 1)
+    assert [len(b.x) for b in data["epochs"]] == [6] * 10  # 35 images: 5 full batches an epoch, twice
+    assert not set().union(*map(rows, data["epochs"])) & rows(client.batch("held_out", None))
+    assert fedavg.update_weight(client) == 1.0
+    assert compose(["method=fedavg_ft", "variant=authors"]).personalization.held_out_batch_size == 30  # RMNIST's loader batch
+
+
+def test_authors_ditto_trains_w_with_a_kept_adam_after_the_personal_models_batches():
+    ditto, client = baseline("ditto"), tiny_client(28)
+    assert ditto.cfg.lam == 0.0  # new clients fine-tune without the proximal term
+    first = ditto.draw(client, 1)["epochs"]
+    expected = client.stream("pers", 6, 5, 5)  # batches 0–4 went to the personal model
+    assert all(torch.equal(a.x, b.x) for a, b in zip(first, expected)) and len(first) == 5
+    ditto.aggregate([ditto.run_client(client, 1)])
+    kept = ditto.client_states[client.id]
+    assert kept["batches_read"] == 10 and int(kept["adam"]["step"]) == 5
+    ditto.aggregate([ditto.run_client(client, 2)])
+    assert int(ditto.client_states[client.id]["adam"]["step"]) == 10  # the same Adam, continued
+
+
+def test_authors_fedrep_averages_the_head_and_keeps_two_adams():
+    fedrep, client = baseline("fedrep"), tiny_client(28)
+    before = {n: p.clone() for n, p in fedrep.global_params().items()}
+    data = fedrep.draw(client, 1)
+    assert (len(data["head"]), len(data["body"])) == (5, 1)
+    fedrep.aggregate([fedrep.run_client(client, 1)])
+    after, kept = fedrep.global_params(), fedrep.client_states[client.id]
+    assert all(not torch.equal(before[n], after[n]) for n in fedrep.head_names)  # the head is averaged
+    assert (int(kept["head_adam"]["step"]), int(kept["body_adam"]["step"]), kept["batches_read"]) == (5, 1, 6)
+    assert not any(n in kept for n in fedrep.head_names)  # no private head: the averaged one is used
+    assert fedrep.adapted_names(0) is None  # new clients fine-tune every layer from the first step

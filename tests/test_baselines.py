@@ -89,6 +89,23 @@ def test_fedrep_never_averages_heads(two_concepts):
     assert not torch.equal(kept["head.weight"], after["head.weight"])  # the trained head stayed with its client
 
 
+@pytest.mark.parametrize("head_steps", [0, 3])
+def test_fedrep_new_client_fits_its_head_on_the_frozen_body_first(two_concepts, head_steps):
+    steps = ["personalization.steps=5", "personalization.lr=0.05", f"method.test_head_steps={head_steps}"]
+    cfg, fedrep = algorithm_for("fedrep", *steps)
+    w = fedrep.global_params()
+    client = two_concepts.new_clients[0]
+    after = {}
+    for k in (head_steps, 5):  # the parameters after the head-only steps, and after all 5
+        personal, curve = personalize_client(fedrep, client, compose(
+            ["method=fedrep", *SMALL_MODEL, *steps, f"personalization.steps={k}"]).personalization)
+        after[k] = personal
+    moved = {n for n in w if not torch.equal(after[head_steps][n], w[n])}
+    assert moved == (set(fedrep.head_names) if head_steps else set())  # the body stays frozen
+    assert all(not torch.equal(after[5][n], w[n]) for n in fedrep.body_names)  # then every layer trains
+    assert curve[-1] > curve[0]  # and the new client learns
+
+
 def test_perfedavg_finite_difference_hvp_matches_autograd(two_concepts):
     # A smooth model: across ReLU/max-pool kinks the gradient jumps, and no finite difference converges.
     cfg, _ = algorithm_for("perfedavg")

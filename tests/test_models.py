@@ -150,7 +150,7 @@ def test_authors_client_adam_state_is_kept_compactly_and_resumed(dtype, bytes_pe
     client = tiny_client()
     client.data.x = client.data.x.float()
     algorithm.aggregate([algorithm.run_client(client, 1)])  # the server keeps what the client keeps
-    state = algorithm.client_states[client.id]
+    state = algorithm.client_states[client.id]["adam"]
     numbers = sum(p.numel() for p in algorithm.model.parameters())
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and int(state["step"]) == 1
     assert sum(m.nbytes for key in ("exp_avg", "exp_avg_sq") for m in state[key].values()) == 2 * numbers * bytes_per_number
@@ -158,7 +158,7 @@ def test_authors_client_adam_state_is_kept_compactly_and_resumed(dtype, bytes_pe
     before = {k: p.detach().clone() for k, p in algorithm.model.named_parameters()}
     update = algorithm.run_client(client, 2)  # the second visit continues the client's Adam: step 2
     algorithm.aggregate([update])
-    assert int(algorithm.client_states[client.id]["step"]) == 2
+    assert int(algorithm.client_states[client.id]["adam"]["step"]) == 2
     assert all(torch.isfinite(update.params[k]).all() and not torch.equal(update.params[k], before[k]) for k in before)
 
 

@@ -26,7 +26,8 @@ SMALL = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "wandb.mode=dis
          "personalization.lr=0.05"]
 FAST = {"fedavg_ft": ["method.local_epochs=1", "method.local_lr=0.05"], "ifca_ft": ["method.local_epochs=1"],
         "ditto": ["method.local_epochs=1"], "fedrep": ["method.head_epochs=1"], "perfedavg": ["method.local_steps=2"],
-        "local": [], "cafeme": [], "cafeme variant=authors": []}
+        "local": [], "cafeme": [], "cafeme variant=authors": [], "ditto variant=authors": [],
+        "fedrep variant=authors": ["method.head_batches=2"]}
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmeta.data.federation import Batch, Client
-from fedmeta.functional import Params, call, grad_and_value, masked_mean, sgd
+from fedmeta.functional import Params, adam, adam_state, call, grad_and_value, masked_mean, sgd
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 Context = Batch | None  # what a modulated model conditions on: a batch (labels optional)
 ClientData = dict[str, Any]  # a client's batches for one local update: Batch / list[Batch] values
@@ -74,6 +76,15 @@ def unless_idle(batch: Batch, new: dict, old: dict) -> dict:
     if batch.active is None:
         return new
     return {k: torch.where(batch.active, new[k], old[k]) for k in new}
+
+
+def unless_idle_tree(batch: Batch, new, old):
+    """``unless_idle`` for a nested state (an optimizer's step count and moments)."""
+    if batch.active is None:
+        return new
+    if isinstance(new, dict):
+        return {k: unless_idle_tree(batch, new[k], old[k]) for k in new}
+    return torch.where(batch.active, new, old)
 
 
 def step_weight(batch: Batch) -> torch.Tensor | float:
@@ -127,7 +138,28 @@ class Algorithm(L.LightningModule):
         return {}
 
     def update_weight(self, client: Client) -> float:
-        return float(client.num_samples)
+        """A client's share of the average: its sample count (FedAvg), or 1 (``method.averaging=uniform``)."""
+        return 1.0 if self.cfg.get("averaging") == "uniform" else float(client.num_samples)
+
+    # ---- what a client carries between rounds, where a method (or its authors' code) keeps it ----
+    def batches_read(self, client_id: int) -> int:
+        """How many batches of its persistent iterator (``Client.stream``) the client has read."""
+        return int(self.client_states.get(client_id, {}).get("batches_read", 0))
+
+    def kept_adam(self, client_id: int, key: str, params: Params) -> dict:
+        """The Adam state the client kept under ``key`` (in the parameters' dtype), or a fresh one."""
+        kept = self.client_states.get(client_id, {}).get(key)
+        if kept is None:
+            return adam_state(params)
+        dtype = next(iter(params.values())).dtype  # moments kept in bfloat16 are used in the parameters' dtype
+        return {"step": kept["step"], **{m: {k: v.to(dtype) for k, v in kept[m].items()} for m in ADAM_MOMENTS}}
+
+    def compact_adam(self, state: dict) -> dict:
+        """Copies of an Adam state to keep (moments as ``method.client_state_dtype``, float32 by
+        default): a vmapped round's results are views into tensors of all its clients."""
+        dtype = getattr(torch, self.cfg.get("client_state_dtype", "float32"))
+        return {"step": state["step"].detach().clone(),
+                **{m: {k: v.detach().to(dtype, copy=True) for k, v in state[m].items()} for m in ADAM_MOMENTS}}
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         """What the client sends (all trained parameters by default) and keeps."""
@@ -158,21 +190,32 @@ class Algorithm(L.LightningModule):
         """SGD over ``batches`` (a client's shuffled epochs), updating ``params[trainable]`` (all by
         default); returns the new parameters and the mean training loss."""
         names = trainable or list(params)
-        if not batches:
-            return params, torch.zeros(())
         velocity = {n: torch.zeros_like(params[n]) for n in names} if momentum else None
+        params, loss, _ = self._local_steps(params, batches, names, velocity,
+                                            lambda trained, grads, v: sgd(trained, grads, lr, momentum, v))
+        return params, loss
+
+    def local_adam(self, params: Params, batches: list[Batch], lr: float, state: dict,
+                   trainable: list[str] | None = None) -> tuple[Params, torch.Tensor, dict]:
+        """Adam over ``batches`` from ``state`` (a client's kept optimizer); also returns the state after."""
+        names = trainable or list(params)
+        return self._local_steps(params, batches, names, state, lambda trained, grads, s: adam(trained, grads, s, lr))
+
+    def _local_steps(self, params: Params, batches: list[Batch], names: list[str], optimizer_state, step):
+        if not batches:
+            return params, torch.zeros(()), optimizer_state
         total, steps = 0.0, 0.0
         for batch in batches:
             def loss_of(trained: Params, batch=batch) -> torch.Tensor:
                 return self.loss({**params, **trained}, batch)
 
             grads, loss = grad_and_value(loss_of)({n: params[n] for n in names})
-            trained, new_velocity = sgd({n: params[n] for n in names}, grads, lr, momentum, velocity)
+            trained, new_state = step({n: params[n] for n in names}, grads, optimizer_state)
             params = {**params, **unless_idle(batch, trained, params)}
-            if momentum:
-                velocity = unless_idle(batch, new_velocity, velocity)
+            if optimizer_state is not None:
+                optimizer_state = unless_idle_tree(batch, new_state, optimizer_state)
             total, steps = total + step_weight(batch) * loss, steps + step_weight(batch)
-        return params, total / steps
+        return params, total / steps, optimizer_state
 
     # ---- the shared test-time personalization (fedmeta.evaluation) ---------------------------
     def personalization_data(self, client: Client) -> ClientData:
@@ -182,6 +225,10 @@ class Algorithm(L.LightningModule):
     def personal_params(self, params: Params, data: ClientData) -> Params:
         """Where a new client's personalization starts, given the global ``params``: those."""
         return params
+
+    def adapted_names(self, step: int) -> list[str] | None:
+        """The parameters personalization step ``step`` (0-based) trains; None: all of them."""
+        return None
 
     def adaptation_loss(self, params: Params, batch: Batch, start: Params) -> torch.Tensor:
         """The loss a personalization step minimizes; ``start`` is where the client started (Ditto

@@ -30,7 +30,6 @@ from fedmeta.functional import Params, adam, adam_state, grad_and_value, sgd
 from fedmeta.models import ModulatedNet
 
 log = logging.getLogger("fedmeta")
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class CAFeMe(Algorithm):
@@ -51,10 +50,6 @@ class CAFeMe(Algorithm):
     def prediction_context(self, batch: Batch, last_batch: Batch) -> Context:
         # Paper: ζ = g_μ'(D') from the last personalization batch. Authors' code: from x itself.
         return Batch(batch.x, None, batch.mask) if self.transductive else self.adaptation_context(last_batch)
-
-    def batches_read(self, client_id: int) -> int:
-        """How far the client's persistent iterator has gone (``batches=stream``)."""
-        return int(self.client_states.get(client_id, {}).get("batches_read", 0))
 
     def outer_batches(self) -> int:
         return max(1, self.cfg.eval_batch_size // self.cfg.batch_size)
@@ -91,13 +86,7 @@ class CAFeMe(Algorithm):
         return self.loss(adapted, outer, self.prediction_context(outer, last_batch))
 
     def client_state(self, client_id: int, params: Params) -> dict:
-        if not self.keeps_adam:
-            return {}
-        kept = self.client_states.get(client_id)
-        if kept is None or "step" not in kept:
-            return adam_state(params)
-        dtype = next(iter(params.values())).dtype  # moments kept in bfloat16 are used in the parameters' dtype
-        return {"step": kept["step"], **{key: {k: v.to(dtype) for k, v in kept[key].items()} for key in ADAM_KEYS}}
+        return self.kept_adam(client_id, "adam", params) if self.keeps_adam else {}
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         grads, outer_loss = grad_and_value(self.meta_loss)(params, data)
@@ -112,12 +101,7 @@ class CAFeMe(Algorithm):
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result)
-        kept = {}
-        if self.keeps_adam:  # the client's Adam moments, compactly, for its next round
-            dtype = getattr(torch, self.cfg.client_state_dtype)
-            # copies: a vmapped round's results are views into tensors of all its clients
-            kept = {"step": result.state["step"].detach().clone(),
-                    **{key: {k: v.detach().to(dtype, copy=True) for k, v in result.state[key].items()} for key in ADAM_KEYS}}
+        kept = {"adam": self.compact_adam(result.state)} if self.keeps_adam else {}
         if self.cfg.batches == "stream":
             kept["batches_read"] = self.batches_read(client.id) + self.cfg.inner_steps + self.outer_batches()
         update.state = kept or None

@@ -63,8 +63,9 @@ class IFCA(Algorithm):
         return int(self.choose(self.global_params(), client.batch(split, None)))
 
     def draw(self, client: Client, round_: int) -> ClientData:
-        return {"choice": client.batch("all", None),
-                "epochs": client.epochs("all", self.cfg.batch_size, client.generator(round_), self.cfg.local_epochs)}
+        cfg = self.cfg
+        return {"choice": client.batch(cfg.train_split, None),
+                "epochs": client.epochs(cfg.train_split, cfg.batch_size, client.generator(round_), cfg.local_epochs, cfg.drop_last)}
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         j = self.choose(params, data["choice"])

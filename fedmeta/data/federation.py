@@ -63,20 +63,23 @@ class Client:
             indices = indices[torch.randperm(len(indices), generator=generator)[:size]]
         return Batch(*self.data.take(indices))
 
-    def epoch(self, split: str, batch_size: int, generator: torch.Generator | None) -> list[Batch]:
+    def epoch(self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool = False) -> list[Batch]:
         """One pass over ``split`` in batches of ``batch_size``, shuffled by ``generator`` (None: in
-        order, as a test loader reads). A last batch of one sample joins the one before: BatchNorm
-        with batch statistics cannot normalize a single sample."""
+        order, as a test loader reads); ``drop_last`` leaves out a last partial batch. A last batch
+        of one sample joins the one before: BatchNorm with batch statistics cannot normalize a
+        single sample."""
         indices = self.indices(split)
         if generator is not None:
             indices = indices[torch.randperm(len(indices), generator=generator)]
+        if drop_last and len(indices) >= batch_size:
+            indices = indices[:len(indices) // batch_size * batch_size]
         chunks = list(indices.split(batch_size))
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             chunks[-2:] = [torch.cat(chunks[-2:])]
         return [Batch(*self.data.take(chunk)) for chunk in chunks]
 
-    def epochs(self, split: str, batch_size: int, generator: torch.Generator, count: int) -> list[Batch]:
-        return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator)]
+    def epochs(self, split: str, batch_size: int, generator: torch.Generator, count: int, drop_last: bool = False) -> list[Batch]:
+        return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator, drop_last)]
 
     def stream(self, split: str, batch_size: int, start: int, count: int, purpose: int = TRAIN_STREAM_PURPOSE) -> list[Batch]:
         """Batches ``start`` … ``start + count - 1`` of a persistent iterator over ``split``:
