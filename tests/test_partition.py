@@ -11,7 +11,8 @@ def labels(rmnist):
     return rmnist.y.numpy()
 
 
-@pytest.mark.parametrize("name,params", [("shards", {}), ("dirichlet", {"alpha": 0.3}), ("iid", {}), ("groups", {})])
+@pytest.mark.parametrize("name,params", [("shards", {}), ("dirichlet", {"alpha": 0.3}), ("dirichlet", {"alpha": 0.3, "balance": True}),
+                                         ("iid", {}), ("groups", {})])
 def test_partitions_cover_disjoint_and_are_deterministic(rmnist, labels, name, params):
     groups = rmnist.groups.numpy()
     parts = partition(name, labels, groups, 100, seed=0, **params)
@@ -41,6 +42,15 @@ def test_dirichlet_alpha_controls_label_skew(labels):
     balanced = _mean_dominant_share(labels, partition("dirichlet", labels, None, 100, seed=0, alpha=1000.0))
     assert skewed > 0.5
     assert balanced < 0.2  # 10 classes: near-uniform shares
+
+
+def test_balanced_dirichlet_stops_filling_clients_above_the_mean_size(labels):
+    plain = np.array([len(p) for p in partition("dirichlet", labels, None, 100, seed=0, alpha=0.3)])
+    balanced_parts = partition("dirichlet", labels, None, 100, seed=0, alpha=0.3, balance=True)
+    balanced = np.array([len(p) for p in balanced_parts])
+    assert balanced.std() < 0.75 * plain.std()  # sizes spread less (221 against 359 images here)
+    assert balanced.max() < plain.max()
+    assert _mean_dominant_share(labels, balanced_parts) > 0.4  # still label-skewed
 
 
 def test_groups_put_ten_clients_in_each_rotation(rmnist, labels):
