@@ -166,6 +166,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
         if key in method:
             _require(isinstance(method[key], int) and method[key] >= 0, f"method.{key} must be an integer ≥ 0, got {method[key]}")
+    if "clusters" in method:
+        _require(method.clusters is None and cfg.dataset.name == "meta_dataset" or isinstance(method.clusters, int) and method.clusters >= 1,
+                 f"method.clusters must be an integer ≥ 1 (null, one per source, only for dataset=meta_dataset), got {method.clusters}")
     if cfg.method.algorithm == "cafeme":
         _require(cfg.method.modulation in ("c0", "c1", "c2"), f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}")
         _require(cfg.method.context in ("labelled", "transductive"),

@@ -193,6 +193,8 @@ def build(fabric: Fabric, cfg: DictConfig) -> tuple[Federation, Algorithm]:
     fabric.seed_everything(cfg.seed, verbose=False)
     dataset = load_dataset(cfg.dataset.name, data_dir(cfg.dataset.dir), cfg.seed, download=cfg.dataset.download,
                            **cfg.dataset.options)
+    if "clusters" in cfg.method and cfg.method.clusters is None:  # IFCA on Meta-Dataset: one model per source used
+        cfg.method.clusters = len(dataset.sources)
     fed = cfg.federation
     federation = build_federation(dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients,
                                   fed.held_out_fraction, cfg.seed, device=fabric.device)

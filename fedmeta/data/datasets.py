@@ -21,6 +21,7 @@ class ImageDataset:
     y: torch.Tensor  # int64 (N,)
     num_classes: int
     groups: torch.Tensor | None = None  # int64 (N,)
+    sources: tuple[str, ...] = ()  # Meta-Dataset: the source data sets its clients were drawn from
 
     def __len__(self) -> int:
         return len(self.y)
@@ -92,32 +93,14 @@ def to_shape(x: np.ndarray, channels: int, size: int) -> torch.Tensor:
 
 def build_meta_dataset(directory: Path, seed: int, download: bool = True, sources: tuple[str, ...] = (),
                        num_clients: int = 100, classes_per_client: int = 10, images_per_client: int = 600) -> ImageDataset:
-    """Meta-Dataset-style concept shift: client i draws one source, N of its classes and
-    ``images_per_client`` images (as evenly over the classes as the source allows), relabelled
-    0…N−1 in a random order of its own. ``groups`` holds the client of every image; only the
-    drawn images are kept, as 32×32 RGB."""
-    if not sources:
-        raise FedmetaError("meta_dataset: dataset.options.sources is empty: list at least one source file name")
-    sources, rng = [str(s) for s in sources], np.random.default_rng([seed, 0x3E7A])
-    arrays = {name: load_source(name, directory, download, size=32) for name in sources}
-    by_class = {name: {c: np.flatnonzero(a["y"] == c) for c in np.unique(a["y"])} for name, a in arrays.items()}
-    for name, classes in by_class.items():
-        if len(classes) < classes_per_client:
-            raise FedmetaError(f"meta_dataset: source {name} has {len(classes)} classes, fewer than "
-                               f"classes_per_client={classes_per_client}: drop it or lower classes_per_client")
-    per_class = -(-images_per_client // classes_per_client)
-    images, labels, owners = [], [], []
-    for client in range(num_clients):
-        name = sources[rng.integers(len(sources))]
-        chosen = rng.choice(sorted(by_class[name]), size=classes_per_client, replace=False)
-        picks = [rng.permutation(by_class[name][c])[:per_class] for c in chosen]
-        local = np.concatenate([np.full(len(p), label) for label, p in zip(rng.permutation(classes_per_client), picks)])
-        keep = rng.permutation(len(local))[:images_per_client]
-        images.append(to_shape(arrays[name]["x"][np.concatenate(picks)[keep]], 3, 32))
-        labels.append(torch.from_numpy(local[keep]).long())
-        owners.append(torch.full((len(keep),), client, dtype=torch.long))
-    return ImageDataset(x=standardize(torch.cat(images)), y=torch.cat(labels), num_classes=classes_per_client,
-                        groups=torch.cat(owners))
+    """Meta-Dataset-style concept shift (fedmeta.data.meta_dataset): client i is one learn2learn
+    task — one source, N classes, K images each, labels 0…N−1 in its own order. ``groups`` holds
+    the client of every image; only the drawn images are kept, as 32×32 RGB."""
+    from fedmeta.data.meta_dataset import build_clients
+
+    x, y, owners, used = build_clients(directory, seed, download, list(sources), num_clients, classes_per_client,
+                                       images_per_client, lambda images: to_shape(images, 3, 32))
+    return ImageDataset(x=standardize(x), y=y, num_classes=classes_per_client, groups=owners, sources=tuple(used))
 
 
 def build_folder(directory: Path, seed: int, download: bool = True, path: str | None = None, channels: int = 3,

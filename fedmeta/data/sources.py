@@ -1,7 +1,8 @@
 """Canonical on-disk sources: one ``<name>.npz`` per data set in the data directory.
 
 Canonical form (README, Data): ``x`` uint8 (N,H,W) or (N,H,W,3), ``y`` int64, optional
-``split`` uint8 (0 train, 1 test). A file that is missing is downloaded from its publisher and
+``split`` uint8 (0 train, 1 test, 2 validation: a data set that uses only the training split
+leaves validation images out as it does test ones; Meta-Dataset pools every split). A file that is missing is downloaded from its publisher and
 converted (``download.py``); without a network the loader stops with one line naming the file and
 the folder. Any ImageFolder tree or canonical file a user points to is a source too.
 """
@@ -86,6 +87,12 @@ def load_source(entry: str, directory: Path, download: bool = True, size: int | 
     key = hashlib.sha1(f"{path.resolve()}|{_fingerprint(path)}|{size}|{channels}".encode()).hexdigest()[:12]
     target = cache_dir() / "trees" / f"{path.stem}-{key}.npz"
     return read_canonical(_converted_tree(path, target, size=size, mode="L" if channels == 1 else "RGB"))
+
+
+def is_available(entry: str, directory: Path) -> bool:
+    """Whether ``load_source`` would find ``entry`` without downloading."""
+    path = Path(entry).expanduser()
+    return path.exists() or (directory / path).exists() or _find_or_convert(entry, directory).exists()
 
 
 def load_npz(name: str, directory: Path, download: bool = True) -> dict[str, np.ndarray]:
