@@ -133,6 +133,7 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     from fedmeta import grid, report
 
     preset, root = grid.load_preset(args.preset), Path("runs") / args.preset
+    kept = Path("results") / "runs" / args.preset  # the runs' small files, committed: what the report reads
     grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
     if should_run:
@@ -140,10 +141,11 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
         failures = grid.run(jobs, root, args.parallel)
         for line in failures:
             print(f"fedmeta: failed run: {line}", file=sys.stderr)
+    report.archive(root, kept)
     if args.command == "table":
-        print(report.write_tables(args.preset, preset, root, Path(args.out), "fedmeta " + " ".join(argv)))
+        print(report.write_tables(args.preset, preset, kept, Path(args.out), "fedmeta " + " ".join(argv)))
     else:
-        for path in report.draw_figures(preset, root, Path(args.out_dir)):
+        for path in report.draw_figures(preset, kept, Path(args.out_dir)):
             print(f"wrote {path}")
     return 1 if failures else 0
 

@@ -1,12 +1,18 @@
 """Tables and figures from the finished runs of a preset (``runs/<preset>/<setting>/<method>/seed<s>/``):
 ``results/TABLES.md`` in the paper's layout with the paper's numbers beside ours, and the paper's
-figures as PNG files. Only what the runs gave is shown; a missing run leaves a blank, never a guess."""
+figures as PNG files. Only what the runs gave is shown; a missing run leaves a blank, never a guess.
+
+Every finished run's small files (config, metrics, curves, summary: a few KB, no checkpoint) are
+first copied to ``results/runs/<preset>/``, which is committed; the tables and figures are drawn
+from there, so ``fedmeta table --no-run`` rebuilds them from a fresh clone and every number in
+them leads back to the run, its config and its round-by-round metrics."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import shutil
 import statistics
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -19,6 +25,22 @@ from fedmeta.config import CONFIG_DIR
 
 METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "ifca_ft": "IFCA-FT", "ditto": "Ditto",
                 "fedrep": "FedRep", "perfedavg": "Per-FedAvg", "local": "Local", "cafeme": "CAFeMe"}
+
+
+RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json")
+
+
+def archive(runs_root: Path, kept_root: Path) -> int:
+    """Copy the small files of every finished run under ``runs_root`` to the same place under
+    ``kept_root``; returns how many runs were copied."""
+    finished = sorted(runs_root.glob("*/*/seed*/summary.json"))
+    for summary in finished:
+        target = kept_root / summary.parent.relative_to(runs_root)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in RUN_FILES:
+            if (summary.parent / name).exists():
+                shutil.copy2(summary.parent / name, target / name)
+    return len(finished)
 
 
 def collect(root: Path) -> dict[tuple[str, str], list[dict]]:

@@ -1,6 +1,7 @@
 """``fedmeta table`` / ``fedmeta figures``: a real (tiny) grid of runs, resumed, tabulated and drawn."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,14 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     written = {p.name for p in (tmp_path / "results").glob("*.png")}
     # Heterogeneity from the two table settings on its axis; no Meta-Dataset runs, so no images-per-client figure.
     assert written == {"fig_personalization.png", "fig_convergence.png", "fig_heterogeneity.png"}
+
+    # A fresh clone has results/runs/ (committed, small files only) and no runs/: --no-run rebuilds the same table.
+    kept = sorted(tmp_path.glob("results/runs/quick/*/*/seed*/*"))
+    assert {p.name for p in kept} == {"config.yaml", "metrics.csv", "curves.csv", "summary.json"} and len(kept) == 32
+    before = table.split("Written")[1].split("\n", 1)[1]
+    shutil.rmtree(tmp_path / "runs")
+    assert main(["table", "--no-run"]) == 0
+    assert (tmp_path / "results" / "TABLES.md").read_text().split("Written")[1].split("\n", 1)[1] == before
 
 
 def test_vectorized_grid_stacks_each_methods_seeds_in_one_process(tmp_path, monkeypatch, mnist_dir, capsys):
