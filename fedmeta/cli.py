@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     describe_cmd.add_argument("partition", nargs="?", help="default: the data set's own")
     describe_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     download_cmd = data_cmd.add_parser("download", help="fetch a data set from its publisher and convert it")
-    download_cmd.add_argument("name", help="mnist, cifar10, cifar100, omniglot, gtsrb32, dtd32, femnist")
+    download_cmd.add_argument("name", help="mnist, cifar10, cifar100, omniglot, gtsrb32, dtd32, femnist; through learn2learn: "
+                              "fgvc_aircraft32, cu_birds32, vgg_flowers32, cifar_fs32, mini_imagenet32")
     download_cmd.add_argument("--dir", help="where <name>.npz goes (default: $FEDMETA_DATA, else ./data)")
     download_cmd.add_argument("--mirror", help="base URL that serves the publisher's files under their own names")
     download_cmd.add_argument("--no-verify", action="store_true", help="skip the publisher's MD5 check")

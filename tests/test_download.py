@@ -219,3 +219,69 @@ def test_a_mirror_that_is_not_a_url_is_one_line(tmp_path, capsys):
     assert download("mnist", "not a url", tmp_path) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a URL" in err and list(tmp_path.iterdir()) == []
+
+
+# ---- Meta-Dataset sources through learn2learn's own data set classes ---------------------------
+def jpeg(array):
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def tar_gz(path, members):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            add_bytes(tar, name, data)
+
+
+def publisher_files(folder, digits):
+    """Each publisher's file layout, as learn2learn downloads it, with one digit image per class."""
+    import scipy.io
+    from learn2learn.vision.datasets import cu_birds200, fgvc_aircraft
+
+    x, _ = digits
+    rgb = lambda i: np.repeat(x[i % len(x)][:, :, None], 3, axis=2)  # noqa: E731
+    labels = io.BytesIO()
+    scipy.io.savemat(labels, {"labels": np.arange(1, 103)[None]})
+    (folder / "imagelabels.mat").write_bytes(labels.getvalue())
+    tar_gz(folder / "102flowers.tgz", {f"jpg/image_{i + 1:05d}.jpg": jpeg(rgb(i)) for i in range(102)})
+    variants = fgvc_aircraft.SPLITS["all"]
+    members = {f"fgvc-aircraft-2013b/data/images/{1000 + i}.jpg": jpeg(rgb(i)) for i in range(len(variants))}
+    members["fgvc-aircraft-2013b/data/images_variant_trainval.txt"] = b""
+    for part in ("train", "val", "test"):
+        members[f"fgvc-aircraft-2013b/data/images_variant_{part}.txt"] = (
+            "".join(f"{1000 + i} {v}\n" for i, v in enumerate(variants) if i % 3 == ("train", "val", "test").index(part)).encode())
+    tar_gz(folder / "fgvc-aircraft-2013b.tar.gz", members)
+    birds = [c for split in ("train", "validation", "test") for c in cu_birds200.SPLITS[split]]
+    tar_gz(folder / "CUB_200_2011.tgz", {f"CUB_200_2011/images/{c}/{c}_0001.jpg": jpeg(rgb(i)) for i, c in enumerate(birds)})
+    with zipfile.ZipFile(folder / "cifar100.zip", "w") as archive:
+        for i, name in enumerate(["apple", "bear", "cloud", "dolphin", "maple", "rocket", "tulip"]):
+            for j in range(2):
+                archive.writestr(f"cifar100/data/{name}/{j}.png", png(rgb(i + j)))
+        for part, names in (("train", "apple\nbear\ncloud\n"), ("val", "dolphin\nmaple\n"), ("test", "rocket\ntulip\n")):
+            archive.writestr(f"cifar100/splits/bertinetto/{part}.txt", names)
+    for k, mode in enumerate(("train", "validation", "test")):
+        images = np.stack([np.asarray(Image.fromarray(rgb(i)).resize((84, 84))) for i in range(6)])
+        cache = {"image_data": images, "class_dict": {f"n0{k}{c}": [2 * c, 2 * c + 1] for c in range(3)}}
+        (folder / f"mini-imagenet-cache-{mode}.pkl").write_bytes(pickle.dumps(cache))
+
+
+@pytest.mark.parametrize("name,images,classes", [("vgg_flowers32", 102, 102), ("fgvc_aircraft32", 100, 100),
+                                                 ("cu_birds32", 200, 200), ("cifar_fs32", 14, 7), ("mini_imagenet32", 18, 9)])
+def test_learn2learn_sources_are_fetched_by_learn2learn_and_stored_canonically(name, images, classes, mirror, digits, tmp_path):
+    folder, url = mirror
+    if not (folder / "102flowers.tgz").exists():
+        publisher_files(folder, digits)
+    assert download(name, url, tmp_path) == 0
+    arrays = load_npz(name, tmp_path, download=False)
+    assert arrays["x"].shape == (images, 32, 32, 3) and len(np.unique(arrays["y"])) == classes
+    assert set(arrays["split"]) == {0, 1, 2}  # Meta-Dataset's train / test / validation classes
+    assert not list(tmp_path.glob(".*download*"))  # learn2learn's working files are gone
+
+
+def test_a_learn2learn_source_that_cannot_be_fetched_is_one_line(mirror, tmp_path, capsys):
+    _, url = mirror
+    assert main(["data", "download", "cu_birds32", "--dir", str(tmp_path), "--mirror", url + "nothing-here/"]) == 2
+    err = capsys.readouterr().err
+    assert "fetching cu_birds32 through learn2learn's CUBirds200 failed" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

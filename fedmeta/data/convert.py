@@ -155,3 +155,31 @@ def _tree_members(source: Path) -> Iterator[tuple[str, bytes]]:
                     yield member.name, archive.extractfile(member).read()
     else:
         raise ValueError(f"{source} is neither a folder nor a zip or tar archive")
+
+
+def learn2learn_splits(dataset_class, root: Path, size: int) -> dict[str, np.ndarray]:
+    """A learn2learn vision data set (``learn2learn.vision.datasets``), read through its own class —
+    which downloads its publisher's files into ``root`` and knows their layout — split by split.
+    Its splits are Meta-Dataset's class splits: training classes get ``split`` 0, validation 2,
+    test 1; labels run over all classes. Every image is center-cropped and resized to ``size``²."""
+    from PIL import Image, ImageOps
+
+    images, labels, splits, offset = [], [], [], 0
+    for split, mode in ((0, "train"), (2, "validation"), (1, "test")):
+        data = dataset_class(root=str(root), mode=mode, download=True)
+        if isinstance(getattr(data, "data", None), list):  # (path, label) in os.listdir order: fix it
+            data.data = sorted(data.data)
+        seen = []
+        for i in range(len(data)):
+            image, label = data[i]
+            if not isinstance(image, Image.Image):  # mini-ImageNet: a float CHW tensor of 0…255
+                image = Image.fromarray(np.asarray(image.permute(1, 2, 0), dtype=np.uint8))
+            images.append(np.asarray(ImageOps.fit(image.convert("RGB"), (size, size))))
+            seen.append(int(label))
+        labels += [offset + label for label in seen]
+        splits += [split] * len(seen)
+        offset += max(seen, default=-1) + 1
+    if not images:
+        raise ValueError(f"{dataset_class.__name__} holds no images under {root}")
+    _, y = np.unique(np.array(labels), return_inverse=True)  # classes with no image leave no gap
+    return {"x": np.stack(images), "y": y.astype(np.int64), "split": np.array(splits, np.uint8)}

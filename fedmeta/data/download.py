@@ -2,13 +2,18 @@
 the publisher's checksum, convert them to the canonical ``<name>.npz`` in the data folder.
 
 URLs and checksums are torchvision's own where torchvision knows the data set, so they stay in step
-with it. ``mirror`` replaces the folder of every URL (an institutional mirror, or a loopback
-server in the tests).
+with it. The Meta-Dataset sources torchvision lacks (Aircraft, CUB Birds, VGG Flowers, CIFAR-FS,
+mini-ImageNet) are fetched by learn2learn's own data set classes, which hold their publishers'
+URLs (and fallbacks) and read their layouts; learn2learn publishes no checksums for them.
+``mirror`` replaces the folder of every URL (an institutional mirror, or a loopback server in the
+tests), for both kinds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import pickle
 import shutil
 import socket
@@ -65,25 +70,96 @@ CATALOG: dict[str, Upstream] = {
 }
 
 
+@dataclass(frozen=True)
+class Learn2LearnSource:
+    """A source fetched and read by a ``learn2learn.vision.datasets`` class, stored as 32×32 RGB."""
+
+    dataset: str  # the class name in learn2learn.vision.datasets
+    description: str
+
+
+LEARN2LEARN: dict[str, Learn2LearnSource] = {
+    "fgvc_aircraft32": Learn2LearnSource("FGVCAircraft", "FGVC-Aircraft, 10,000 aircraft photos, 100 variants"),
+    "cu_birds32": Learn2LearnSource("CUBirds200", "CUB-200-2011, 11,788 bird photos, 200 species (less ImageNet duplicates)"),
+    "vgg_flowers32": Learn2LearnSource("VGGFlower102", "Oxford VGG Flowers, 8,189 flower photos, 102 species"),
+    "cifar_fs32": Learn2LearnSource("CIFARFS", "CIFAR-FS: CIFAR-100's 60,000 32×32 images, 100 classes"),
+    "mini_imagenet32": Learn2LearnSource("MiniImagenet", "mini-ImageNet, 60,000 84×84 images, 100 classes"),
+}
+
+
+def known() -> list[str]:
+    return sorted({*CATALOG, *LEARN2LEARN})
+
+
 def download(name: str, directory: Path, mirror: str | None = None, verify: bool = True) -> Path:
     """Fetch ``name``'s files (into a temporary folder), convert them, and write
     ``directory/<name>.npz`` atomically. Returns that path."""
-    if name not in CATALOG:
-        raise FedmetaError(f"no download known for {name!r}: choose one of {sorted(CATALOG)}, "
+    if name not in CATALOG and name not in LEARN2LEARN:
+        raise FedmetaError(f"no download known for {name!r}: choose one of {known()}, "
                            "or put a canonical .npz or an ImageFolder tree in the data folder")
-    upstream, target = CATALOG[name], directory / f"{name}.npz"
+    target = directory / f"{name}.npz"
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f".{name}-download-*"):  # left by a download that was killed
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=f".{name}-download-") as tmp:
-        paths = [_fetch(url, md5 if verify else None, Path(tmp), mirror) for url, md5 in upstream.files]
-        try:
-            arrays = upstream.convert(*paths)
-        except (ValueError, KeyError, OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
-            raise FedmetaError(f"the files of {name} are not in the expected format ({exc}): "
-                               "check the mirror, or download again") from None
+        if name in LEARN2LEARN:
+            arrays = _through_learn2learn(name, Path(tmp), mirror)
+        else:
+            paths = [_fetch(url, md5 if verify else None, Path(tmp), mirror) for url, md5 in CATALOG[name].files]
+            try:
+                arrays = CATALOG[name].convert(*paths)
+            except (ValueError, KeyError, OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
+                raise FedmetaError(f"the files of {name} are not in the expected format ({exc}): "
+                                   "check the mirror, or download again") from None
     save_canonical(target, **arrays)
     return target
+
+
+def _through_learn2learn(name: str, root: Path, mirror: str | None) -> dict[str, np.ndarray]:
+    """learn2learn's data set class downloads into ``root`` (every request with a timeout, and sent
+    to ``mirror`` if given) and reads its files; fedmeta converts what it reads."""
+    from fedmeta.data.meta_dataset import learn2learn_data
+
+    learn2learn_data()  # learn2learn, imported quietly
+    import learn2learn.vision.datasets as l2l_datasets
+
+    source = LEARN2LEARN[name]
+    try:
+        with _requests_to(mirror), contextlib.redirect_stderr(io.StringIO()):  # its progress bars: noise in a log
+            return convert.learn2learn_splits(getattr(l2l_datasets, source.dataset), root, size=32)
+    except Exception as exc:  # noqa: BLE001 — network, archive and layout errors all surface from learn2learn's code
+        raise FedmetaError(f"fetching {name} through learn2learn's {source.dataset} failed "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}): "
+                           "check the network, or pass --mirror URL serving the publisher's files") from None
+
+
+@contextlib.contextmanager
+def _requests_to(mirror: str | None):
+    """While learn2learn downloads: every ``requests`` call gets a timeout and a status check and,
+    with a mirror, goes to the mirror's file of the same name."""
+    import requests
+
+    def redirected(original):
+        def call(*args, **kwargs):
+            args = list(args)
+            url_index = 1 if args and isinstance(args[0], requests.Session) else 0
+            if mirror and len(args) > url_index:
+                args[url_index] = f"{mirror.rstrip('/')}/{args[url_index].split('?', 1)[0].rsplit('/', 1)[1]}"
+            kwargs.setdefault("timeout", TIMEOUT_S)
+            response = original(*args, **kwargs)
+            response.raise_for_status()  # learn2learn would save a 404 page as the archive
+            return response
+        return call
+
+    patched = [(requests, "get"), (requests.Session, "get")]
+    originals = [getattr(owner, attr) for owner, attr in patched]
+    for (owner, attr), original in zip(patched, originals):
+        setattr(owner, attr, redirected(original))
+    try:
+        yield
+    finally:
+        for (owner, attr), original in zip(patched, originals):
+            setattr(owner, attr, original)
 
 
 def _fetch(url: str, md5: str | None, folder: Path, mirror: str | None) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fedmeta.data import convert
-from fedmeta.data.download import CATALOG, save_canonical
+from fedmeta.data.download import known, save_canonical
 from fedmeta.data.download import download as fetch
 from fedmeta.errors import FedmetaError
 
@@ -99,9 +99,9 @@ def load_npz(name: str, directory: Path, download: bool = True) -> dict[str, np.
     """Load the canonical ``<name>.npz`` (see ``_find_or_convert``), downloading it when missing."""
     path = _find_or_convert(name, directory)
     if not path.exists():
-        if not download or name not in CATALOG:
+        if not download or name not in known():
             raise FedmetaError(f"{path} not found: put {name}.npz there, set {DATA_ENV} to the folder that holds it"
-                               + (f", or run `fedmeta data download {name}`" if name in CATALOG else ""))
+                               + (f", or run `fedmeta data download {name}`" if name in known() else ""))
         try:
             fetch(name, directory)
         except FedmetaError as exc:
