@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         "Personalize the new clients of a finished run again from its final model, with other personalization.* "
         "settings (e.g. personalization.lr=0.05); appended to the run's evaluations.jsonl."))
     evaluate_cmd.add_argument("run_dir")
-    evaluate_cmd.add_argument("overrides", nargs="*", metavar="personalization.key=value")
+    evaluate_cmd.add_argument("overrides", nargs="*", metavar="personalization.key=value",
+                              help="also method.test_head_steps (FedRep) and method.lam (Ditto): read only by new clients")
     evaluate_cmd.add_argument("--unfinished", action="store_true", help="evaluate the last checkpoint of an unfinished run")
     grid_args = argparse.ArgumentParser(add_help=False)
     grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")

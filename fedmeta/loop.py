@@ -213,6 +213,9 @@ def make_engine(cfg: DictConfig) -> Engine:
     return Engine(cfg.federation.vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes)
 
 
+TEST_TIME_KEYS = {"method.test_head_steps", "method.lam"}  # method settings read only by new clients (FedRep, Ditto)
+
+
 def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) -> dict:
     """The shared test-time procedure again on a finished run's final model, with other
     ``personalization.*`` settings (e.g. the step size); appended to the run's evaluations.jsonl.
@@ -222,9 +225,10 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
     if not unfinished and not (run_dir / "summary.json").exists():
         raise FedmetaError(f"{run_dir} holds an unfinished run: finish it (output.resume=true), or evaluate its last "
                            "checkpoint with --unfinished")
-    if any(not o.startswith("personalization.") for o in overrides):
-        raise FedmetaError("evaluate changes only personalization.* settings (the model is the run's): "
-                           f"got {[o for o in overrides if not o.startswith('personalization.')]}")
+    model_keys = [o for o in overrides if not o.startswith("personalization.") and o.split("=", 1)[0] not in TEST_TIME_KEYS]
+    if model_keys:
+        raise FedmetaError(f"evaluate changes only personalization.* settings and {', '.join(sorted(TEST_TIME_KEYS))} "
+                           f"(the model is the run's): got {model_keys}")
     saved = OmegaConf.load(run_dir / "config.yaml")
     base = compose([f"dataset={saved.dataset.name}", f"partition={saved.partition.name}",
                     f"method={saved.method.name}", f"variant={saved.variant}"])

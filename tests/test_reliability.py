@@ -92,7 +92,8 @@ def test_evaluate_refuses_unfinished_runs_unknown_keys_and_bad_values(tmp_path, 
     capsys.readouterr()
     for extra, message in [([], "holds an unfinished run"), (["personalization.stepz=1", "--unfinished"], "personalization.stepz"),
                            (["personalization.lr=-1", "--unfinished"], "lr > 0"),
-                           (["personalization.steps=abc", "--unfinished"], "must be an integer")]:
+                           (["personalization.steps=abc", "--unfinished"], "must be an integer"),
+                           (["federation.rounds=5", "--unfinished"], "evaluate changes only personalization.*")]:
         assert main(["evaluate", str(run), *extra]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, (extra, err)
