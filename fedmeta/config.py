@@ -160,7 +160,7 @@ def validate(cfg: DictConfig) -> None:
             _require(cfg.method[key] > 0, f"method.{key} must be > 0, got {cfg.method[key]}")
     method = cfg.method
     for key, allowed in (("train_split", ("all", "pers")), ("averaging", ("samples", "uniform")),
-                         ("local_optimizer", ("sgd", "adam_kept"))):
+                         ("local_optimizer", ("sgd", "adam_kept")), ("batches", ("independent", "stream"))):
         if key in method:
             _require(method[key] in allowed, f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}")
     for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
@@ -176,8 +176,6 @@ def validate(cfg: DictConfig) -> None:
         _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
         _require(cfg.method.outer_optimizer in ("adam_fresh", "adam_kept", "sgd"),
                  f"method.outer_optimizer must be adam_fresh, adam_kept or sgd, got {cfg.method.outer_optimizer!r}")
-        _require(cfg.method.batches in ("independent", "stream"),
-                 f"method.batches must be independent or stream, got {cfg.method.batches!r}")
         _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
                  f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
     setting = cfg.output.setting

@@ -160,3 +160,13 @@ def test_authors_fedrep_averages_the_head_and_keeps_two_adams():
     assert (int(kept["head_adam"]["step"]), int(kept["body_adam"]["step"]), kept["batches_read"]) == (5, 1, 6)
     assert not any(n in kept for n in fedrep.head_names)  # no private head: the averaged one is used
     assert fedrep.adapted_names(0) is None  # new clients fine-tune every layer from the first step
+
+
+def test_authors_perfedavg_reads_four_batches_a_local_step_from_the_iterator():
+    perfedavg, client = baseline("perfedavg"), tiny_client(28)
+    data = perfedavg.draw(client, 1)
+    read = client.stream("pers", 6, 0, 20)
+    assert [len(step) for step in data["steps"]] == [3] * 5
+    assert torch.equal(data["steps"][1][0].x, read[4].x) and torch.equal(data["loss"].x, read[19].x)
+    perfedavg.aggregate([perfedavg.run_client(client, 1)])
+    assert perfedavg.client_states[client.id]["batches_read"] == 20 and perfedavg.update_weight(client) == 1.0

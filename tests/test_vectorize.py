@@ -27,7 +27,7 @@ SMALL = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "wandb.mode=dis
 FAST = {"fedavg_ft": ["method.local_epochs=1", "method.local_lr=0.05"], "ifca_ft": ["method.local_epochs=1"],
         "ditto": ["method.local_epochs=1"], "fedrep": ["method.head_epochs=1"], "perfedavg": ["method.local_steps=2"],
         "local": [], "cafeme": [], "cafeme variant=authors": [], "ditto variant=authors": [],
-        "fedrep variant=authors": ["method.head_batches=2"]}
+        "fedrep variant=authors": ["method.head_batches=2"], "perfedavg variant=authors": ["method.local_steps=2"]}
 
 
 @pytest.fixture(scope="module")

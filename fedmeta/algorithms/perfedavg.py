@@ -5,13 +5,17 @@ Each local step draws three independent batches D, D', D'' and moves w by
 with the Hessian-vector product taken by finite differences,
     ∇²f(w) v ≈ [∇f(w + δv) − ∇f(w − δv)] / 2δ   (δ = 1e-3).
 ``first_order=true`` drops the Hessian term (Per-FedAvg FO). The server averages as FedAvg.
+
+As the CAFeMe authors' code ran it (``variant=authors``): ``batches=stream`` — each local step
+reads D, D', D'' and then a batch it reports the loss on, consecutively from the client's
+persistent iterator over its 80 % (``train_split=pers``) — and uniform averaging.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fedmeta.algorithms.base import Algorithm, ClientData, LocalResult
+from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalResult
 from fedmeta.data.federation import Batch, Client
 from fedmeta.functional import Params, grad_and_value
 
@@ -36,9 +40,19 @@ class PerFedAvg(Algorithm):
         return {k: g[k] - self.cfg.inner_lr * hv[k] for k in w}
 
     def draw(self, client: Client, round_: int) -> ClientData:
+        cfg = self.cfg
+        if cfg.batches == "stream":
+            read = client.stream(cfg.train_split, cfg.batch_size, self.batches_read(client.id), 4 * cfg.local_steps)
+            return {"steps": [read[4 * i:4 * i + 3] for i in range(cfg.local_steps)], "loss": read[-1]}
         generator = client.generator(round_)
-        steps = [[client.batch("all", self.cfg.batch_size, generator) for _ in range(3)] for _ in range(self.cfg.local_steps)]
-        return {"steps": steps, "loss": client.batch("all", self.cfg.batch_size, generator)}
+        steps = [[client.batch(cfg.train_split, cfg.batch_size, generator) for _ in range(3)] for _ in range(cfg.local_steps)]
+        return {"steps": steps, "loss": client.batch(cfg.train_split, cfg.batch_size, generator)}
+
+    def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
+        update = super().to_update(client, result)
+        if self.cfg.batches == "stream":
+            update.state = {"batches_read": self.batches_read(client.id) + 4 * self.cfg.local_steps}
+        return update
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         w = params
