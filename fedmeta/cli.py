@@ -140,7 +140,7 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
     if should_run:
         jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
-        failures = grid.run(jobs, root, args.parallel)
+        failures = grid.run(jobs, root, args.parallel, kept)
         for line in failures:
             print(f"fedmeta: failed run: {line}", file=sys.stderr)
     report.archive(root, kept)

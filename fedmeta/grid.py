@@ -66,9 +66,11 @@ def setting_dataset(setting: DictConfig) -> str:
     return next(o.split("=", 1)[1] for o in setting.overrides if o.startswith("dataset="))
 
 
-def finished(job: Job) -> bool:
+def finished(job: Job, kept: Path | None = None) -> bool:
+    """The run's summary is in its run folder, or among the kept run files (``results/runs/<preset>``,
+    committed: a clone without the runs folder does not run them again)."""
     cfg = compose(list(job.overrides))
-    return (Path(cfg.output.root) / run_name(cfg) / "summary.json").exists()
+    return any((folder / run_name(cfg) / "summary.json").exists() for folder in (Path(cfg.output.root), kept) if folder)
 
 
 def stacked(jobs: list[Job]) -> list[Job]:
@@ -88,9 +90,9 @@ def stacked(jobs: list[Job]) -> list[Job]:
     return merged
 
 
-def run(jobs: list[Job], root: Path, parallel: int = 1) -> list[str]:
+def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None) -> list[str]:
     """Run the jobs not yet finished; returns one line per failed run (its log holds the rest)."""
-    remaining = [job for job in jobs if not finished(job)]
+    remaining = [job for job in jobs if not finished(job, kept)]
     todo = stacked(remaining)
     print(f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
           f"in {len(todo)} processes, {parallel} at a time")

@@ -43,8 +43,9 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     assert f"**{mean:.2f} ± " in perfedavg and "paper 83.86 ± 1.74" in perfedavg and "(n=2)" in perfedavg
     assert "| rmnist-dirichlet | local | 0,1 | 2 |" in table
 
-    # An interrupted grid: one run's results gone → only that one runs again.
+    # An interrupted grid: one run's results gone (never kept, as a run that did not finish) → only it runs again.
     runs[0].unlink()
+    (tmp_path / "results" / runs[0].relative_to(tmp_path)).unlink()
     capsys.readouterr()
     assert main(args) == 0
     assert "7 of 8 runs already finished" in capsys.readouterr().out and runs[0].exists()
@@ -61,6 +62,9 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     shutil.rmtree(tmp_path / "runs")
     assert main(["table", "--no-run"]) == 0
     assert (tmp_path / "results" / "TABLES.md").read_text().split("Written")[1].split("\n", 1)[1] == before
+    capsys.readouterr()
+    assert main(args) == 0  # and the grid counts the kept runs as finished: nothing runs again
+    assert "8 of 8 runs already finished" in capsys.readouterr().out and not (tmp_path / "runs" / "quick" / "rmnist-shards").exists()
 
 
 def test_vectorized_grid_stacks_each_methods_seeds_in_one_process(tmp_path, monkeypatch, mnist_dir, capsys):
