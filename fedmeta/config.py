@@ -98,11 +98,15 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
     return cfg
 
 
+NULLABLE = {"personalization.held_out_batch_size", "method.clusters", "seeds", "output.setting"}  # null means something here
+
+
 def _check_type(key: str, default, value) -> None:
     """A command-line value must have the type of the key's configured value: numbers for numbers
     (an int where an int is configured; finite), true/false for flags, lists for lists. Keys whose
-    configured value is null or a string take any value (paths, names)."""
-    if default is None:
+    configured value is null or a string take any value (paths, names); keys where null means
+    something (NULLABLE) may be set back to it."""
+    if default is None or (value is None and key in NULLABLE):
         return
     _require(value is not None, f"{key} needs a value (got none): e.g. {key}={default}")
     if isinstance(default, str):

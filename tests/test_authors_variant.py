@@ -112,6 +112,8 @@ def test_authors_variant_config_names_each_behaviour(dataset, batch):
         ("adam_kept", "stream", "transductive", True)
     assert cfg.personalization.batches == "stream" and cfg.personalization.held_out_batch_size == batch
     assert cfg.method.eval_batch_size == 6 * batch
+    one_pass = compose([f"dataset={dataset}", "method=cafeme", "variant=authors", "personalization.held_out_batch_size=null"])
+    assert one_pass.personalization.held_out_batch_size is None  # null (one pass) can be asked back
     paper = compose([f"dataset={dataset}", "method=cafeme"])
     assert (paper.method.outer_optimizer, paper.method.batches, paper.personalization.held_out_batch_size) == \
         ("adam_fresh", "independent", None)
