@@ -12,9 +12,13 @@ from fedmeta.errors import FedmetaError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedmeta", description="Personalized federated learning with meta-learning.")
     commands = parser.add_subparsers(dest="command", required=True)
-    train_cmd = commands.add_parser("train", help="run one experiment", description=(
-        "Run one experiment. Overrides are key=value: dataset=, partition=, method=, variant= pick config "
-        "files in configs/; any other key (e.g. federation.rounds=100 fabric.devices=2) sets that value."))
+    from fedmeta.config import catalog
+
+    train_cmd = commands.add_parser("train", help="run one experiment", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                    description=(
+        "Run one experiment. Overrides are key=value: dataset=, partition=, method=, variant= pick config\n"
+        "files in configs/; any other key (e.g. federation.rounds=100 fabric.devices=2) sets that value."),
+                                    epilog=catalog())
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     data_cmd = commands.add_parser("data", help="inspect data sets").add_subparsers(dest="data_command", required=True)

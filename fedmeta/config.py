@@ -34,6 +34,33 @@ def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a file name of a config folder, or a setting: no path
 
 
+def first_sentence(path: Path, width: int = 100) -> str:
+    """The first sentence of a config file's leading comment: what the choice is."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    end = re.search(r"\.\s+(?=[A-Z])", text)  # a full stop before a capital: not "et al. 2021" or "i.i.d. split"
+    sentence = text[:end.start() + 1] if end else text
+    return sentence if len(sentence) <= width else sentence[:width - 1].rstrip() + "…"
+
+
+def catalog(config_dir: Path = CONFIG_DIR) -> str:
+    """Every data set, partition, method and variant with one line each (``fedmeta train --help``)."""
+    out = []
+    for group in ("dataset", "partition", "method"):
+        out.append(f"{group}=")
+        for name in group_choices(group, config_dir):
+            out.append(f"  {name:12s} {first_sentence(config_dir / group / f'{name}.yaml')}")
+    out.append("variant=  (paper: the method file as is, the default)")
+    for method in group_choices("method", config_dir):
+        for name in group_choices(f"variant/{method}", config_dir):
+            out.append(f"  {method + '/' + name:20s} {first_sentence(config_dir / 'variant' / method / f'{name}.yaml')}")
+    return "\n".join(out)
+
+
 def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
     path = config_dir / group / f"{name}.yaml"
     plain = isinstance(name, str) and all(NAME.fullmatch(part) and ".." not in part for part in name.split("/"))

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fedmeta.cli import main
+from fedmeta.config import group_choices
 
 BAD = [
     (["dataset=imagenet"], "unknown data set 'imagenet'"),
@@ -149,3 +150,14 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
     assert main(["evaluate", str(run)]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "corrupt or from another run" in error
+
+
+def test_train_help_lists_every_choice_with_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for group in ("dataset", "partition", "method"):
+        for name in group_choices(group):
+            assert re.search(rf"\n  {name} +\S", text), name
+    assert "  cafeme/authors " in text and "  fedrep/tuned " in text
+    assert "\n  iid          An i.i.d. equal split" in text  # a sentence, not cut at an abbreviation
