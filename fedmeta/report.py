@@ -2,7 +2,7 @@
 ``results/TABLES.md`` in the paper's layout with the paper's numbers beside ours, and the paper's
 figures as PNG files. Only what the runs gave is shown; a missing run leaves a blank, never a guess.
 
-Every finished run's small files (config, metrics, curves, summary: a few KB, no checkpoint) are
+Every finished run's small files (config, metrics, curves, summary, later evaluations: a few KB, no checkpoint) are
 first copied to ``results/runs/<preset>/``, which is committed; the tables and figures are drawn
 from there, so ``fedmeta table --no-run`` rebuilds them from a fresh clone and every number in
 them leads back to the run, its config and its round-by-round metrics."""
@@ -27,7 +27,7 @@ METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "i
                 "fedrep": "FedRep", "perfedavg": "Per-FedAvg", "local": "Local", "cafeme": "CAFeMe"}
 
 
-RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json")
+RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl")
 
 
 def archive(runs_root: Path, kept_root: Path) -> int:
