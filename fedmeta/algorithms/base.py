@@ -71,19 +71,13 @@ def masked(mask: torch.Tensor | None) -> dict:
     return {} if mask is None else {"mask": mask}
 
 
-def unless_idle(batch: Batch, new: dict, old: dict) -> dict:
-    """``new``, except on a padding step of a stacked client (``batch.active`` false): ``old``."""
-    if batch.active is None:
-        return new
-    return {k: torch.where(batch.active, new[k], old[k]) for k in new}
-
-
-def unless_idle_tree(batch: Batch, new, old):
-    """``unless_idle`` for a nested state (an optimizer's step count and moments)."""
+def unless_idle(batch: Batch, new, old):
+    """``new`` (parameters, or an optimizer's nested state), except on a padding step of a stacked
+    client (``batch.active`` false): ``old``."""
     if batch.active is None:
         return new
     if isinstance(new, dict):
-        return {k: unless_idle_tree(batch, new[k], old[k]) for k in new}
+        return {k: unless_idle(batch, new[k], old[k]) for k in new}
     return torch.where(batch.active, new, old)
 
 
@@ -213,7 +207,7 @@ class Algorithm(L.LightningModule):
             trained, new_state = step({n: params[n] for n in names}, grads, optimizer_state)
             params = {**params, **unless_idle(batch, trained, params)}
             if optimizer_state is not None:
-                optimizer_state = unless_idle_tree(batch, new_state, optimizer_state)
+                optimizer_state = unless_idle(batch, new_state, optimizer_state)
             total, steps = total + step_weight(batch) * loss, steps + step_weight(batch)
         return params, total / steps, optimizer_state
 
