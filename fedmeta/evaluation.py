@@ -7,7 +7,8 @@ points. The batches come from the client's own seeded generator, so every method
 batches: each drawn afresh (``batches=independent``) or read from a persistent drop_last iterator
 (``stream``). The held-out split is scored in one pass, or in loader batches of
 ``held_out_batch_size`` (then each batch gives its own context and batch statistics, and the
-accuracy is the mean of the per-batch accuracies, as a loop over a test loader computes it). ``personalize`` is a pure function of one client's parameters and batches, so
+accuracy is the mean of the per-batch accuracies, as a loop over a test loader computes it).
+``personalize`` is a pure function of one client's parameters and batches, so
 fedmeta.engine runs it for one client at a time or vmapped over all of them.
 """
 
