@@ -61,6 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--out", default="results/bench.json")
     bench_cmd.add_argument("--config", help="the rows to run (default: configs/bench.yaml; the GPU check's: configs/bench_gpu.yaml)")
     bench_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda")
+    tune_cmd = commands.add_parser("tune", help="tune a method's settings with Optuna, write configs/variant/<method>/tuned.yaml",
+                                   description="An Optuna study (TPE, median pruning) over the method's search space in "
+                                   "configs/tune.yaml, on a seed no preset scores. Interrupted or re-run, it continues the study.")
+    tune_cmd.add_argument("method")
+    tune_cmd.add_argument("--trials", type=int, help="finished trials the study should hold (default: configs/tune.yaml)")
+    tune_cmd.add_argument("--rounds", type=int, help="rounds per trial (default: configs/tune.yaml)")
+    tune_cmd.add_argument("--seed", type=int, help="the tuning seed (default: configs/tune.yaml); not one a preset scores")
+    tune_cmd.add_argument("--storage", help="database URL of the study (default: sqlite under runs/tune/); "
+                          "one URL shared by several machines runs one study")
+    tune_cmd.add_argument("--overwrite", action="store_true", help="replace a tuned.yaml that was written by hand")
+    tune_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every trial, e.g. partition=dirichlet")
     args = parser.parse_args(argv)
 
     try:
@@ -77,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(record["personalization"]))
             print(f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
                   f"(step 0: {100 * record['curve'][0]:.2f} %)")
+            return 0
+        if args.command == "tune":
+            from fedmeta.tune import Study
+
+            result = Study(args.method, args.overrides, args.trials, args.rounds, args.seed, args.storage,
+                           overwrite=args.overwrite).run()
+            print(f"study {result['study']}: best new-client accuracy {100 * result['best_accuracy']:.2f} % with "
+                  f"{result['best']}; wrote {result['tuned']}")
             return 0
         if args.command == "bench":
             from pathlib import Path

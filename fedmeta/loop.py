@@ -341,25 +341,29 @@ class Run:
         }
 
 
-def train(cfg: DictConfig, show_progress: bool = True) -> dict | list[dict] | None:
+def train(cfg: DictConfig, show_progress: bool = True,
+          on_evaluation: Callable[[int, float], None] | None = None) -> dict | list[dict] | None:
     """Run one experiment end to end and return its summary (also written to summary.json; None
     on the other processes of a multi-process run). With ``seeds=[…]`` the seeds' federations run
     in lockstep in this process, their clients computed together, each in its own run folder
     exactly as a run of that seed alone; the summaries come back as a list.
-    With ``output.resume=true`` an unfinished run continues from its last checkpoint."""
+    With ``output.resume=true`` an unfinished run continues from its last checkpoint.
+    ``on_evaluation(round, accuracy)`` is called after each evaluation of a one-seed run (fedmeta
+    tune reports to its pruner there; an exception it raises stops the run)."""
     fabric = make_fabric(cfg)
     configs = seed_configs(cfg)
     runs: list[Run] = []
     try:
         for one in configs:
             runs.append(Run(fabric, one, len(configs)))
-        return _train(fabric, cfg, runs, show_progress)
+        return _train(fabric, cfg, runs, show_progress, on_evaluation)
     finally:
         for run in runs:
             run.lock.release()  # a run that failed to set up never took its lock
 
 
-def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool) -> dict | list[dict] | None:
+def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool,
+           on_evaluation: Callable[[int, float], None] | None) -> dict | list[dict] | None:
     fed = cfg.federation
     shard, gather, engine = (fabric.global_rank, fabric.world_size), gather_updates(fabric), make_engine(cfg)
     first = min(run.first_round for run in runs)
@@ -396,6 +400,8 @@ def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool
                            eval_step0_accuracy=run.result.curve[0])
                 run.recorder.log_curve(round_, run.result.curve)
             run.recorder.log_round(row)
+            if on_evaluation and id(run) in evaluations and len(runs) == 1:
+                on_evaluation(round_, run.result.accuracy)
             if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
                 run.save_checkpoint(round_)
         shown = active[0]
