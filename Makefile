@@ -18,7 +18,7 @@ TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) $(if $(SEEDS),seeds=[$(subst $
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(if $(RESUME),output.resume=true) $(ARGS)
 
-.PHONY: install train test config describe download table figures bench clean-env
+.PHONY: install train test config describe download table figures bench tensorboard clean-env
 
 install: $(VENV)/.ready
 
@@ -52,6 +52,11 @@ bench: install
 
 figures: install
 	$(BIN)/fedmeta figures $(GRID_ARGS) $(if $(RUN),--run) $(ARGS)
+
+# make tensorboard [RUNS=runs]: every run's metrics and personalization curves, offline (http://localhost:6006)
+RUNS ?= runs
+tensorboard: install
+	$(BIN)/tensorboard --logdir $(RUNS)
 
 download: install
 	$(BIN)/fedmeta data download $(NAME) $(ARGS)

@@ -169,9 +169,12 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     report.archive(root, kept)
     if args.command == "table":
         print(report.write_tables(args.preset, preset, kept, Path(args.out), "fedmeta " + " ".join(argv)))
+        written = [Path(args.out)]
     else:
-        for path in report.draw_figures(preset, kept, Path(args.out_dir)):
+        written = report.draw_figures(preset, kept, Path(args.out_dir))
+        for path in written:
             print(f"wrote {path}")
+    report.log_report(args.preset, preset, kept, written)
     return 1 if failures else 0
 
 

@@ -214,6 +214,9 @@ def validate(cfg: DictConfig) -> None:
              f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
     _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {PRECISIONS} (the -true precisions other "
              f"than 32 are not applied to fedmeta's models), got {cfg.fabric.precision!r}")
+    loggers = list(cfg.logger) if OmegaConf.is_list(cfg.logger) else None
+    _require(loggers is not None and set(loggers) <= {"csv", "tensorboard", "wandb"},
+             f"logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. logger=[tensorboard,wandb]; got {cfg.logger}")
     _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}")
 
 

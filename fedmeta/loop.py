@@ -303,7 +303,9 @@ class Run:
             elif fabric.is_global_zero:
                 print(f"fedmeta: no checkpoint in {self.dir}: starting at round 1", file=sys.stderr)
         self.history = state["history"] if state else {}
-        self.recorder = RunRecorder(self.dir, cfg, fabric.is_global_zero, self.history or None)
+        tags = [cfg.dataset.name, cfg.partition.name, cfg.method.name, cfg.variant, str(cfg.fabric.precision),
+                hardware_name(fabric.device)]
+        self.recorder = RunRecorder(self.dir, cfg, fabric.is_global_zero, self.history or None, tags)
         self.round_seconds = list(self.history.get("round_seconds", []))
         curves = self.history.get("last_curves")
         self.result = PersonalizationResult(curves) if curves is not None else None
@@ -359,6 +361,7 @@ def train(cfg: DictConfig, show_progress: bool = True,
         return _train(fabric, cfg, runs, show_progress, on_evaluation)
     finally:
         for run in runs:
+            run.recorder.close("failed")  # a run that stopped early (error, pruner, Ctrl-C); after finish: nothing left
             run.lock.release()  # a run that failed to set up never took its lock
 
 
@@ -416,7 +419,7 @@ def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool
     for run in runs:
         if run.error is None:
             summary = run.summary()
-            run.recorder.finish(summary)
+            run.recorder.finish(summary, run.cfg)
             summaries.append(summary)
     failed = [run.error for run in runs if run.error]
     if failed:

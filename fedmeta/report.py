@@ -97,7 +97,6 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
     text = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    _log_to_wandb(preset_name, runs, settings, methods)
     return text
 
 
@@ -105,17 +104,26 @@ def _steps(runs) -> int:
     return next((len(s["curve"]) - 1 for summaries in runs.values() for s in summaries), 50)
 
 
-def _log_to_wandb(preset_name: str, runs, settings: list[str], methods: list[str]) -> None:
-    """The table as one W&B run of its own (offline unless asked otherwise), beside the runs it summarizes."""
+def log_report(preset_name: str, preset: DictConfig, root: Path, written: list[Path]) -> None:
+    """The table (as a W&B table) and the files just written (TABLES.md, the figures: as images and
+    as one artifact) to a W&B run of their own, job type "report", offline unless asked otherwise."""
     mode = os.environ.get("WANDB_MODE", "offline")
     if mode == "disabled":
         return
     import wandb
 
+    runs = collect(root)
     rows = [[setting, method, *_mean_std([100 * s["accuracy"] for s in runs[(setting, method)]]), len(runs[(setting, method)])]
-            for setting in settings for method in methods if runs.get((setting, method))]
-    with wandb.init(project="fedmeta", name=f"table-{preset_name}", group="tables", mode=mode, dir="runs") as run:
-        run.log({"table": wandb.Table(columns=["setting", "method", "accuracy", "std", "seeds"], data=rows)})
+            for setting in preset.settings for method in preset.methods if runs.get((setting, method))]
+    Path("runs").mkdir(exist_ok=True)
+    with wandb.init(project="fedmeta", name=f"report-{preset_name}", group="report", job_type="report", mode=mode,
+                    dir=str(Path("runs").resolve()), reinit="create_new", settings=wandb.Settings(silent=True, console="off")) as run:
+        run.log({"table": wandb.Table(columns=["setting", "method", "accuracy", "std", "seeds"], data=rows),
+                 **{f"figures/{path.stem}": wandb.Image(str(path)) for path in written if path.suffix == ".png"}})
+        files = wandb.Artifact(f"report-{preset_name}", type="report")
+        for path in written:
+            files.add_file(str(path))
+        run.log_artifact(files)
 
 
 def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:

@@ -1,6 +1,7 @@
 """Everything a run leaves in runs/<dataset>-<partition>/<method>/seed<seed>/:
 config.yaml (fully resolved), metrics.csv (one row per round), curves.csv (the personalization
-curve at every evaluation), summary.json, checkpoint.ckpt — and the W&B run (offline by default)."""
+curve at every evaluation), summary.json, checkpoint.ckpt — and what its Fabric loggers write
+(``logger=[tensorboard,wandb]`` by default): tensorboard/, wandb/ (offline by default), csv/."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from lightning.fabric.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.config import setting_name
@@ -73,33 +75,78 @@ class RunLock:
             self.held = False
 
 
-def wandb_logger(cfg: DictConfig, run_dir: Path, name: str, run_id: str | None = None):
+# a metrics.csv column → its name in the loggers: one namespace per chart section
+LOGGED_AS = {"train_loss": "train/loss", "round_seconds": "train/round_seconds", "clients_dropped": "train/clients_dropped",
+             "eval_accuracy": "eval/accuracy", "eval_accuracy_std": "eval/accuracy_std", "eval_step0_accuracy": "eval/step0_accuracy"}
+
+
+def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | None = None):
     """Lightning's WandbLogger, offline unless asked otherwise ($WANDB_MODE wins); None if disabled.
-    A resumed run continues the W&B run ``run_id``."""
+    One W&B run per federation: grouped by setting, its job type the method (and variant), so W&B's
+    mean ± std over a group's job type is over seeds only. A resumed run continues ``run_id``."""
     mode = os.environ.get("WANDB_MODE", cfg.wandb.mode)
     if mode == "disabled":
         return None
+    import wandb
     from lightning.pytorch.loggers import WandbLogger
 
-    os.environ.setdefault("WANDB_SILENT", "true")
-    resume = {"id": run_id, "resume": "allow"} if run_id else {}
-    # reinit="create_new": stacked seeds hold one W&B run each at the same time in this process
-    return WandbLogger(project=cfg.wandb.project, name=name, group=setting_name(cfg), reinit="create_new",
-                       save_dir=str(run_dir), offline=mode == "offline", config=OmegaConf.to_container(cfg), **resume)
+    method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+    # Our own wandb.init: Lightning's would set $WANDB_MODE for the whole process, reuse another
+    # seed's open run, and pass options W&B warns about. reinit="create_new": stacked seeds hold
+    # one W&B run each at the same time in this process.
+    run = wandb.init(project=cfg.wandb.project, name=f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}", group=setting_name(cfg),
+                     job_type=method, tags=[t[:64] for t in tags], dir=str(run_dir.resolve()), mode=mode, reinit="create_new",
+                     config=OmegaConf.to_container(cfg), settings=wandb.Settings(silent=True, console="off"),
+                     **({"id": run_id, "resume": "allow"} if run_id else {}))
+    run.define_metric("trainer/global_step")
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)  # x axis: the round
+    return WandbLogger(experiment=run)
+
+
+def run_loggers(cfg: DictConfig, run_dir: Path, tags: list[str], history: dict | None) -> tuple[list, list, object]:
+    """The Fabric loggers ``cfg.logger`` names, for the rounds' metrics (step = round) and for the
+    personalization curves (step = personalization step, one series per evaluation), and the W&B
+    logger among them (None without one). A resumed TensorBoard log drops what was logged after
+    the checkpoint (``purge_step``); Fabric's CSVLogger starts its file again and is given the
+    checkpoint's rows."""
+    rounds, curves, wandb_run = [], [], None
+    resumed_at = int(history["metrics"][-1]["round"]) + 1 if history and history["metrics"] else None
+    if "csv" in cfg.logger:
+        from lightning.fabric.loggers import CSVLogger
+
+        csv_logger = CSVLogger(run_dir, name="csv", version="", flush_logs_every_n_steps=1)
+        for row in history["metrics"] if history else []:
+            csv_logger.log_metrics(_logged(row), step=int(row["round"]))
+        rounds.append(csv_logger)
+    if "tensorboard" in cfg.logger:
+        rounds.append(TensorBoardLogger(run_dir, name="tensorboard", version="rounds",
+                                        **({"purge_step": resumed_at} if resumed_at else {})))
+        curves.append(TensorBoardLogger(run_dir, name="tensorboard", version="personalization"))
+    if "wandb" in cfg.logger:
+        wandb_run = wandb_logger(cfg, run_dir, tags, history.get("wandb_id") if history else None)
+        if wandb_run:
+            rounds.append(wandb_run)
+    return rounds, curves, wandb_run
+
+
+def _logged(row: dict) -> dict:
+    return {LOGGED_AS[k]: v for k, v in row.items() if k in LOGGED_AS and v != ""}
 
 
 class RunRecorder:
-    """Writes the run folder and the W&B run, on the main process only. ``history`` (from a
-    checkpoint) continues a run: its rows so far are written back and new ones follow."""
+    """Writes the run folder (metrics.csv, curves.csv, summary.json: the files every tool reads)
+    and logs the same metrics to the run's Fabric loggers, on the main process only. ``history``
+    (from a checkpoint) continues a run: its rows so far are written back and new ones follow."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, main_process: bool, history: dict | None = None):
+    def __init__(self, run_dir: Path, cfg: DictConfig, main_process: bool, history: dict | None = None, tags: list[str] = ()):
         self.dir = run_dir
         self.main = main_process
+        self.log_model = cfg.wandb.log_model
         if (run_dir / "summary.json").exists() and not cfg.output.overwrite:
             raise FedmetaError(f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it")
         self.rows: list[dict] = list(history["metrics"]) if history else []
         self.curves: list[list] = list(history["curves"]) if history else []
-        self.logger = None
+        self.loggers, self.curve_loggers, self.wandb = [], [], None
         if self.main:
             if run_dir.exists() and history is None:
                 kept = [name for name in ("checkpoint.ckpt", "metrics.csv", "summary.json") if (run_dir / name).exists()]
@@ -117,12 +164,11 @@ class RunRecorder:
             with open(run_dir / "curves.csv", "w", newline="") as f:
                 csv.writer(f).writerows([["round", "step", "accuracy"],
                                          *([r, step, acc] for r, curve in self.curves for step, acc in enumerate(curve))])
-            self.logger = wandb_logger(cfg, run_dir, f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}",
-                                       history.get("wandb_id") if history else None)
+            self.loggers, self.curve_loggers, self.wandb = run_loggers(cfg, run_dir, list(tags), history)
 
     @property
     def wandb_id(self) -> str | None:
-        return self.logger.experiment.id if self.logger else None
+        return self.wandb.experiment.id if self.wandb else None
 
     def log_round(self, row: dict) -> None:
         self.rows.append(row)
@@ -130,27 +176,66 @@ class RunRecorder:
             return
         with open(self.dir / "metrics.csv", "a", newline="") as f:
             csv.DictWriter(f, METRIC_FIELDS).writerow(row)
-        if self.logger:
-            self.logger.log_metrics({k: v for k, v in row.items() if k != "round" and v != ""}, step=row["round"])
+        for logger in self.loggers:
+            logger.log_metrics(_logged(row), step=row["round"])
 
     def log_curve(self, round_: int, curve: list[float]) -> None:
+        """The personalization curve of the evaluation at ``round_``: a series of its own in
+        TensorBoard (``personalization/round_<r>``, x = step); in W&B the table of every curve so
+        far and its line plot, one line per evaluation round, so curves at round 100, 500 and 1000
+        overlay."""
         self.curves.append([round_, curve])
         if not self.main:
             return
         with open(self.dir / "curves.csv", "a", newline="") as f:
             csv.writer(f).writerows([round_, step, acc] for step, acc in enumerate(curve))
-        if self.logger:
+        for logger in self.curve_loggers:
+            for step, accuracy in enumerate(curve):
+                logger.log_metrics({f"personalization/round_{round_:05d}": accuracy}, step=step)
+        if self.wandb:
             import wandb
 
-            table = wandb.Table(data=[[s, a] for s, a in enumerate(curve)], columns=["step", "accuracy"])
-            self.logger.experiment.log({"personalization_curve": wandb.plot.line(table, "step", "accuracy",
-                                                                                 title=f"round {round_}")})
+            table = wandb.Table(columns=["round", "step", "accuracy"],
+                                data=[[r, step, acc] for r, points in self.curves for step, acc in enumerate(points)])
+            self.wandb.experiment.log({"personalization/curves": table, "trainer/global_step": round_,
+                                       "personalization/plot": wandb.plot.line(table, "step", "accuracy", stroke="round",
+                                                                               title="accuracy after k personalization steps")})
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: dict, cfg: DictConfig) -> None:
         if not self.main:
             return
         atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2))
-        if self.logger:
-            self.logger.experiment.summary.update({k: v for k, v in summary.items() if k != "curve"})
-            self.logger.finalize("success")
-            self.logger.experiment.finish()  # so a later run in this process starts its own W&B run
+        final = {"final/accuracy": summary["accuracy"], "final/accuracy_std": summary["accuracy_std"],
+                 "final/step0_accuracy": summary["curve"][0]}
+        for logger in self.loggers:  # TensorBoard's HParams tab: every run's settings beside its result
+            if isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(_flat(OmegaConf.to_container(cfg)), metrics=final)
+        if self.wandb:
+            import wandb
+
+            run = self.wandb.experiment
+            run.summary.update({k: v for k, v in summary.items() if k != "curve"} | final)
+            if self.log_model and (self.dir / "checkpoint.ckpt").exists():
+                model = wandb.Artifact(f"model-{run.id}", type="model", metadata={k: v for k, v in summary.items() if k != "curve"})
+                model.add_file(str(self.dir / "checkpoint.ckpt"))
+                run.log_artifact(model)
+        self.close("success")
+
+    def close(self, status: str) -> None:
+        """Flush and close the loggers (``failed``: a run stopped by an error or a pruner)."""
+        for logger in [*self.loggers, *self.curve_loggers]:
+            logger.finalize(status)
+        if self.wandb:
+            self.wandb.experiment.finish(exit_code=0 if status == "success" else 1)  # a later run here starts its own
+        self.loggers, self.curve_loggers, self.wandb = [], [], None
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """A nested config as ``a.b.c`` keys with scalar values (TensorBoard's hyperparameters)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
