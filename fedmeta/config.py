@@ -21,10 +21,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("dataset", "partition", "method", "variant")
 GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant",
                "preset": "preset"}
-# Fabric's mixed precisions enter autocast per forward pass (Algorithm.run_model); its "-true"
-# precisions would convert the model's parameters, which fedmeta's functional models never hand
-# to Fabric: refused rather than recorded without effect.
-PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed")
+# Fabric's precisions: "-true" ones convert the model (fabric.setup_module) and the inputs, the
+# mixed ones enter autocast per forward pass (Algorithm.run_model).
+PRECISIONS = ("32-true", "32", "64-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 
 
 def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
@@ -212,8 +211,8 @@ def validate(cfg: DictConfig) -> None:
     setting = cfg.output.setting
     _require(setting is None or (isinstance(setting, str) and NAME.fullmatch(setting) is not None and ".." not in setting),
              f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
-    _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {PRECISIONS} (the -true precisions other "
-             f"than 32 are not applied to fedmeta's models), got {cfg.fabric.precision!r}")
+    _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {', '.join(PRECISIONS)}, "
+             f"got {cfg.fabric.precision!r}")
     loggers = list(cfg.logger) if OmegaConf.is_list(cfg.logger) else None
     _require(loggers is not None and set(loggers) <= {"csv", "tensorboard", "wandb"},
              f"logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. logger=[tensorboard,wandb]; got {cfg.logger}")

@@ -198,8 +198,11 @@ def build(fabric: Fabric, cfg: DictConfig) -> tuple[Federation, Algorithm]:
     fed = cfg.federation
     federation = build_federation(dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients,
                                   fed.held_out_fraction, cfg.seed, device=fabric.device)
-    algorithm = fabric.to_device(build_algorithm(cfg, federation.num_classes))
-    algorithm.autocast = fabric.autocast  # entered per forward pass (Algorithm.run_model)
+    # Fabric converts the model to the run's precision and places it; the algorithm calls it as a
+    # function of its parameters (Algorithm.run_model), under the same precision plugin, so the
+    # wrapper itself is not kept: clients' updates are aggregated by fedmeta, not by DDP's hooks.
+    algorithm = fabric.setup_module(build_algorithm(cfg, federation.num_classes)).module
+    algorithm.precision = fabric.strategy.precision
     return federation, algorithm
 
 

@@ -67,10 +67,6 @@ BAD = [
     ([f"output.setting={'s' * 300}"], "output.setting must be a plain folder name"),
     (["method=../../somewhere/evil"], "unknown method '../../somewhere/evil'"),
     (["dataset=../configs/config"], "unknown data set"),
-    # precisions Fabric offers but fedmeta would not apply are refused, not recorded
-    (["fabric.precision=16-true"], "the -true precisions other than 32 are not applied"),
-    (["fabric.precision=bf16-true"], "the -true precisions other than 32 are not applied"),
-    (["fabric.precision=64-true"], "the -true precisions other than 32 are not applied"),
     (["fabric.precision=16-mixed"], "16-mixed needs a GPU; on the CPU use bf16-mixed"),
 ]
 

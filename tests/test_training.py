@@ -114,3 +114,22 @@ def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
     _, federation, algorithm = setup(cfg)
     _, curve = personalize_client(algorithm, federation.new_clients[0], cfg.personalization)
     assert curve[-1] > curve[0] + 0.3
+
+
+@pytest.mark.parametrize("precision, dtype", [("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
+def test_true_precisions_convert_the_model_and_train(tmp_path, mnist_dir, precision, dtype):
+    """Fabric's "-true" precisions reach the model (fabric.setup_module) and its inputs: the
+    parameters and the logits have the precision's dtype, and training still learns."""
+    from fedmeta.evaluation import personalize_client
+    from fedmeta.loop import federated_round, setup
+
+    cfg = config(tmp_path, mnist_dir, "method=fedavg_ft", "variant=tuned", f"fabric.precision={precision}",
+                 "personalization.lr=0.05", "personalization.steps=10")
+    _, federation, algorithm = setup(cfg)
+    assert {p.dtype for p in algorithm.model.parameters()} == {dtype}
+    client = federation.new_clients[0]
+    assert algorithm(algorithm.global_params(), client.batch("pers", 4).x).dtype in (dtype, torch.float32)
+    losses = [federated_round(algorithm, federation, r, 5, cfg.seed).loss for r in range(1, 4)]
+    assert losses[-1] < losses[0]
+    _, curve = personalize_client(algorithm, client, cfg.personalization)
+    assert curve[-1] > curve[0] + 0.2 and {p.dtype for p in algorithm.model.parameters()} == {dtype}

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import lightning as L
+from lightning.fabric.plugins import Precision
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,19 +94,20 @@ class Algorithm(L.LightningModule):
         self.cfg = cfg
         # Per-client state, only for algorithms defined by it: client id → what its last update kept.
         self.client_states: dict[int, dict] = {}
-        self.autocast = nullcontext  # Fabric's autocast under bf16-mixed / 16-mixed (loop.setup)
+        self.precision = Precision()  # Fabric's precision plugin of the run (loop.build): 32-bit unless set
 
     # ---- the model as a function of its parameters -------------------------------------------
     def global_params(self) -> Params:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
     def run_model(self, module: nn.Module, params: Params, *inputs, **options) -> torch.Tensor:
-        """``module`` as a function of ``params``, under the run's precision; logits in float32.
-        Autocast is entered per forward pass, not around a whole round: it caches the low-precision
-        copies of leaf parameters until it exits, so in-place optimizer steps inside one long
-        autocast region would go unseen by later forward passes."""
-        with self.autocast():
-            logits = call(module, params, *inputs, **options)
+        """``module`` as a function of ``params``, under the run's precision (what Fabric's wrapped
+        module does in its forward: inputs converted, the plugin's context entered); logits in float32.
+        The context is entered per forward pass, not around a whole round: autocast caches the
+        low-precision copies of leaf parameters until it exits, so in-place optimizer steps inside
+        one long autocast region would go unseen by later forward passes."""
+        with self.precision.forward_context():
+            logits = call(module, params, *self.precision.convert_input(inputs), **self.precision.convert_input(options))
         return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
     def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
