@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     grid_args.add_argument("--methods", nargs="+", help="default: the preset's")
     grid_args.add_argument("--seeds", nargs="+", type=int, help="default: the preset's")
     grid_args.add_argument("--parallel", type=int, default=1, help="runs at once (CPU: one per core)")
+    grid_args.add_argument("--executor", default="pool", help="pool: processes on this machine | slurm: an array job "
+                           "through submitit | local: submitit's local executor (the SLURM jobs, run here)")
+    grid_args.add_argument("--slurm", nargs="*", default=[], metavar="key=value",
+                           help="submitit parameters for the jobs, e.g. partition=gpu gpus_per_node=1 timeout_min=600")
     grid_args.add_argument("overrides", nargs="*", metavar="key=value", help="for every run, e.g. fabric.accelerator=cuda")
     table_cmd = commands.add_parser("table", parents=[grid_args], help="run the paper's table grid, write results/TABLES.md")
     table_cmd.add_argument("--no-run", action="store_true", help="only write the table from the finished runs")
@@ -52,6 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     figures_cmd = commands.add_parser("figures", parents=[grid_args], help="draw the paper's figures into results/")
     figures_cmd.add_argument("--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)")
     figures_cmd.add_argument("--out-dir", default="results")
+    sweep_cmd = commands.add_parser("sweep", help="run every combination of key=a,b,c values (skips finished runs)",
+                                    description="Run every combination of the comma-separated values, e.g. "
+                                    "fedmeta sweep method=cafeme,fedavg_ft method.inner_lr=0.01,0.05 seed=0,1 --parallel 2. "
+                                    "Finished runs are skipped, unfinished ones resumed; a table of the points is printed "
+                                    "and written to <root>/sweep.md.")
+    sweep_cmd.add_argument("values", nargs="+", metavar="key=a,b,...")
+    sweep_cmd.add_argument("--root", default="runs/sweep", help="where the runs go (default runs/sweep)")
+    for action in grid_args._actions:
+        if action.dest in ("parallel", "executor", "slurm"):
+            sweep_cmd._add_action(action)
     bench_cmd = commands.add_parser("bench", help="time, FLOP-count and memory-profile every method's round (configs/bench.yaml)")
     bench_cmd.add_argument("--datasets", nargs="+", help="default: the bench config's (rmnist cifar10)")
     bench_cmd.add_argument("--methods", nargs="+", help="default: every method")
@@ -108,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), config,
                       profile=args.profile, projection=args.project)
             return 0
-        if args.command in ("table", "figures") and args.parallel < 1:
+        if args.command in ("table", "figures", "sweep") and args.parallel < 1:
             raise FedmetaError(f"--parallel must be ≥ 1 (runs at once), got {args.parallel}")
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "sweep":
+            return _sweep_command(args)
         if args.command == "data" and args.data_command == "download":
             from fedmeta.data.download import download
             from fedmeta.data.sources import data_dir
@@ -163,7 +179,7 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
     if should_run:
         jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
-        failures = grid.run(jobs, root, args.parallel, kept)
+        failures = grid.run(jobs, root, args.parallel, kept, args.executor, args.slurm)
         for line in failures:
             print(f"fedmeta: failed run: {line}", file=sys.stderr)
     report.archive(root, kept)
@@ -175,6 +191,22 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
         for path in written:
             print(f"wrote {path}")
     report.log_report(args.preset, preset, kept, written)
+    return 1 if failures else 0
+
+
+def _sweep_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedmeta import grid
+
+    root = Path(args.root)
+    jobs = grid.sweep_plan(args.values, root)
+    failures = grid.run(jobs, root, args.parallel, None, args.executor, args.slurm)
+    for line in failures:
+        print(f"fedmeta: failed run: {line}", file=sys.stderr)
+    table = grid.sweep_report(jobs)
+    (root / "sweep.md").write_text(f"# Sweep: fedmeta sweep {' '.join(args.values)}\n\n{table}")
+    print(table, end="")
     return 1 if failures else 0
 
 

@@ -1,24 +1,35 @@
-"""Experiment grids of a preset (``configs/preset/``): method × setting × seed, each a plain
-``fedmeta train`` in its own process. Runs already finished in ``runs/<preset>/`` are skipped and
-unfinished ones continue from their last checkpoint, so an interrupted grid resumes where it stopped; ``parallel`` processes go at once. When the runs are
-vectorized (``federation.vectorize=true``), the unfinished seeds of a setting × method share one
-process as stacked seeds (``seeds=[…]``), each still writing its own run folder."""
+"""Grids of runs: a preset's (``configs/preset/``: method × setting × seed) or a sweep's (every
+combination of comma-separated values, ``fedmeta sweep method=cafeme,fedavg_ft seed=0,1``), each
+run a plain ``fedmeta train`` in its own process. Runs already finished are skipped and unfinished
+ones continue from their last checkpoint, so an interrupted grid resumes where it stopped. The
+processes run on an executor: a local process pool (``pool``, ``parallel`` at once), or submitit's
+``local`` executor (the same jobs as SLURM would get them, on this machine) or ``slurm`` (an array
+job of at most ``parallel`` tasks at once). When the runs are vectorized
+(``federation.vectorize=true``), the unfinished seeds of a setting × method share one process as
+stacked seeds (``seeds=[…]``), each still writing its own run folder."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from fedmeta.config import CONFIG_DIR, compose, load_group, run_name
+from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, run_name, setting_name
 from fedmeta.errors import FedmetaError
+
+EXECUTORS = ("pool", "local", "slurm")
 
 
 def load_preset(name: str) -> DictConfig:
@@ -31,11 +42,12 @@ class Job:
     method: str
     seed: int
     overrides: tuple[str, ...]
+    point: str = ""  # a sweep's point: the swept values that the run folder's name does not hold
 
     @property
     def label(self) -> str:
         seeds = next((o.split("=", 1)[1].strip("[]").replace(",", "-") for o in self.overrides if o.startswith("seeds=")), None)
-        return f"{self.setting}/{self.method}/" + (f"seeds{seeds}" if seeds else f"seed{self.seed}")
+        return (f"{self.point}/" if self.point else "") + f"{self.setting}/{self.method}/" + (f"seeds{seeds}" if seeds else f"seed{self.seed}")
 
 
 def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] | None = None,
@@ -77,7 +89,8 @@ def stacked(jobs: list[Job]) -> list[Job]:
     """Vectorized jobs of one setting and method merged into one job over their seeds."""
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
-        key = (job.setting, job.method) if compose(list(job.overrides)).federation.vectorize else (job.setting, job.method, job.seed)
+        together = compose(list(job.overrides)).federation.vectorize
+        key = (job.point, job.setting, job.method) + (() if together else (job.seed,))
         groups.setdefault(key, []).append(job)
     merged = []
     for group in groups.values():
@@ -86,31 +99,115 @@ def stacked(jobs: list[Job]) -> list[Job]:
             continue
         seeds = [job.seed for job in group]
         overrides = tuple(o for o in group[0].overrides if not o.startswith("seed="))
-        merged.append(Job(group[0].setting, group[0].method, seeds[0], (*overrides, f"seeds=[{','.join(map(str, seeds))}]")))
+        merged.append(Job(group[0].setting, group[0].method, seeds[0], (*overrides, f"seeds=[{','.join(map(str, seeds))}]"),
+                          group[0].point))
     return merged
 
 
-def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None) -> list[str]:
-    """Run the jobs not yet finished; returns one line per failed run (its log holds the rest)."""
+def split_values(value: str) -> list[str]:
+    """``a,b,[1,2]`` → ``a``, ``b``, ``[1,2]``: commas inside brackets belong to a list value."""
+    values, depth, current = [], 0, ""
+    for char in value:
+        depth += (char in "[{(") - (char in "]})")
+        if char == "," and depth == 0:
+            values.append(current)
+            current = ""
+        else:
+            current += char
+    return [*values, current]
+
+
+IDENTITY = {*GROUPS, "seed"}  # keys the run folder's name already holds (setting/method-variant/seed)
+
+
+def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
+    """Every combination of the comma-separated values (``key=a,b``), seed by seed. Points that
+    differ in keys other than the data set, partition, method, variant and seed get a folder of
+    their own under ``root``, named by those values."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise FedmetaError(f"sweep values must be key=value or key=a,b,c, got {bad[0]!r}")
+    axes = [(key, split_values(value)) for key, value in (o.split("=", 1) for o in overrides)]
+    if any(not v for _, values in axes for v in values):
+        raise FedmetaError("a sweep value is empty (two commas, or one at an end): write key=a,b,c")
+    jobs = []
+    for combination in itertools.product(*[[(key, v) for v in values] for key, values in axes]):
+        folder = ",".join(f"{k}={v}" for (k, v), (_, values) in zip(combination, axes) if len(values) > 1 and k not in IDENTITY)
+        folder = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", folder)
+        job_root = root / folder if folder else root
+        run_overrides = (*(f"{k}={v}" for k, v in combination), f"output.root={job_root}", "output.resume=true")
+        cfg = compose(list(run_overrides))  # every point is checked before anything runs
+        method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+        jobs.append(Job(setting_name(cfg), method, cfg.seed, run_overrides, folder))
+    return sorted(jobs, key=lambda job: job.seed)  # every point of seed 0 first
+
+
+def sweep_report(jobs: list[Job]) -> str:
+    """Each point's new-client accuracy, mean ± std over the seeds that finished."""
+    import json
+    import statistics
+
+    points: dict[str, list[float]] = {}
+    for job in jobs:
+        cfg = compose(list(job.overrides))
+        summary = Path(cfg.output.root) / run_name(cfg) / "summary.json"
+        if summary.exists():
+            points.setdefault(f"{job.point or '-'} | {job.setting} | {job.method}", []).append(100 * json.loads(summary.read_text())["accuracy"])
+    lines = ["| point | setting | method | accuracy (%) | seeds |", "|---|---|---|---|---|"]
+    for point, values in points.items():
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        lines.append(f"| {point} | {statistics.mean(values):.2f} ± {spread:.2f} | {len(values)} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None, executor: str = "pool",
+        slurm: list[str] = ()) -> list[str]:
+    """Run the jobs not yet finished on ``executor``; returns one line per failed run (its log holds the rest)."""
+    if executor not in EXECUTORS:
+        raise FedmetaError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     remaining = [job for job in jobs if not finished(job, kept)]
     todo = stacked(remaining)
     print(f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
-          f"in {len(todo)} processes, {parallel} at a time")
+          f"in {len(todo)} processes, {parallel} at a time ({executor})")
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    if parallel > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # OpenMP threads of parallel runs only fight each other
+    threads = 1 if parallel > 1 and executor != "slurm" else 0  # OpenMP threads of parallel runs only fight each other
+    if not todo:
+        return []
+    if executor == "pool":
+        return _run_pool(todo, logs, parallel, threads)
+    return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
+
+
+def train_job(overrides: list[str], threads: int = 0) -> int:
+    """One run in this process (a submitit job): ``fedmeta train``'s exit code."""
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+    from fedmeta.cli import main
+
+    return main(["train", *overrides])
+
+
+def _failure(job: Job, code, log: Path) -> str | None:
+    if code == 0:
+        return None
+    text = log.read_text() if log.exists() else ""
+    last = [line for line in text.splitlines() if line.strip()][-1:] or ["(no output)"]
+    return f"{job.label}: exit {code}: {last[0]} (log: {log})"
+
+
+def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[str]:
+    env = dict(os.environ) | ({"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {})
 
     def execute(job: Job) -> str | None:
         log = logs / f"{job.label.replace('/', '-')}.log"
         with open(log, "w") as out:
             code = subprocess.run([sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
                                   stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-        if code == 0:
-            return None
-        last = [line for line in log.read_text().splitlines() if line.strip()][-1:] or ["(no output)"]
-        return f"{job.label}: exit {code}: {last[0]} (log: {log})"
+        return _failure(job, code, log)
 
     failures = []
     with ThreadPoolExecutor(max_workers=parallel) as pool:
@@ -119,4 +216,51 @@ def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None
             if (failure := future.result()) is not None:
                 failures.append(failure)
                 tqdm.write(failure)
+    return failures
+
+
+def _run_submitit(todo: list[Job], folder: Path, parallel: int, threads: int, kind: str, slurm: list[str]) -> list[str]:
+    """The jobs through submitit: on SLURM one array job (``parallel`` tasks at once, ``slurm``:
+    submitit's parameters as key=value, e.g. partition=gpu gpus_per_node=1 timeout_min=600); on
+    this machine its local executor, ``parallel`` jobs at a time."""
+    import submitit
+
+    if kind == "slurm":
+        if shutil.which("sbatch") is None:
+            raise FedmetaError("--executor slurm needs SLURM's sbatch, not found here: run it on the cluster's login "
+                               "node, or use --executor local to run the same jobs on this machine")
+        executor = submitit.AutoExecutor(folder / "%j", cluster="slurm")
+        options = {"slurm_array_parallelism": parallel, "name": "fedmeta"}
+    else:
+        executor, options = submitit.LocalExecutor(folder / "%j"), {}
+    for item in slurm:
+        key, _, value = item.partition("=")
+        if not value:
+            raise FedmetaError(f"--slurm takes key=value (submitit's parameters, e.g. partition=gpu), got {item!r}")
+        options[key] = yaml.safe_load(value)
+    try:
+        executor.update_parameters(**options)
+    except (ValueError, TypeError, NameError) as exc:
+        raise FedmetaError(f"submitit refused the --slurm parameters ({str(exc).splitlines()[0]})") from None
+    waiting, running, failures = list(todo), [], []
+    with tqdm(total=len(todo), desc="runs", unit="run") as bar:
+        if kind == "slurm":  # one array job; SLURM throttles it
+            with executor.batch():
+                submitted = [executor.submit(train_job, list(job.overrides), threads) for job in waiting]
+            running, waiting = list(zip(todo, submitted)), []
+        while waiting or running:
+            while waiting and len(running) < parallel:
+                job = waiting.pop(0)
+                running.append((job, executor.submit(train_job, list(job.overrides), threads)))
+            time.sleep(1)
+            for job, handle in [r for r in running if r[1].done()]:
+                running.remove((job, handle))
+                try:
+                    code = handle.result()
+                except Exception as exc:  # killed, timed out, or failed to start: submitit says why
+                    code = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                if (failure := _failure(job, code, Path(handle.paths.stderr))) is not None:
+                    failures.append(failure)
+                    tqdm.write(failure)
+                bar.update()
     return failures

@@ -164,3 +164,23 @@ def test_train_help_lists_every_choice_with_one_line(capsys):
             assert re.search(rf"\n  {name} +\S", text), name
     assert "  cafeme/authors " in text and "  fedrep/tuned " in text
     assert "\n  iid          An i.i.d. equal split" in text  # a sentence, not cut at an abbreviation
+
+
+@pytest.mark.parametrize("args,message", [
+    (["sweep", "method=local", "--executor", "slurm"], "--executor slurm needs SLURM's sbatch"),
+    (["sweep", "method=local", "--executor", "ray"], "--executor must be one of pool, local, slurm"),
+    (["sweep", "method=local,,fedavg"], "a sweep value is empty"),
+    (["sweep", "method.no_such_key=1,2"], "unknown or invalid config key"),
+    (["sweep", "method=local", "--executor", "local", "--slurm", "partition"], "--slurm takes key=value"),
+    (["tune", "nope"], "no search space for method 'nope'"),
+    (["tune", "cafeme", "--seed", "0"], "--seed 0 is a seed the presets score"),
+    (["tune", "cafeme", "--trials", "0"], "--trials and --rounds must be ≥ 1"),
+    (["tune", "cafeme", "--storage", "nosuchdb://x"], "cannot open the study database"),
+    (["tune", "fedavg"], "was written by hand, not by fedmeta tune: pass --overwrite"),
+])
+def test_sweep_and_tune_bad_input_is_one_line(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("shutil.which", lambda name: None)  # no SLURM on this machine, whatever the CI has
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -85,3 +85,31 @@ def test_vectorized_grid_stacks_each_methods_seeds_in_one_process(tmp_path, monk
 def test_parallel_must_be_positive(capsys):
     assert main(["table", "--parallel", "0"]) == 2
     assert "--parallel must be ≥ 1" in capsys.readouterr().err
+
+
+def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_failures(tmp_path, monkeypatch, mnist_dir, capsys):
+    """fedmeta sweep: every combination of the comma-separated values, each point in its own
+    folder, run as submitit jobs (its local executor: the jobs SLURM would get), a table of the
+    points; run again, nothing runs; a point that fails is reported in one line with its log."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
+    args = ["sweep", "method=local", "personalization.lr=0.01,0.05", *TINY, "--executor", "local", "--parallel", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 to run in 2 processes, 2 at a time (local)" in out
+    summaries = sorted(tmp_path.glob("runs/sweep/*/rmnist-shards/local/seed0/summary.json"))
+    assert [p.parts[-5] for p in summaries] == ["personalization.lr=0.01", "personalization.lr=0.05"]
+    assert [json.loads((p.parent / "config.yaml").read_text().split("lr: ")[1].split()[0]) for p in summaries] == [0.01, 0.05]
+    assert len(list(tmp_path.glob("runs/sweep/logs/submitit/*/*_result.pkl"))) == 2  # ran as submitit jobs
+    table = (tmp_path / "runs" / "sweep" / "sweep.md").read_text()
+    for path in summaries:
+        accuracy = 100 * json.loads(path.read_text())["accuracy"]
+        assert f"| {path.parts[-5]} | rmnist-shards | local | {accuracy:.2f} ± 0.00 | 1 |" in table
+
+    assert main(args) == 0
+    assert "2 of 2 runs already finished" in capsys.readouterr().out
+
+    bad = ["sweep", "method=local", f"dataset.dir={mnist_dir},{tmp_path / 'nowhere'}", *TINY, "--executor", "local"]
+    assert main(bad) == 1
+    err = capsys.readouterr().err
+    assert err.count("fedmeta: failed run:") == 1 and "exit 2" in err and "nowhere" in err
