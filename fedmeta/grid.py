@@ -61,16 +61,18 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
         if unknown:
             raise FedmetaError(f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}")
     jobs = []
-    for name, setting in settings.items():
+    for label, setting in settings.items():
         dataset = setting_dataset(setting)
         rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
         evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
         common = [*setting.overrides, f"federation.rounds={rounds}",
                   f"federation.eval_every={math.ceil(rounds / evaluations)}",
-                  f"output.root={root}", f"output.setting={name}", "output.resume=true", *preset.overrides, *extra]
+                  f"output.root={root}", f"output.setting={label}", "output.resume=true", *preset.overrides, *extra]
         for seed in seeds if seeds is not None else preset.seeds:
-            for method in methods or preset.methods:
-                jobs.append(Job(name, method, int(seed), (*common, f"method={method}", f"seed={seed}")))
+            for method in methods or preset.methods:  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
+                name, _, variant = method.partition("-")
+                picks = (f"method={name}", *([f"variant={variant}"] if variant else []))
+                jobs.append(Job(label, method, int(seed), (*common, *picks, f"seed={seed}")))
     return jobs
 
 

@@ -27,6 +27,12 @@ METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "i
                 "fedrep": "FedRep", "perfedavg": "Per-FedAvg", "local": "Local", "cafeme": "CAFeMe"}
 
 
+def method_label(method: str) -> str:
+    """A row's name: "FedRep", or with its variant "FedRep (tuned)"."""
+    name, _, variant = method.partition("-")
+    return METHOD_NAMES.get(name, name) + (f" ({variant})" if variant else "")
+
+
 RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl")
 
 
@@ -82,7 +88,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
                 paper_mean, paper_std = paper[setting][method]
                 cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
             cells.append(cell)
-        lines.append(f"| {METHOD_NAMES.get(method, method)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {method_label(method)} | " + " | ".join(cells) + " |")
     lines += ["", "## Every cell: budget, hardware, wall time", "",
               "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |", "|---|---|---|---|---|---|---|"]
     for setting in settings:
@@ -151,7 +157,7 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
         means = np.array([100 * np.mean(v) for v in samples_per_x])
         stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
         color = f"C{methods.index(method) % 10}"
-        ax.plot(xs, means, marker="o" if len(xs) < 12 else None, ms=4, color=color, label=METHOD_NAMES.get(method, method))
+        ax.plot(xs, means, marker="o" if len(xs) < 12 else None, ms=4, color=color, label=method_label(method))
         ax.fill_between(xs, means - stds, means + stds, color=color, alpha=0.15)
 
     def legend(fig, axes) -> None:
