@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedmeta.config import CONFIG_DIR, compose, group_choices, setting_name
 from fedmeta.errors import FedmetaError
 
-MARK = "# written by fedmeta tune:"  # first line of a tuned.yaml this command may replace
+MARK = "# written by fedmeta tune:"  # in the header of a tuned.yaml this command may replace
 
 
 def load_spaces(config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -87,7 +87,7 @@ class Study:
         root.mkdir(parents=True, exist_ok=True)
         self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
         self.out = config_dir / "variant" / cfg.method.name / "tuned.yaml"
-        if self.out.exists() and not self.out.read_text().startswith(MARK) and not overwrite:
+        if self.out.exists() and MARK not in self.out.read_text() and not overwrite:
             raise FedmetaError(f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it")
 
     def run(self, show_progress: bool = True) -> dict:
@@ -140,10 +140,10 @@ class Study:
         tree = OmegaConf.create()
         for key, value in best.params.items():
             OmegaConf.update(tree, key, value, force_add=True)
-        head = (f"{MARK} {self.name}\n"
-                f"# {self.method} tuned by fedmeta tune: the best of {len(finished)} trials (TPE, median pruning) on "
+        head = (f"# The best of {len(finished)} trials of {self.method}'s search space (TPE, median pruning) on "
                 f"{self.setting}, {self.rounds} rounds, tuning seed {self.seed}.\n"
-                f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md beside this file.\n")
+                f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md beside this file.\n"
+                f"{MARK} {self.name}\n")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(head + OmegaConf.to_yaml(tree))
         rows = sorted(finished, key=lambda t: -(t.value if t.value is not None else
