@@ -1,4 +1,4 @@
-"""Command line: ``fedmeta train [key=value ...]`` (see README). Errors are one line, exit code 2."""
+"""Command line: ``fedmeta train [key=value ...]`` (see docs/running.md). Errors are one line, exit code 2."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Canonical on-disk sources: one ``<name>.npz`` per data set in the data directory.
 
-Canonical form (README, Data): ``x`` uint8 (N,H,W) or (N,H,W,3), ``y`` int64, optional
+Canonical form (docs/data.md): ``x`` uint8 (N,H,W) or (N,H,W,3), ``y`` int64, optional
 ``split`` uint8 (0 train, 1 test, 2 validation: a data set that uses only the training split
 leaves validation images out as it does test ones; Meta-Dataset pools every split). A file that is missing is downloaded from its publisher and
 converted (``download.py``); without a network the loader stops with one line naming the file and
@@ -118,7 +118,7 @@ def read_canonical(path: Path) -> dict[str, np.ndarray]:
         raise FedmetaError(f"{path} is not a readable .npz archive ({exc}): delete it and download again") from None
     missing = {"x", "y"} - arrays.keys()
     if missing:
-        raise FedmetaError(f"{path} lacks the arrays {sorted(missing)}: it is not in fedmeta's canonical form (README, Data)")
+        raise FedmetaError(f"{path} lacks the arrays {sorted(missing)}: it is not in fedmeta's canonical form (docs/data.md)")
     x, y = arrays["x"], arrays["y"]
     if x.dtype != np.uint8 or len(x) != len(y):
         raise FedmetaError(f"{path} must hold uint8 images x and one label y per image: it is not in fedmeta's canonical form")

@@ -74,7 +74,7 @@ class ConvFeatures(nn.Module):
 def set_channels_last(model: nn.Module, enabled: bool) -> None:
     """NHWC or NCHW activations in every conv stack of ``model``. Second-order MAML differentiates
     BatchNorm's backward, and PyTorch's double backward of batch norm is 2–4× slower on NHWC
-    (README, Performance), so a second-order CAFeMe keeps NCHW."""
+    (docs/performance.md), so a second-order CAFeMe keeps NCHW."""
     for module in model.modules():
         if isinstance(module, ConvFeatures):
             module.channels_last = enabled
