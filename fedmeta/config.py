@@ -213,6 +213,8 @@ def validate(cfg: DictConfig) -> None:
              f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
     _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {', '.join(PRECISIONS)}, "
              f"got {cfg.fabric.precision!r}")
+    _require(cfg.fabric.matmul_precision in ("highest", "high", "medium"),
+             f"fabric.matmul_precision must be highest, high or medium, got {cfg.fabric.matmul_precision!r}")
     loggers = list(cfg.logger) if OmegaConf.is_list(cfg.logger) else None
     _require(loggers is not None and set(loggers) <= {"csv", "tensorboard", "wandb"},
              f"logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. logger=[tensorboard,wandb]; got {cfg.logger}")

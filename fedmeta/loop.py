@@ -37,11 +37,24 @@ from fedmeta.runs import RunLock, RunRecorder
 log = logging.getLogger("fedmeta")
 
 
+class _TensorCoreAdvice(logging.Filter):
+    """Drops Lightning's advice to lower the float32 matmul precision on tensor-core GPUs: the
+    choice is ``fabric.matmul_precision``, made in the config."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "set_float32_matmul_precision" not in record.getMessage()
+
+
+for _name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):  # whichever Lightning used
+    logging.getLogger(_name).addFilter(_TensorCoreAdvice())
+
+
 def make_fabric(cfg: DictConfig) -> Fabric:
     f = cfg.fabric
     on_cpu = f.accelerator == "cpu" or (f.accelerator == "auto" and not torch.cuda.is_available())
     if on_cpu and str(f.precision) == "16-mixed":  # Fabric would run bf16 while the config says 16
         raise FedmetaError("fabric.precision=16-mixed needs a GPU; on the CPU use bf16-mixed")
+    torch.set_float32_matmul_precision(f.matmul_precision)
     try:
         fabric = Fabric(accelerator=f.accelerator, devices=f.devices, num_nodes=f.num_nodes, strategy=f.strategy,
                         precision=f.precision)

@@ -88,3 +88,18 @@ def test_wandb_and_tensorboard_hold_every_item(tmp_path, mnist_dir, monkeypatch)
     assert sorted(artifact["files"]) == sorted(p.name for p in written) and any(p.suffix == ".png" for p in written)
     shown = logged["history"][0]
     assert shown["table/nrows"] == 1 and all(f"figures/{p.stem}/_type" in shown for p in written if p.suffix == ".png")
+
+
+def test_lightnings_tensor_core_advice_is_not_printed(caplog):
+    """On tensor-core GPUs Lightning advises lowering the float32 matmul precision at every run;
+    fedmeta makes that a config choice (fabric.matmul_precision) and drops the advice."""
+    import logging
+
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    import fedmeta.loop  # noqa: F401  (installs the filter)
+
+    with caplog.at_level(logging.INFO):
+        rank_zero_info("You are using a CUDA device ('H100') that has Tensor Cores: set `torch.set_float32_matmul_precision`")
+        rank_zero_info("another message")
+    assert "Tensor Cores" not in caplog.text and "another message" in caplog.text
