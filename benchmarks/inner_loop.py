@@ -5,11 +5,14 @@
 
 import time
 
-import learn2learn as l2l
 import torch
 import torch.nn.functional as F
 
+from fedmeta.data.meta_dataset import learn2learn_data
 from fedmeta.models import ConvNet
+
+learn2learn_data()  # imports learn2learn without its notices about gym, which it does not need here
+import learn2learn as l2l  # noqa: E402
 
 STEPS, REPEATS = 5, 20
 net = ConvNet(1, 28, 10, [32, 64], 5, 0, [512])
