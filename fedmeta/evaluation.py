@@ -29,6 +29,9 @@ from fedmeta.functional import Params, grad_and_value, masked_mean, sgd
 class PersonalizationResult:
     curves: torch.Tensor  # (clients, steps + 1) held-out accuracy per client after each step
 
+    def __post_init__(self):  # a client that could not be evaluated (its node gone: fedmeta.flower) is a row of NaN
+        self.curves = self.curves[~torch.isnan(self.curves).all(1)]
+
     @property
     def curve(self) -> list[float]:
         return self.curves.mean(0).tolist()

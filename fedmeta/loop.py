@@ -86,6 +86,9 @@ def gather_updates(fabric: Fabric) -> Callable[[list], list]:
     return gather
 
 
+DROPPED_OUT = "dropped out"  # in the reason of a client that left its round (not a bug): simulated, or its node gone
+
+
 class SimulatedClientFailure(RuntimeError):
     """A client dropping out of its round (``federation.client_failure_rate``)."""
 
@@ -123,7 +126,8 @@ def federated_rounds(runs: list[Federated], round_: int, clients_per_round: int,
     for r, (run, clients) in enumerate(zip(runs, mine)):
         for i, client in enumerate(clients):
             if failure_rate and torch.rand((), generator=client.generator(round_, FAILURE_PURPOSE)) < failure_rate:
-                results[r][i] = f"client {client.id} failed: {SimulatedClientFailure.__name__}: simulated failure (federation.client_failure_rate)"
+                results[r][i] = (f"client {client.id} failed: {SimulatedClientFailure.__name__}: {DROPPED_OUT}, simulated "
+                                 "(federation.client_failure_rate)")
             else:
                 lanes.append((run.algorithm, client))
                 places.append((r, i))
@@ -145,7 +149,7 @@ def _aggregate(algorithm: Algorithm, round_: int, results: list) -> RoundOutcome
             return RoundOutcome(float("nan"), dropped, f"round {round_}: client {bad.client_id} produced a non-finite loss "
                                 f"or update (loss {bad.loss}), as did every client of the round: lower the learning rates "
                                 "or use fabric.precision=32-true")
-        if not all("simulated failure" in line for line in dropped):
+        if not all(DROPPED_OUT in line for line in dropped):
             return RoundOutcome(float("nan"), dropped, f"round {round_}: every client failed ({dropped[0]}): "
                                 "this is not a fault of one client")
         return RoundOutcome(float("nan"), dropped)  # all dropped out: the global model stays as it is
@@ -354,27 +358,29 @@ class Run:
             "accuracy": self.result.accuracy, "accuracy_std": self.result.accuracy_std, "curve": self.result.curve,
             "rounds": cfg.federation.rounds, "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
             "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None, "resumed_at_round": self.resumed_at,
-            "new_clients": len(self.federation.new_clients), "device": str(fabric.device), "world_size": fabric.world_size,
+            "new_clients": len(self.result.curves), "device": str(fabric.device), "world_size": fabric.world_size,
             "vectorized": bool(cfg.federation.vectorize), "seeds_stacked": self.stacked, "hardware": hardware_name(fabric.device),
         }
 
 
 def train(cfg: DictConfig, show_progress: bool = True,
-          on_evaluation: Callable[[int, float], None] | None = None) -> dict | list[dict] | None:
+          on_evaluation: Callable[[int, float], None] | None = None, engine=None) -> dict | list[dict] | None:
     """Run one experiment end to end and return its summary (also written to summary.json; None
     on the other processes of a multi-process run). With ``seeds=[…]`` the seeds' federations run
     in lockstep in this process, their clients computed together, each in its own run folder
     exactly as a run of that seed alone; the summaries come back as a list.
     With ``output.resume=true`` an unfinished run continues from its last checkpoint.
     ``on_evaluation(round, accuracy)`` is called after each evaluation of a one-seed run (fedmeta
-    tune reports to its pruner there; an exception it raises stops the run)."""
+    tune reports to its pruner there; an exception it raises stops the run). ``engine`` computes
+    the clients' work (default: fedmeta.engine's, from the config; fedmeta.flower's sends it to
+    Flower SuperNodes)."""
     fabric = make_fabric(cfg)
     configs = seed_configs(cfg)
     runs: list[Run] = []
     try:
         for one in configs:
             runs.append(Run(fabric, one, len(configs)))
-        return _train(fabric, cfg, runs, show_progress, on_evaluation)
+        return _train(fabric, cfg, runs, show_progress, on_evaluation, engine or make_engine(cfg))
     finally:
         for run in runs:
             run.recorder.close("failed")  # a run that stopped early (error, pruner, Ctrl-C); after finish: nothing left
@@ -382,9 +388,9 @@ def train(cfg: DictConfig, show_progress: bool = True,
 
 
 def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool,
-           on_evaluation: Callable[[int, float], None] | None) -> dict | list[dict] | None:
+           on_evaluation: Callable[[int, float], None] | None, engine: Engine) -> dict | list[dict] | None:
     fed = cfg.federation
-    shard, gather, engine = (fabric.global_rank, fabric.world_size), gather_updates(fabric), make_engine(cfg)
+    shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
     first = min(run.first_round for run in runs)
     label = f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}" + (f" ×{len(runs)} seeds" if len(runs) > 1 else "")
     bar = tqdm(range(first, fed.rounds + 1), desc=label, disable=not (show_progress and fabric.is_global_zero),

@@ -22,5 +22,5 @@ if ! "$VENV/bin/python" -c "import learn2learn" 2>/dev/null; then
   $PIP install -q --no-build-isolation "$src"
 fi
 
-$PIP install -q -e ".[dev]"
+$PIP install -q -e ".[dev${EXTRAS:+,$EXTRAS}]"   # EXTRAS=flower: the Flower adapter too
 echo "environment ready in $VENV"

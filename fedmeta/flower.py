@@ -1,0 +1,225 @@
+"""fedmeta on Flower: one ClientApp and one ServerApp that run any fedmeta ``Algorithm`` across
+real processes (Flower's Deployment Engine: a SuperLink and SuperNodes over gRPC) or Flower's
+Simulation Engine — without a second implementation of anything.
+
+The ServerApp runs ``fedmeta.loop.train`` unchanged: the same sampling, aggregation, drop-out
+rule, evaluation schedule, checkpoints and run folder. Only *where a client computes* changes:
+``FlowerEngine`` takes the engine's place and sends each sampled client's work to the SuperNode
+that holds the client, which runs the same ``Algorithm.run_client`` (training) or the shared
+personalization procedure (evaluation) on its own data and replies. A client's kept state
+(FedRep's head, the authors' Adam moments) stays on its node, in the node's Flower context.
+
+Which clients a node holds comes from its node config: ``partition-id`` p of ``num-partitions``
+P holds the clients whose id ≡ p (mod P) — one client per node with P = number of clients, or a
+site of several clients. Every node builds the federation from its own copy of the data set and
+keeps only its clients' data; the server builds it too, to know the client ids and the new
+clients' count (it never trains on it).
+
+Run configuration (``--run-config`` of ``flwr run``, or ``fedmeta flower``): ``overrides``, the
+``fedmeta train`` overrides as one string; ``timeout``, seconds a round waits for replies.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shlex
+import time
+from functools import lru_cache
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from fedmeta.algorithms.base import ClientUpdate
+from fedmeta.config import compose
+from fedmeta.data.federation import Client
+from fedmeta.errors import FedmetaError
+
+log = logging.getLogger("fedmeta")
+STATE = "fedmeta-client-states"  # the node context's record of its clients' kept state
+
+
+def node_clients(context: Context) -> tuple[int, int]:
+    """(partition id, number of partitions) of this node, from its node config."""
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except (KeyError, ValueError):
+        raise FedmetaError("a fedmeta SuperNode needs --node-config \"partition-id=<p> num-partitions=<P>\"") from None
+
+
+@lru_cache(maxsize=2)
+def _node(overrides: str):
+    """The federation and algorithm a node computes with (built once per process and run config)."""
+    from fedmeta.loop import build, make_fabric
+
+    cfg = compose(shlex.split(overrides) + ["logger=[]"])
+    fabric = make_fabric(cfg)
+    federation, algorithm = build(fabric, cfg)
+    return cfg, federation, algorithm
+
+
+def _client(msg: Message, context: Context, overrides: str | None) -> tuple:
+    cfg, federation, algorithm = _node(overrides if overrides is not None else str(context.run_config["overrides"]))
+    client_id = int(msg.content["config"]["client"])
+    partition, partitions = node_clients(context)
+    if client_id % partitions != partition:
+        raise FedmetaError(f"client {client_id} is not held by partition {partition} of {partitions}")
+    client = next(c for c in (*federation.train_clients, *federation.new_clients) if c.id == client_id)
+    algorithm.model.load_state_dict(msg.content["model"].to_torch_state_dict())
+    return cfg, algorithm, client
+
+
+def _to_bytes(tree) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tree, buffer)
+    return buffer.getvalue()
+
+
+def _replying(handler):
+    """A client's failure (a non-finite personalization loss, a bug) as its reply's content, with the
+    client's id and the reason in one line, as fedmeta reports a failed client in one process."""
+    def handle(msg: Message, context: Context) -> Message:
+        try:
+            return Message(handler(msg, context), reply_to=msg)
+        except Exception as exc:  # noqa: BLE001 — the server drops the client and says why
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            return Message(RecordDict({"metrics": MetricRecord({"client": int(msg.content["config"]["client"])}),
+                                       "failure": ConfigRecord({"reason": reason})}), reply_to=msg)
+    handle.__name__ = handler.__name__
+    return handle
+
+
+def make_client_app(overrides: str | None = None) -> ClientApp:
+    """The ClientApp; its run's fedmeta overrides come from ``overrides``, else the run config."""
+    app = ClientApp()
+
+    @app.query()
+    def which_clients(msg: Message, context: Context) -> Message:
+        """Which partition this node holds: the server maps clients to nodes with it."""
+        partition, partitions = node_clients(context)
+        return Message(RecordDict({"node": MetricRecord({"partition-id": partition, "num-partitions": partitions})}),
+                       reply_to=msg)
+
+    @app.train()
+    @_replying
+    def train_client(msg: Message, context: Context) -> RecordDict:
+        """One sampled client's local update, from the global model in the message."""
+        _, algorithm, client = _client(msg, context, overrides)
+        kept = context.state.get(STATE, ConfigRecord())
+        algorithm.client_states = ({client.id: torch.load(io.BytesIO(kept[str(client.id)]), weights_only=True)}
+                                   if str(client.id) in kept else {})
+        update = algorithm.run_client(client, int(msg.content["config"]["round"]))
+        if update.state is not None:  # what the client keeps stays on its node
+            kept[str(client.id)] = _to_bytes(update.state)
+            context.state[STATE] = kept
+        return RecordDict({"update": ArrayRecord({k: v.contiguous() for k, v in update.params.items()}),
+                           "metrics": MetricRecord({"client": client.id, "weight": update.weight, "loss": update.loss})})
+
+    @app.evaluate()
+    @_replying
+    def evaluate_client(msg: Message, context: Context) -> RecordDict:
+        """One new client's personalization curve (the shared test-time procedure), from the global model."""
+        from fedmeta.evaluation import personalize_client
+
+        cfg, algorithm, client = _client(msg, context, overrides)
+        _, curve = personalize_client(algorithm, client, cfg.personalization)
+        return RecordDict({"metrics": MetricRecord({"client": client.id, "curve": curve.tolist()})})
+
+    return app
+
+
+class FlowerEngine:
+    """The engine of a run whose clients are Flower SuperNodes: same interface as fedmeta.engine.Engine."""
+
+    def __init__(self, grid: Grid, node_of: dict[int, int], timeout: float):
+        self.grid, self.node_of, self.timeout = grid, node_of, timeout
+        self.bytes_sent = self.bytes_received = 0
+
+    def _exchange(self, lanes: list, kind: str, round_: int) -> dict[int, Message | str]:
+        """Send each lane's client its message; its reply, or why there is none, by client id."""
+        messages, model_bytes = [], {}
+        for algorithm, client in lanes:
+            state = algorithm.model.state_dict()
+            content = RecordDict({"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})})
+            messages.append(Message(content, self.node_of[client.id], kind, group_id=str(round_)))
+            model_bytes[client.id] = sum(t.numel() * t.element_size() for t in state.values())
+        replies = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+            if reply.has_error():  # the ClientApp itself failed: counted as no reply
+                log.warning(f"a node replied with an error: {reply.error.reason.strip().splitlines()[-1:]}")
+            elif "failure" in reply.content:
+                replies[int(reply.content["metrics"]["client"])] = f"failed on its node: {reply.content['failure']['reason']}"
+            else:
+                replies[int(reply.content["metrics"]["client"])] = reply
+        self.bytes_sent += sum(model_bytes.values())
+        return {client.id: replies.get(client.id, f"dropped out: no reply from node {self.node_of[client.id]} within "
+                                                  f"{self.timeout:g} s") for _, client in lanes}
+
+    def local_updates(self, lanes: list, round_: int) -> list[ClientUpdate | str]:
+        results = []
+        for (_, client), reply in zip(lanes, self._exchange(lanes, "train", round_).values()):
+            if isinstance(reply, str):
+                results.append(f"client {client.id} {reply}")
+                continue
+            params = reply.content["update"].to_torch_state_dict()
+            self.bytes_received += sum(t.numel() * t.element_size() for t in params.values())
+            metrics = reply.content["metrics"]
+            results.append(ClientUpdate(client.id, params, float(metrics["weight"]), float(metrics["loss"])))
+        return results
+
+    def personalization_curves(self, lanes: list, cfg) -> torch.Tensor:
+        """Each new client's curve; a client whose node did not answer gets a row of NaN (left out)."""
+        replies = self._exchange(lanes, "evaluate", 0)
+        missing = [f"client {cid} {r}" for cid, r in replies.items() if isinstance(r, str)]
+        for line in missing:
+            log.warning(f"evaluation: {line}; left out of the new-client accuracy")
+        if len(missing) == len(lanes):
+            raise FedmetaError(f"no new client answered the evaluation ({missing[0]})")
+        return torch.stack([torch.full((cfg.steps + 1,), float("nan")) if isinstance(r, str)
+                            else torch.tensor(list(r.content["metrics"]["curve"])) for r in replies.values()])
+
+
+def discover(grid: Grid, clients: list[Client], timeout: float) -> dict[int, int]:
+    """Client id → the node holding it, asked of every node (waiting up to ``timeout`` for all
+    partitions to be connected)."""
+    deadline, partitions, node_of = time.monotonic() + timeout, None, {}
+    while time.monotonic() < deadline:
+        nodes = list(grid.get_node_ids())
+        asked = [Message(RecordDict(), node, "query") for node in nodes if node not in node_of.values()]
+        for reply in grid.send_and_receive(asked, timeout=max(1.0, deadline - time.monotonic())) if asked else []:
+            if not reply.has_error():
+                info = reply.content["node"]
+                partitions = int(info["num-partitions"])
+                for client in clients:
+                    if client.id % partitions == int(info["partition-id"]):
+                        node_of[client.id] = reply.metadata.src_node_id
+        if partitions and len(node_of) == len(clients):
+            return node_of
+        time.sleep(1)
+    held = sorted({c.id % partitions for c in clients if c.id not in node_of}) if partitions else "all"
+    raise FedmetaError(f"after {timeout:g} s, no SuperNode holds partition(s) {held}: start them, or raise timeout")
+
+
+def make_server_app(overrides: str | None = None, timeout: float | None = None) -> ServerApp:
+    """The ServerApp: ``fedmeta train`` with the clients on the SuperNodes. Its overrides and the
+    seconds a round waits for replies come from the arguments, else the run config."""
+    app = ServerApp()
+
+    @app.main()
+    def server(grid: Grid, context: Context) -> None:
+        from fedmeta.loop import build, make_fabric, train
+
+        cfg = compose(shlex.split(overrides if overrides is not None else str(context.run_config["overrides"])))
+        wait = timeout if timeout is not None else float(context.run_config.get("timeout", 120))
+        federation, _ = build(make_fabric(cfg), cfg)
+        engine = FlowerEngine(grid, discover(grid, [*federation.train_clients, *federation.new_clients], wait), wait)
+        train(cfg, show_progress=False, engine=engine)
+        log.info(f"network: {engine.bytes_sent / 1e6:.1f} MB of models sent, "
+                 f"{engine.bytes_received / 1e6:.1f} MB of updates received")
+
+    return app
+
+
+client_app, server_app = make_client_app(), make_server_app()  # for flwr run: [tool.flwr.app.components]
