@@ -21,11 +21,19 @@ Run configuration (``--run-config`` of ``flwr run``, or ``fedmeta flower``): ``o
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import logging
+import os
+import re
 import shlex
+import signal
+import subprocess
+import sys
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -139,14 +147,18 @@ class FlowerEngine:
 
     def _exchange(self, lanes: list, kind: str, round_: int) -> dict[int, Message | str]:
         """Send each lane's client its message; its reply, or why there is none, by client id."""
-        messages, model_bytes = [], {}
+        messages, model_bytes, gone = [], {}, {}
+        connected = set(self.grid.get_node_ids())  # a node whose heartbeats stopped is no longer listed
         for algorithm, client in lanes:
+            if self.node_of[client.id] not in connected:
+                gone[client.id] = f"dropped out: its node {self.node_of[client.id]} left the federation"
+                continue
             state = algorithm.model.state_dict()
             content = RecordDict({"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})})
             messages.append(Message(content, self.node_of[client.id], kind, group_id=str(round_)))
             model_bytes[client.id] = sum(t.numel() * t.element_size() for t in state.values())
         replies = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+        for reply in self.grid.send_and_receive(messages, timeout=self.timeout) if messages else []:
             if reply.has_error():  # the ClientApp itself failed: counted as no reply
                 log.warning(f"a node replied with an error: {reply.error.reason.strip().splitlines()[-1:]}")
             elif "failure" in reply.content:
@@ -154,6 +166,7 @@ class FlowerEngine:
             else:
                 replies[int(reply.content["metrics"]["client"])] = reply
         self.bytes_sent += sum(model_bytes.values())
+        replies |= gone
         return {client.id: replies.get(client.id, f"dropped out: no reply from node {self.node_of[client.id]} within "
                                                   f"{self.timeout:g} s") for _, client in lanes}
 
@@ -222,4 +235,103 @@ def make_server_app(overrides: str | None = None, timeout: float | None = None) 
     return app
 
 
-client_app, server_app = make_client_app(), make_server_app()  # for flwr run: [tool.flwr.app.components]
+# for flwr run ([tool.flwr.app.components]): overrides and timeout from the run config
+client_app = make_client_app()
+server_app = make_server_app()
+
+
+APP_PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedmeta-flower"
+version = "0.1.0"
+description = "fedmeta's ServerApp and ClientApp (fedmeta.flower)"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "fedmeta"
+
+[tool.flwr.app.components]
+serverapp = "fedmeta.flower:server_app"
+clientapp = "fedmeta.flower:client_app"
+
+[tool.flwr.app.config]
+overrides = ""
+timeout = 120
+"""
+
+
+class Deployment:
+    """A SuperLink and ``nodes`` SuperNodes as processes on this machine (insecure: loopback
+    only), and fedmeta runs submitted to them with ``flwr run``. ``commands()`` are what to start
+    by hand — on several machines, with TLS (docs/scaling.md)."""
+
+    def __init__(self, nodes: int, folder: Path, port: int = 9091):
+        self.nodes, self.folder, self.port = nodes, folder, port
+        self.processes: list[subprocess.Popen] = []
+        self.home = folder / "flower-home"  # FLWR_HOME: the CLI's connection, the SuperLink's and nodes' apps
+        self.app = folder / "flower-app"
+
+    def commands(self) -> list[list[str]]:
+        bin_dir = Path(sys.executable).parent
+        link = [str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+                "--disable-runtime-dependency-installation"]
+        return [link] + [[str(bin_dir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                          "--port", str(self.port + 3 + i), "--node-config", f"partition-id={i} num-partitions={self.nodes}"]
+                         for i in range(self.nodes)]
+
+    def start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.app.mkdir(parents=True, exist_ok=True)
+        (self.app / "pyproject.toml").write_text(APP_PYPROJECT)
+        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "fedmeta"\n\n[superlink.fedmeta]\n'
+                                               f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        env = self.environment()
+        for i, command in enumerate(self.commands()):
+            log_file = open(self.folder / (f"supernode{i - 1}.log" if i else "superlink.log"), "w")
+            self.processes.append(subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                                   start_new_session=True))  # its own group: stopping it stops its children
+            if i == 0:
+                time.sleep(3)  # the SuperLink listens before the nodes connect
+
+    def environment(self) -> dict[str, str]:
+        """This environment's Flower executables first on the PATH (the SuperLink and SuperNodes
+        start theirs by name), and the deployment's FLWR_HOME."""
+        return os.environ | {"FLWR_HOME": str(self.home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    @property
+    def supernodes(self) -> list[subprocess.Popen]:
+        return self.processes[1:]
+
+    def submit(self, overrides: list[str], timeout: float) -> str:
+        """Start a fedmeta run on the deployment; returns Flower's run id."""
+        # a TOML string (Flower's run-config syntax) holding the overrides as one shell-quoted line
+        config = f"overrides={json.dumps(' '.join(shlex.quote(o) for o in overrides))} timeout={float(timeout)}"
+        flwr = Path(sys.executable).parent / "flwr"
+        for _ in range(10):  # the SuperLink may still be starting
+            done = subprocess.run([str(flwr), "run", str(self.app), "fedmeta", "--run-config", config], capture_output=True,
+                                  text=True, env=self.environment())
+            started = re.search(r"started run (\d+)", done.stdout + done.stderr)
+            if started:
+                return started.group(1)
+            time.sleep(2)
+        said = " ".join(line.strip("│╭╮╰╯─ ") for line in (done.stdout + done.stderr).splitlines()).split()
+        raise FedmetaError(f"flwr run was refused: {' '.join(said)[-300:]} (logs: {self.folder})")
+
+    def kill(self, process: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill(process)

@@ -2,7 +2,9 @@
 gives the same global model as ``fedmeta train``; the same run across real processes on loopback
 (a SuperLink and three SuperNodes) survives a node killed mid-run."""
 
+import csv
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +42,55 @@ def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_pa
     summary = json.loads((run / "summary.json").read_text())
     assert abs(summary["accuracy"] - alone["accuracy"]) < 1e-6 and summary["new_clients"] == 4
     assert (run / "metrics.csv").read_text().count("\n") == 4 and (run / "curves.csv").exists()
+
+
+TINY_FEDERATION = ["federation.num_clients=9", "federation.num_new_clients=3", "federation.clients_per_round=3",
+                   "federation.rounds=3", "federation.eval_every=3", "personalization.steps=3", "model.conv_channels=[8,16]",
+                   "model.dense_units=[32]", "logger=[]"]
+
+
+def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monkeypatch):
+    """A SuperLink and three SuperNodes as real processes on 127.0.0.1: CAFeMe runs 3 rounds on
+    them; then FedAvg-FT, with one node killed during round 2 — its clients drop out (no reply
+    within the timeout), the other nodes' clients carry the rounds, the run finishes and writes
+    its summary from the new clients that remain."""
+    import json
+    import time
+
+    from fedmeta.flower import Deployment
+
+    monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    deployment = Deployment(nodes=3, folder=tmp_path, port=29391)
+    deployment.start()
+    try:
+        def run(method: str, kill_in_round: int | None = None) -> Path:
+            folder = tmp_path / "runs" / "rmnist-shards" / method / "seed0"
+            deployment.submit([f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION], timeout=30)
+            deadline = time.monotonic() + 420  # bounded: the test stops by itself
+            while not (folder / "summary.json").exists():
+                assert time.monotonic() < deadline, f"no summary after 420 s: {sorted(p.name for p in tmp_path.glob('*.log'))}"
+                rounds = (folder / "metrics.csv").read_text().count("\n") - 1 if (folder / "metrics.csv").exists() else 0
+                if kill_in_round and rounds == kill_in_round - 1 and deployment.supernodes[2].poll() is None:
+                    deployment.kill(deployment.supernodes[2])  # during round kill_in_round
+                time.sleep(0.5)
+            return folder
+
+        cafeme = run("cafeme")
+        summary = json.loads((cafeme / "summary.json").read_text())
+        assert summary["rounds"] == 3 and summary["new_clients"] == 3 and summary["accuracy"] > 0
+
+        fedavg_ft = run("fedavg_ft", kill_in_round=2)
+        rows = list(csv.DictReader(open(fedavg_ft / "metrics.csv")))
+        assert [int(r["round"]) for r in rows] == [1, 2, 3]
+        assert sum(int(r["clients_dropped"]) for r in rows[1:]) >= 1  # the killed node's clients
+        summary = json.loads((fedavg_ft / "summary.json").read_text())
+        from fedmeta.loop import build, make_fabric
+
+        cfg = compose(["method=fedavg_ft", *TINY_FEDERATION])
+        federation, _ = build(make_fabric(cfg), cfg)
+        alive = [c.id for c in federation.new_clients if c.id % 3 != 2]  # node 2 held the clients with ids ≡ 2 (mod 3)
+        assert summary["new_clients"] == len(alive) and summary["accuracy"] > 0
+    finally:
+        deployment.stop()
+    assert all(p.poll() is not None for p in deployment.processes)
