@@ -66,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     for action in grid_args._actions:
         if action.dest in ("parallel", "executor", "slurm"):
             sweep_cmd._add_action(action)
+    flower_cmd = commands.add_parser("flower", help="run on Flower: simulated SuperNodes, or real ones on this machine "
+                                     "(pip install -e '.[flower]')").add_subparsers(dest="flower_command", required=True)
+    for name, text in (("sim", "Flower's Simulation Engine (Ray): the run's clients on simulated SuperNodes"),
+                       ("deploy", "a SuperLink and SuperNodes as processes on this machine (loopback, insecure), "
+                                  "the run submitted with flwr run; --print shows the commands to start by hand")):
+        flower_sub = flower_cmd.add_parser(name, help=text, description=text + ". Same overrides and run folder as fedmeta train.")
+        flower_sub.add_argument("overrides", nargs="*", metavar="key=value")
+        flower_sub.add_argument("--nodes", type=int, default=4, help="SuperNodes; node p holds the clients with id ≡ p (mod nodes)")
+        flower_sub.add_argument("--timeout", type=float, default=120, help="seconds a round waits for its clients' replies")
+        if name == "deploy":
+            flower_sub.add_argument("--port", type=int, default=9091, help="the SuperLink's port (SuperNodes use the next ones)")
+            flower_sub.add_argument("--folder", default="runs/flower", help="logs and Flower's files (FLWR_HOME)")
+            flower_sub.add_argument("--max-seconds", type=float, default=24 * 3600, help="stop the deployment after this long")
+            flower_sub.add_argument("--print", action="store_true", help="print the commands, start nothing")
     bench_cmd = commands.add_parser("bench", help="time, FLOP-count and memory-profile every method's round (configs/bench.yaml)")
     bench_cmd.add_argument("--datasets", nargs="+", help="default: the bench config's (rmnist cifar10)")
     bench_cmd.add_argument("--methods", nargs="+", help="default: every method")
@@ -111,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"study {result['study']}: best new-client accuracy {100 * result['best_accuracy']:.2f} % with "
                   f"{result['best']}; wrote {result['tuned']}")
             return 0
+        if args.command == "flower":
+            return _flower_command(args)
         if args.command == "bench":
             from pathlib import Path
 
@@ -192,6 +208,34 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"wrote {path}")
     report.log_report(args.preset, preset, kept, written)
     return 1 if failures else 0
+
+
+def _flower_command(args: argparse.Namespace) -> int:
+    """``fedmeta flower sim|deploy``: the run's clients on Flower SuperNodes."""
+    import shlex
+    from pathlib import Path
+
+    from fedmeta.config import compose
+
+    if args.nodes < 1 or args.timeout <= 0:
+        raise FedmetaError(f"--nodes must be ≥ 1 and --timeout > 0, got {args.nodes} and {args.timeout}")
+    compose(args.overrides)  # bad overrides are refused before anything starts
+    try:
+        from fedmeta import flower
+    except ImportError as exc:
+        raise FedmetaError(f"Flower is not installed ({exc.name}): pip install -e '.[flower]'") from None
+    if args.flower_command == "sim":
+        flower.simulate(args.overrides, args.nodes, args.timeout)
+        return 0
+    deployment = flower.Deployment(args.nodes, Path(args.folder), args.port)
+    if args.print:
+        for command in deployment.commands():
+            print(shlex.join(command))
+        print(f"flwr run <app folder> <connection> --run-config 'overrides=\"{' '.join(args.overrides)}\" timeout={args.timeout:g}'")
+        return 0
+    run_dir = flower.deploy(args.overrides, args.nodes, args.timeout, Path(args.folder), args.port, args.max_seconds)
+    print(f"finished: {run_dir / 'summary.json'}")
+    return 0
 
 
 def _sweep_command(args: argparse.Namespace) -> int:

@@ -143,7 +143,7 @@ class FlowerEngine:
 
     def __init__(self, grid: Grid, node_of: dict[int, int], timeout: float):
         self.grid, self.node_of, self.timeout = grid, node_of, timeout
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent = self.bytes_received = self.messages = 0  # tensors' bytes both ways, messages sent
 
     def _exchange(self, lanes: list, kind: str, round_: int) -> dict[int, Message | str]:
         """Send each lane's client its message; its reply, or why there is none, by client id."""
@@ -166,6 +166,7 @@ class FlowerEngine:
             else:
                 replies[int(reply.content["metrics"]["client"])] = reply
         self.bytes_sent += sum(model_bytes.values())
+        self.messages += len(messages)
         replies |= gone
         return {client.id: replies.get(client.id, f"dropped out: no reply from node {self.node_of[client.id]} within "
                                                   f"{self.timeout:g} s") for _, client in lanes}
@@ -228,9 +229,13 @@ def make_server_app(overrides: str | None = None, timeout: float | None = None) 
         wait = timeout if timeout is not None else float(context.run_config.get("timeout", 120))
         federation, _ = build(make_fabric(cfg), cfg)
         engine = FlowerEngine(grid, discover(grid, [*federation.train_clients, *federation.new_clients], wait), wait)
-        train(cfg, show_progress=False, engine=engine)
-        log.info(f"network: {engine.bytes_sent / 1e6:.1f} MB of models sent, "
-                 f"{engine.bytes_received / 1e6:.1f} MB of updates received")
+        summary = train(cfg, show_progress=False, engine=engine)
+        from fedmeta.config import run_name
+        from fedmeta.runs import atomic_write_text
+
+        traffic = {"model_bytes_sent": engine.bytes_sent, "update_bytes_received": engine.bytes_received,
+                   "messages": engine.messages, "seconds_per_round": summary["seconds_per_round"]}
+        atomic_write_text(Path(cfg.output.root) / run_name(cfg) / "flower.json", json.dumps(traffic, indent=2))
 
     return app
 
@@ -335,3 +340,46 @@ class Deployment:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill(process)
+
+    def wait(self, run_id: str, summary: Path, limit: float) -> None:
+        """Until the run's summary is written; a run that Flower reports finished without one, or
+        that runs past ``limit`` seconds, is an error naming its log."""
+        flwr, deadline = Path(sys.executable).parent / "flwr", time.monotonic() + limit
+        while not summary.exists():
+            listed = subprocess.run([str(flwr), "ls", "fedmeta", "--run-id", run_id, "--format", "json"], capture_output=True,
+                                    text=True, env=self.environment()).stdout
+            if "finished" in listed and not summary.exists():
+                time.sleep(2)  # the summary is written just before the ServerApp returns
+                if not summary.exists():
+                    raise FedmetaError(f"Flower run {run_id} finished without a summary: see "
+                                       f"`FLWR_HOME={self.home} flwr log {run_id} fedmeta --show`")
+            if time.monotonic() > deadline:
+                raise FedmetaError(f"Flower run {run_id} took more than {limit:g} s; its processes are stopped")
+            time.sleep(2)
+
+
+def simulate(overrides: list[str], nodes: int, timeout: float) -> None:
+    """``fedmeta train``'s run with its clients on ``nodes`` simulated SuperNodes (Flower's
+    Simulation Engine, Ray), one CPU each."""
+    from flwr.simulation import run_simulation
+
+    line = " ".join(shlex.quote(o) for o in overrides)
+    run_simulation(make_server_app(line, timeout), make_client_app(line), num_supernodes=nodes,
+                   backend_config={"client_resources": {"num_cpus": 1}})
+
+
+def deploy(overrides: list[str], nodes: int, timeout: float, folder: Path, port: int, limit: float) -> Path:
+    """The run on a SuperLink and ``nodes`` SuperNodes started here (loopback, insecure), stopped
+    at the end; returns the run folder."""
+    from fedmeta.config import run_name
+
+    cfg = compose(overrides)
+    run_dir = Path(cfg.output.root) / run_name(cfg)
+    deployment = Deployment(nodes, folder, port)
+    deployment.start()
+    try:
+        print(f"SuperLink on 127.0.0.1:{port}, {nodes} SuperNodes; logs in {folder}", file=sys.stderr)
+        deployment.wait(deployment.submit(overrides, timeout), run_dir / "summary.json", limit)
+    finally:
+        deployment.stop()
+    return run_dir

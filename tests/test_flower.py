@@ -66,12 +66,15 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
     try:
         def run(method: str, kill_in_round: int | None = None) -> Path:
             folder = tmp_path / "runs" / "rmnist-shards" / method / "seed0"
-            deployment.submit([f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION], timeout=30)
+            run_id = deployment.submit([f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION], timeout=30)
+            if kill_in_round is None:
+                deployment.wait(run_id, folder / "summary.json", limit=420)
+                return folder
             deadline = time.monotonic() + 420  # bounded: the test stops by itself
             while not (folder / "summary.json").exists():
                 assert time.monotonic() < deadline, f"no summary after 420 s: {sorted(p.name for p in tmp_path.glob('*.log'))}"
                 rounds = (folder / "metrics.csv").read_text().count("\n") - 1 if (folder / "metrics.csv").exists() else 0
-                if kill_in_round and rounds == kill_in_round - 1 and deployment.supernodes[2].poll() is None:
+                if rounds == kill_in_round - 1 and deployment.supernodes[2].poll() is None:
                     deployment.kill(deployment.supernodes[2])  # during round kill_in_round
                 time.sleep(0.5)
             return folder
@@ -79,6 +82,8 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
         cafeme = run("cafeme")
         summary = json.loads((cafeme / "summary.json").read_text())
         assert summary["rounds"] == 3 and summary["new_clients"] == 3 and summary["accuracy"] > 0
+        traffic = json.loads((cafeme / "flower.json").read_text())
+        assert traffic["messages"] == 3 * 3 + 3 and traffic["model_bytes_sent"] > traffic["update_bytes_received"] > 0
 
         fedavg_ft = run("fedavg_ft", kill_in_round=2)
         rows = list(csv.DictReader(open(fedavg_ft / "metrics.csv")))
