@@ -341,18 +341,26 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 self.kill(process)
 
-    def wait(self, run_id: str, summary: Path, limit: float) -> None:
-        """Until the run's summary is written; a run that Flower reports finished without one, or
-        that runs past ``limit`` seconds, is an error naming its log."""
-        flwr, deadline = Path(sys.executable).parent / "flwr", time.monotonic() + limit
-        while not summary.exists():
-            listed = subprocess.run([str(flwr), "ls", "fedmeta", "--run-id", run_id, "--format", "json"], capture_output=True,
-                                    text=True, env=self.environment()).stdout
-            if "finished" in listed and not summary.exists():
-                time.sleep(2)  # the summary is written just before the ServerApp returns
-                if not summary.exists():
-                    raise FedmetaError(f"Flower run {run_id} finished without a summary: see "
-                                       f"`FLWR_HOME={self.home} flwr log {run_id} fedmeta --show`")
+    def status(self, run_id: str) -> dict:
+        """Flower's record of the run (``flwr ls``): its status and the SuperLink's traffic counters."""
+        listed = subprocess.run([str(Path(sys.executable).parent / "flwr"), "ls", "fedmeta", "--run-id", run_id, "--format",
+                                 "json"], capture_output=True, text=True, env=self.environment()).stdout
+        with contextlib.suppress(json.JSONDecodeError, KeyError, IndexError):
+            return json.loads(listed)["runs"][0]
+        return {}
+
+    def wait(self, run_id: str, summary: Path, limit: float) -> dict:
+        """Until the run has finished with its summary written; returns Flower's record of it. A run
+        that Flower reports finished without a summary, or that runs past ``limit`` seconds, is an
+        error naming its log."""
+        deadline = time.monotonic() + limit
+        while True:
+            record = self.status(run_id)
+            if str(record.get("status", "")).startswith("finished"):
+                if summary.exists():
+                    return record
+                raise FedmetaError(f"Flower run {run_id} ended ({record['status']}) without a summary: see "
+                                   f"`FLWR_HOME={self.home} flwr log {run_id} fedmeta --show`")
             if time.monotonic() > deadline:
                 raise FedmetaError(f"Flower run {run_id} took more than {limit:g} s; its processes are stopped")
             time.sleep(2)
@@ -379,7 +387,9 @@ def deploy(overrides: list[str], nodes: int, timeout: float, folder: Path, port:
     deployment.start()
     try:
         print(f"SuperLink on 127.0.0.1:{port}, {nodes} SuperNodes; logs in {folder}", file=sys.stderr)
-        deployment.wait(deployment.submit(overrides, timeout), run_dir / "summary.json", limit)
+        record = deployment.wait(deployment.submit(overrides, timeout), run_dir / "summary.json", limit)
+        traffic = json.loads((run_dir / "flower.json").read_text()) | {"superlink_network_traffic": record.get("network-traffic")}
+        (run_dir / "flower.json").write_text(json.dumps(traffic, indent=2))
     finally:
         deployment.stop()
     return run_dir
