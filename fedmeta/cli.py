@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         flower_sub.add_argument("overrides", nargs="*", metavar="key=value")
         flower_sub.add_argument("--nodes", type=int, default=4, help="SuperNodes; node p holds the clients with id ≡ p (mod nodes)")
         flower_sub.add_argument("--timeout", type=float, default=120, help="seconds a round waits for its clients' replies")
+        flower_sub.add_argument("--dp", nargs=4, type=float, metavar=("CLIP", "SENSITIVITY", "EPSILON", "DELTA"),
+                                help="local differential privacy (Flower's LocalDpMod): each update clipped to L2 norm CLIP, "
+                                     "Gaussian noise for (EPSILON, DELTA) at SENSITIVITY (e.g. 2×CLIP) added on the node")
         if name == "deploy":
             flower_sub.add_argument("--port", type=int, default=9091, help="the SuperLink's port (SuperNodes use the next ones)")
             flower_sub.add_argument("--folder", default="runs/flower", help="logs and Flower's files (FLWR_HOME)")
@@ -224,16 +227,24 @@ def _flower_command(args: argparse.Namespace) -> int:
         from fedmeta import flower
     except ImportError as exc:
         raise FedmetaError(f"Flower is not installed ({exc.name}): pip install -e '.[flower]'") from None
+    dp = None
+    if args.dp:
+        clip, sensitivity, epsilon, delta = args.dp
+        if clip <= 0 or sensitivity < 0 or epsilon <= 0 or not 0 < delta < 1:
+            raise FedmetaError(f"--dp needs CLIP > 0, SENSITIVITY ≥ 0, EPSILON > 0 and 0 < DELTA < 1, got {args.dp}")
+        dp = dict(zip(flower.DP_KEYS, args.dp))
     if args.flower_command == "sim":
-        flower.simulate(args.overrides, args.nodes, args.timeout)
+        flower.simulate(args.overrides, args.nodes, args.timeout, dp)
         return 0
     deployment = flower.Deployment(args.nodes, Path(args.folder), args.port)
     if args.print:
         for command in deployment.commands():
             print(shlex.join(command))
-        print(f"flwr run <app folder> <connection> --run-config 'overrides=\"{' '.join(args.overrides)}\" timeout={args.timeout:g}'")
+        dp_config = "".join(f" {key}={value}" for key, value in (dp or {}).items())
+        print(f"flwr run <app folder> <connection> --run-config 'overrides=\"{' '.join(args.overrides)}\" "
+              f"timeout={args.timeout:g}{dp_config}'")
         return 0
-    run_dir = flower.deploy(args.overrides, args.nodes, args.timeout, Path(args.folder), args.port, args.max_seconds)
+    run_dir = flower.deploy(args.overrides, args.nodes, args.timeout, Path(args.folder), args.port, args.max_seconds, dp)
     print(f"finished: {run_dir / 'summary.json'}")
     return 0
 

@@ -99,9 +99,28 @@ def _replying(handler):
     return handle
 
 
-def make_client_app(overrides: str | None = None) -> ClientApp:
-    """The ClientApp; its run's fedmeta overrides come from ``overrides``, else the run config."""
-    app = ClientApp()
+DP_KEYS = ("dp-clipping-norm", "dp-sensitivity", "dp-epsilon", "dp-delta")
+
+
+def local_dp(settings: dict | None):
+    """A ClientApp mod: Flower's ``LocalDpMod`` on training replies when differential privacy is
+    asked for (``settings``, else the run config's ``dp-*`` keys): the client clips its update
+    (new − global parameters) to an L2 norm and adds Gaussian noise before it leaves the node."""
+    from flwr.clientapp.mod import LocalDpMod
+
+    def mod(msg: Message, context: Context, call_next) -> Message:
+        chosen = settings or {key: context.run_config[key] for key in DP_KEYS if key in context.run_config}
+        if msg.metadata.message_type != "train" or not chosen:
+            return call_next(msg, context)
+        return LocalDpMod(*(float(chosen[key]) for key in DP_KEYS))(msg, context, call_next)
+    return mod
+
+
+def make_client_app(overrides: str | None = None, dp: dict | None = None) -> ClientApp:
+    """The ClientApp; its run's fedmeta overrides come from ``overrides``, else the run config;
+    local differential privacy from ``dp`` ({dp-clipping-norm, dp-sensitivity, dp-epsilon,
+    dp-delta}), else the run config's dp-* keys, else none."""
+    app = ClientApp(mods=[local_dp(dp)])
 
     @app.query()
     def which_clients(msg: Message, context: Context) -> Message:
@@ -311,10 +330,11 @@ class Deployment:
     def supernodes(self) -> list[subprocess.Popen]:
         return self.processes[1:]
 
-    def submit(self, overrides: list[str], timeout: float) -> str:
+    def submit(self, overrides: list[str], timeout: float, dp: dict | None = None) -> str:
         """Start a fedmeta run on the deployment; returns Flower's run id."""
         # a TOML string (Flower's run-config syntax) holding the overrides as one shell-quoted line
         config = f"overrides={json.dumps(' '.join(shlex.quote(o) for o in overrides))} timeout={float(timeout)}"
+        config += "".join(f" {key}={float(value)}" for key, value in (dp or {}).items())
         flwr = Path(sys.executable).parent / "flwr"
         for _ in range(10):  # the SuperLink may still be starting
             done = subprocess.run([str(flwr), "run", str(self.app), "fedmeta", "--run-config", config], capture_output=True,
@@ -366,17 +386,18 @@ class Deployment:
             time.sleep(2)
 
 
-def simulate(overrides: list[str], nodes: int, timeout: float) -> None:
+def simulate(overrides: list[str], nodes: int, timeout: float, dp: dict | None = None) -> None:
     """``fedmeta train``'s run with its clients on ``nodes`` simulated SuperNodes (Flower's
     Simulation Engine, Ray), one CPU each."""
     from flwr.simulation import run_simulation
 
     line = " ".join(shlex.quote(o) for o in overrides)
-    run_simulation(make_server_app(line, timeout), make_client_app(line), num_supernodes=nodes,
+    run_simulation(make_server_app(line, timeout), make_client_app(line, dp), num_supernodes=nodes,
                    backend_config={"client_resources": {"num_cpus": 1}})
 
 
-def deploy(overrides: list[str], nodes: int, timeout: float, folder: Path, port: int, limit: float) -> Path:
+def deploy(overrides: list[str], nodes: int, timeout: float, folder: Path, port: int, limit: float,
+           dp: dict | None = None) -> Path:
     """The run on a SuperLink and ``nodes`` SuperNodes started here (loopback, insecure), stopped
     at the end; returns the run folder."""
     from fedmeta.config import run_name
@@ -387,7 +408,7 @@ def deploy(overrides: list[str], nodes: int, timeout: float, folder: Path, port:
     deployment.start()
     try:
         print(f"SuperLink on 127.0.0.1:{port}, {nodes} SuperNodes; logs in {folder}", file=sys.stderr)
-        record = deployment.wait(deployment.submit(overrides, timeout), run_dir / "summary.json", limit)
+        record = deployment.wait(deployment.submit(overrides, timeout, dp), run_dir / "summary.json", limit)
         traffic = json.loads((run_dir / "flower.json").read_text()) | {"superlink_network_traffic": record.get("network-traffic")}
         (run_dir / "flower.json").write_text(json.dumps(traffic, indent=2))
     finally:

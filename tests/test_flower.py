@@ -99,3 +99,28 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
     finally:
         deployment.stop()
     assert all(p.poll() is not None for p in deployment.processes)
+
+
+def test_local_differential_privacy_clips_every_update(tmp_path, mnist_dir):
+    """Flower's LocalDpMod on the nodes (``dp``): with the noise off, every update that leaves a
+    node is clipped to the norm, so two rounds move the global model by at most twice it (an
+    average of vectors in a ball stays in the ball)."""
+    from fedmeta.loop import build, make_fabric
+
+    clip = 0.01
+    overrides = ["method=fedavg_ft", f"dataset.dir={mnist_dir}", *SMALL, "federation.rounds=2", "federation.eval_every=2",
+                 f"output.root={tmp_path}"]
+    cfg = compose(overrides)
+    _, algorithm = build(make_fabric(cfg), cfg)
+    start = {k: v.clone() for k, v in algorithm.model.state_dict().items()}
+    line = " ".join(shlex.quote(o) for o in overrides)
+    dp = {"dp-clipping-norm": clip, "dp-sensitivity": 0.0, "dp-epsilon": 1.0, "dp-delta": 1e-5}
+    run_simulation(make_server_app(line, timeout=120), make_client_app(line, dp), num_supernodes=2,
+                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    def moved(run_dir) -> float:
+        end = model_of(run_dir / "rmnist-shards" / "fedavg_ft" / "seed0")
+        return torch.sqrt(sum(((end[k] - start[k]) ** 2).sum() for k in start)).item()
+
+    train(compose([*overrides[:-1], f"output.root={tmp_path / 'alone'}"]), show_progress=False)
+    assert moved(tmp_path / "alone") > 10 * clip  # without the mod, the same two rounds move it far more
+    assert 0 < moved(tmp_path) <= 2 * clip + 1e-6
