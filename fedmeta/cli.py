@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         flower_sub = flower_cmd.add_parser(name, help=text, description=text + ". Same overrides and run folder as fedmeta train.")
         flower_sub.add_argument("overrides", nargs="*", metavar="key=value")
         flower_sub.add_argument("--nodes", type=int, default=4, help="SuperNodes; node p holds the clients with id ≡ p (mod nodes)")
-        flower_sub.add_argument("--timeout", type=float, default=120, help="seconds a round waits for its clients' replies")
+        flower_sub.add_argument("--timeout", type=float, default=120, help="seconds a node may take per client (a round waits that times the most clients on one node)")
         flower_sub.add_argument("--dp", nargs=4, type=float, metavar=("CLIP", "SENSITIVITY", "EPSILON", "DELTA"),
                                 help="local differential privacy (Flower's LocalDpMod): each update clipped to L2 norm CLIP, "
                                      "Gaussian noise for (EPSILON, DELTA) at SENSITIVITY (e.g. 2×CLIP) added on the node")

@@ -16,7 +16,9 @@ keeps only its clients' data; the server builds it too, to know the client ids a
 clients' count (it never trains on it).
 
 Run configuration (``--run-config`` of ``flwr run``, or ``fedmeta flower``): ``overrides``, the
-``fedmeta train`` overrides as one string; ``timeout``, seconds a round waits for replies.
+``fedmeta train`` overrides as one string; ``timeout``, the seconds a node may take per client
+(a round waits that long times the most clients any one node has in it); ``dp-*``: local
+differential privacy (``local_dp``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -176,8 +179,10 @@ class FlowerEngine:
             content = RecordDict({"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})})
             messages.append(Message(content, self.node_of[client.id], kind, group_id=str(round_)))
             model_bytes[client.id] = sum(t.numel() * t.element_size() for t in state.values())
+        # a node works through its messages one after another: it may take the timeout for each
+        wait = self.timeout * max(Counter(m.metadata.dst_node_id for m in messages).values(), default=1)
         replies = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout) if messages else []:
+        for reply in self.grid.send_and_receive(messages, timeout=wait) if messages else []:
             if reply.has_error():  # the ClientApp itself failed: counted as no reply
                 log.warning(f"a node replied with an error: {reply.error.reason.strip().splitlines()[-1:]}")
             elif "failure" in reply.content:
@@ -188,7 +193,7 @@ class FlowerEngine:
         self.messages += len(messages)
         replies |= gone
         return {client.id: replies.get(client.id, f"dropped out: no reply from node {self.node_of[client.id]} within "
-                                                  f"{self.timeout:g} s") for _, client in lanes}
+                                                  f"{wait:g} s") for _, client in lanes}
 
     def local_updates(self, lanes: list, round_: int) -> list[ClientUpdate | str]:
         results = []
