@@ -184,3 +184,21 @@ def test_sweep_and_tune_bad_input_is_one_line(args, message, capsys, tmp_path, m
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["flower", "sim", "--nodes", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
+    (["flower", "deploy", "--timeout", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
+    (["flower", "sim", "method=nope"], "unknown method 'nope'"),
+])
+def test_flower_bad_input_is_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_flower_dp_out_of_range_is_one_line(capsys):
+    pytest.importorskip("flwr", reason="Flower is an optional extra: pip install -e '.[flower]'")
+    assert main(["flower", "sim", "--dp", "0", "1", "1", "1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert "--dp needs CLIP > 0" in err and err.count("\n") == 1
