@@ -65,7 +65,7 @@ class Study:
         if method not in tune.spaces:
             raise FedmetaError(f"no search space for method {method!r} in configs/tune.yaml: choose one of {sorted(tune.spaces)}")
         budget = tune.budget
-        self.method, self.space = method, tune.spaces[method]
+        self.method, self.space, self.config_dir = method, tune.spaces[method], config_dir
         self.trials = trials if trials is not None else budget.trials
         self.rounds = rounds if rounds is not None else budget.rounds
         self.seed = seed if seed is not None else budget.seed
@@ -86,6 +86,7 @@ class Study:
         self.root = root / self.name
         root.mkdir(parents=True, exist_ok=True)
         self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
+        self.storage_label = storage or f"SQLite, {root / 'studies.db'}"  # what the summary says: no machine's absolute path
         self.out = config_dir / "variant" / cfg.method.name / "tuned.yaml"
         if self.out.exists() and MARK not in self.out.read_text() and not overwrite:
             raise FedmetaError(f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it")
@@ -117,7 +118,7 @@ class Study:
         from fedmeta.loop import train
 
         cfg = compose([*self.base, *suggest(trial, self.space), f"output.root={self.root}",
-                       f"output.setting=trial{trial.number}", "output.overwrite=true"])
+                       f"output.setting=trial{trial.number}", "output.overwrite=true"], self.config_dir)
 
         def report(round_: int, accuracy: float) -> None:
             trial.report(accuracy, round_)
@@ -150,7 +151,7 @@ class Study:
                                                  max(t.intermediate_values.values(), default=-1)))
         lines = [f"# Tuning study `{self.name}`", "",
                  f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `fedmeta tune {self.method}` "
-                 f"(storage `{self.storage}`). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.seed}), median "
+                 f"(storage: {self.storage_label}). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.seed}), median "
                  f"pruner on the new-client accuracy at each intermediate evaluation.", "",
                  "Search space (configs/tune.yaml): " + ", ".join(f"`{k}` {dict(v)}" for k, v in self.space.items()), "",
                  f"Best: trial {best.number}, {100 * best.value:.2f} % → `{self.out.name}`.", "",
