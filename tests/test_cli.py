@@ -30,7 +30,7 @@ BAD = [
     (["method=fedrep", "method.head_batches=-1"], "method.head_batches must be an integer ≥ 0"),
     (["personalization.held_out_batch_size=1"], "personalization.held_out_batch_size must be null (one pass) or ≥ 2"),
     (["personalization.batches=loop"], "personalization.batches must be independent or stream"),
-    (["variant=weird"], "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors']"),
+    (["variant=weird"], "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors', 'tuned']"),
     (["seed"], "overrides must be key=value"),
     (["federation.eval_every=0"], "federation.eval_every must be ≥ 1"),
     (["federation.held_out_fraction=1.5"], "held_out_fraction must be in (0, 1)"),

@@ -3,7 +3,9 @@ gives the same global model as ``fedmeta train``; the same run across real proce
 (a SuperLink and three SuperNodes) survives a node killed mid-run."""
 
 import csv
-import shlex
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,7 @@ import torch
 pytest.importorskip("flwr", reason="Flower is an optional extra: pip install -e '.[flower]'")
 pytest.importorskip("ray", reason="Flower's Simulation Engine needs Ray: pip install -e '.[flower]'")
 
-from flwr.simulation import run_simulation  # noqa: E402
-
 from fedmeta.config import compose  # noqa: E402
-from fedmeta.flower import make_client_app, make_server_app  # noqa: E402
 from fedmeta.loop import train  # noqa: E402
 
 SMALL = ["federation.rounds=3", "federation.eval_every=3", "personalization.steps=3", "federation.num_new_clients=4",
@@ -26,13 +25,19 @@ def model_of(run_dir):
     return torch.load(run_dir / "checkpoint.ckpt", weights_only=True)["federation"]["model"]
 
 
+def simulate(overrides: list[str], *options: str) -> None:
+    """``fedmeta flower sim`` in a process of its own: Ray and Flower change the logging and
+    process state of whatever runs them, which the other tests share."""
+    done = subprocess.run([sys.executable, "-m", "fedmeta.cli", "flower", "sim", *options, *overrides],
+                          capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("method", ["cafeme", "fedrep"])  # FedRep: each client's head is kept on its node
 def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_path, mnist_dir):
     overrides = [f"method={method}", f"dataset.dir={mnist_dir}", *SMALL]
     alone = train(compose([*overrides, f"output.root={tmp_path / 'alone'}"]), show_progress=False)
-    flower = " ".join(shlex.quote(o) for o in [*overrides, f"output.root={tmp_path / 'flower'}"])
-    run_simulation(make_server_app(flower, timeout=120), make_client_app(flower), num_supernodes=4,
-                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    simulate([*overrides, f"output.root={tmp_path / 'flower'}"], "--nodes", "4")
     run = tmp_path / "flower" / "rmnist-shards" / method / "seed0"
     expected, got = model_of(tmp_path / "alone" / "rmnist-shards" / method / "seed0"), model_of(run)
     assert expected.keys() == got.keys()
@@ -113,10 +118,7 @@ def test_local_differential_privacy_clips_every_update(tmp_path, mnist_dir):
     cfg = compose(overrides)
     _, algorithm = build(make_fabric(cfg), cfg)
     start = {k: v.clone() for k, v in algorithm.model.state_dict().items()}
-    line = " ".join(shlex.quote(o) for o in overrides)
-    dp = {"dp-clipping-norm": clip, "dp-sensitivity": 0.0, "dp-epsilon": 1.0, "dp-delta": 1e-5}
-    run_simulation(make_server_app(line, timeout=120), make_client_app(line, dp), num_supernodes=2,
-                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    simulate(overrides, "--nodes", "2", "--dp", str(clip), "0", "1", "1e-5")
     def moved(run_dir) -> float:
         end = model_of(run_dir / "rmnist-shards" / "fedavg_ft" / "seed0")
         return torch.sqrt(sum(((end[k] - start[k]) ** 2).sum() for k in start)).item()

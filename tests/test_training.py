@@ -60,11 +60,12 @@ def test_finished_run_is_not_overwritten(cafeme_run, capsys):
 
 
 def test_fedavg_ft_fine_tunes_and_fedavg_does_not(tmp_path, mnist_dir):
-    fedavg_ft = train(config(tmp_path, mnist_dir, "method=fedavg_ft", "variant=tuned", "federation.rounds=5",
-                             "personalization.steps=20", "personalization.lr=0.01"), show_progress=False)
+    local = ["method.local_lr=0.05", "method.local_epochs=1", "federation.rounds=5"]  # the same training for both
+    fedavg_ft = train(config(tmp_path, mnist_dir, "method=fedavg_ft", *local, "personalization.steps=20",
+                             "personalization.lr=0.01"), show_progress=False)
     assert len(fedavg_ft["curve"]) == 21
     assert fedavg_ft["accuracy"] > fedavg_ft["curve"][0] + 0.1 and fedavg_ft["accuracy"] > 0.4
-    fedavg = train(config(tmp_path, mnist_dir, "method=fedavg", "variant=tuned", "federation.rounds=5"), show_progress=False)
+    fedavg = train(config(tmp_path, mnist_dir, "method=fedavg", *local), show_progress=False)
     assert len(fedavg["curve"]) == 1
     assert fedavg["accuracy"] == pytest.approx(fedavg_ft["curve"][0])  # same training, same global model
 
