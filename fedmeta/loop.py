@@ -45,8 +45,14 @@ class _TensorCoreAdvice(logging.Filter):
         return "set_float32_matmul_precision" not in record.getMessage()
 
 
-for _name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):  # whichever Lightning used
-    logging.getLogger(_name).addFilter(_TensorCoreAdvice())
+def quiet_tensor_core_advice() -> None:
+    """Filters the advice on the logger Lightning's rank-zero messages go to now (the module that
+    imported last — lightning.fabric, lightning.pytorch or pytorch_lightning — names it)."""
+    from lightning_utilities.core import rank_zero
+
+    logger = rank_zero.log
+    if not any(isinstance(f, _TensorCoreAdvice) for f in logger.filters):
+        logger.addFilter(_TensorCoreAdvice())
 
 
 def make_fabric(cfg: DictConfig) -> Fabric:
@@ -55,6 +61,7 @@ def make_fabric(cfg: DictConfig) -> Fabric:
     if on_cpu and str(f.precision) == "16-mixed":  # Fabric would run bf16 while the config says 16
         raise FedmetaError("fabric.precision=16-mixed needs a GPU; on the CPU use bf16-mixed")
     torch.set_float32_matmul_precision(f.matmul_precision)
+    quiet_tensor_core_advice()
     try:
         fabric = Fabric(accelerator=f.accelerator, devices=f.devices, num_nodes=f.num_nodes, strategy=f.strategy,
                         precision=f.precision)

@@ -97,8 +97,9 @@ def test_lightnings_tensor_core_advice_is_not_printed(caplog):
 
     from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-    import fedmeta.loop  # noqa: F401  (installs the filter)
+    from fedmeta.loop import quiet_tensor_core_advice
 
+    quiet_tensor_core_advice()  # as make_fabric does before Fabric checks the device
     with caplog.at_level(logging.INFO):
         rank_zero_info("You are using a CUDA device ('H100') that has Tensor Cores: set `torch.set_float32_matmul_precision`")
         rank_zero_info("another message")
