@@ -6,6 +6,7 @@ final model."""
 import csv
 import json
 import shutil
+import time
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -30,6 +31,11 @@ def test_wandb_and_tensorboard_hold_every_item(tmp_path, mnist_dir, monkeypatch)
     # W&B: one run per federation, named and grouped so that a group × job type is one method's seeds
     wandb_dir, = (run_dir / "wandb").glob("offline-run-*")
     logged = read_run(next(wandb_dir.glob("run-*.wandb")))
+    for _ in range(20):  # W&B's service may still be writing the file out when finish() returns
+        if "name" in logged:
+            break
+        time.sleep(1)
+        logged = read_run(next(wandb_dir.glob("run-*.wandb")))
     assert (logged["name"], logged["group"], logged["job_type"]) == ("fedavg_ft-tuned-seed0", "rmnist-shards", "fedavg_ft-tuned")
     assert {"rmnist", "shards", "fedavg_ft", "tuned", "32-true"} <= set(logged["tags"])
     assert any("thread" in tag or "GPU" in tag or "H100" in tag for tag in logged["tags"])  # the hardware
