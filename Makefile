@@ -38,8 +38,8 @@ describe: install
 # make table [PRESET=quick|paper] [DATASETS="rmnist cifar10-shards"] [METHODS="cafeme fedavg_ft"] [SEEDS="0 1 2"] [PARALLEL=2]
 #            [VECTORIZE=1: vmapped clients, and each method's seeds stacked in one process]
 PRESET   ?= quick
-PARALLEL ?= 2
-GRID_ARGS := --preset $(PRESET) --parallel $(PARALLEL) $(if $(DATASETS),--datasets $(DATASETS)) \
+PARALLEL ?= $(if $(shell command -v nvidia-smi),,2)# on a GPU machine fedmeta runs every process at once, sharing the card
+GRID_ARGS := --preset $(PRESET) $(if $(PARALLEL),--parallel $(PARALLEL)) $(if $(DATASETS),--datasets $(DATASETS)) \
 	$(if $(METHODS),--methods $(METHODS)) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(VECTORIZE),federation.vectorize=true)
 
 table: install

@@ -29,19 +29,51 @@ PROFILE_TOP = 8
 
 
 def matmul_peak_gflops(size: int, dtype: torch.dtype = torch.float32, repeats: int = 10,
-                       device: torch.device = torch.device("cpu")) -> float:
-    """Best achieved GFLOP/s of a square matmul: the device's practical peak at this precision."""
+                       device: torch.device = torch.device("cpu"), matmul_precision: str = "highest") -> float:
+    """Best achieved GFLOP/s of a square matmul: the device's practical peak at this precision
+    (``matmul_precision=high``: float32 matmuls on TF32 tensor cores)."""
     a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize()
-        tick = time.perf_counter()
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul_precision)
+    try:
         torch.mm(a, b)
-        synchronize()
-        best = min(best, time.perf_counter() - tick)
+        best = float("inf")
+        for _ in range(repeats):
+            synchronize()
+            tick = time.perf_counter()
+            torch.mm(a, b)
+            synchronize()
+            best = min(best, time.perf_counter() - tick)
+    finally:
+        torch.set_float32_matmul_precision(before)
     return 2 * size**3 / best / 1e9
+
+
+def device_peaks(device: torch.device, size: int) -> dict:
+    """A device's matmul peaks in GFLOP/s: fp32, TF32 (CUDA only) and bf16."""
+    peaks = {"fp32": matmul_peak_gflops(size, device=device), "bf16": matmul_peak_gflops(size, torch.bfloat16, device=device)}
+    if device.type == "cuda":
+        peaks["tf32"] = matmul_peak_gflops(size, device=device, matmul_precision="high")
+    return peaks
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def count_calls(run_round) -> dict:
+    """One round's operator calls (every ``aten::`` call, nested ones included) and, on a GPU, its
+    kernel and graph launches — the host work a recorded round saves."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run_round()
+    events = prof.key_averages()
+    counts = {"ops_per_round": sum(e.count for e in events if e.key.startswith("aten::"))}
+    if torch.cuda.is_available():
+        counts["launches_per_round"] = sum(e.count for e in events if e.key in LAUNCHES)
+    return counts
 
 
 class _GlobalCountsOnly:
@@ -79,7 +111,7 @@ def profile_round(run_round) -> list[dict]:
 
 
 def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_clients: int, profile: bool = False,
-                  full_evaluation: bool = False) -> dict:
+                  full_evaluation: bool = False, count_flops: bool = True) -> dict:
     """One row, in the calling process: seconds and FLOPs per round (per seed, with stacked seeds),
     personalization seconds per new client, optionally one whole evaluation (every new client,
     every step), peak memory. Meant to run in a fresh process (``run_isolated``)."""
@@ -92,7 +124,7 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
     runs = [Federated(algorithm, federation, one.seed) for one in seed_configs(cfg)
             for federation, algorithm in [build(fabric, one)]]
     synchronize = torch.cuda.synchronize if fabric.device.type == "cuda" else (lambda: None)
-    fed, engine = cfg.federation, make_engine(cfg)
+    fed, engine = cfg.federation, make_engine(cfg, fabric.device)
 
     def timed(fn) -> float:
         synchronize()
@@ -105,9 +137,12 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
         federated_rounds(runs, r, fed.clients_per_round, engine=run_engine)
 
     seconds = [timed(lambda r=r: round_(r)) for r in range(1, warmup + rounds + 1)][warmup:]
-    sequential = Engine()
-    with flop_counter() as flops:  # a dispatch mode sees only its own thread: count a sequential round
-        timed(lambda: round_(warmup + rounds + 1, sequential))
+    calls = count_calls(lambda: round_(warmup + rounds + 1))
+    gflop = float("nan")
+    if count_flops:
+        with flop_counter() as flops:  # a dispatch mode sees only its own thread: count a sequential round
+            timed(lambda: round_(warmup + rounds + 2, Engine()))
+        gflop = flops.get_total_flops() / 1e9 / len(runs)
     first = runs[0]
     some = Federated(first.algorithm, _first_new_clients(first.federation, personalize_clients), first.seed)
     evaluate_on_ranks(fabric, [some], cfg.personalization, engine)  # warm-up: kernel selection, allocations
@@ -116,15 +151,18 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
     if full_evaluation:
         evaluation["evaluation_seconds"] = timed(lambda: evaluate_on_ranks(fabric, runs, cfg.personalization, engine))
     seconds_per_round = statistics.median(seconds) / len(runs)
-    gflop = flops.get_total_flops() / 1e9 / len(runs)
-    extra = {"profile": profile_round(lambda: round_(warmup + rounds + 2))} if profile else {}
+    extra = {"profile": profile_round(lambda: round_(warmup + rounds + 3))} if profile else {}
+    ran = engine.describe()
     return {**extra, "dataset": cfg.dataset.name, "method": cfg.method.name, "variant": cfg.variant,
-            "precision": cfg.fabric.precision, "client_threads": fed.client_threads,
-            "clients": "vmap" if engine.vectorize else "sequential", "seeds": len(runs),
+            "precision": cfg.fabric.precision, "matmul_precision": cfg.fabric.matmul_precision,
+            "client_threads": fed.client_threads, "clients": "vmap" if ran["vectorized"] else "sequential",
+            "capture": ran["capture"] if ran["recorded"] or ran["capture"] == "static" else "none",
+            "fallback": ran["fallback"], "seeds": len(runs),
             "seconds_per_round": seconds_per_round, "gflop_per_round": gflop,
             "gflops": gflop / seconds_per_round, "personalize_seconds_per_client": personalize / personalize_clients,
             **evaluation, "new_clients": sum(len(r.federation.new_clients) for r in runs),
-            "peak_rss_mb": peak_rss_mb(), "hardware": hardware_name(fabric.device)}
+            **{k: v / len(runs) for k, v in calls.items()},
+            "peak_rss_mb": peak_rss_mb(), "device": fabric.device.type, "hardware": hardware_name(fabric.device)}
 
 
 def _first_new_clients(federation, count: int):
@@ -146,7 +184,7 @@ def measure_memory(overrides: list[str], rounds: int) -> dict:
     cfg = compose([*overrides, *QUIET])
     fabric, federation, algorithm = setup(cfg)
     for r in range(1, rounds + 1):
-        federated_round(algorithm, federation, r, cfg.federation.clients_per_round, cfg.seed, engine=make_engine(cfg))
+        federated_round(algorithm, federation, r, cfg.federation.clients_per_round, cfg.seed, engine=make_engine(cfg, fabric.device))
     for client in federation.new_clients[:2]:
         personalize_client(algorithm, client, cfg.personalization)
     states = algorithm.client_states
@@ -169,13 +207,17 @@ def _nbytes(tree) -> int:
 
 def speedups(rows: list[dict]) -> list[dict]:
     """Each non-sequential row's speed-up over the sequential one-seed row of the same data set,
-    method, variant, precision and client threads: seconds per round (per seed), per personalized
-    client and per whole evaluation (per seed). Both come from the same bench run."""
-    key = ("dataset", "method", "variant", "precision", "client_threads")
+    method, variant, precision and client threads — seconds per round (per seed), per personalized
+    client and per whole evaluation (per seed) — and a recorded row's over the eager vmapped row of
+    the same seeds (``vs_eager``). All come from the same bench run."""
+    key = ("dataset", "method", "variant", "precision", "matmul_precision", "client_threads")
     baseline: dict[tuple, dict] = {}
+    eager: dict[tuple, dict] = {}
     for r in rows:
         if r["clients"] == "sequential" and r["seeds"] == 1:  # the first: a vmap row that fell back is sequential too
             baseline.setdefault(tuple(r[k] for k in key), r)
+        if r["clients"] == "vmap" and r["capture"] == "none":
+            eager.setdefault((*(r[k] for k in key), r["seeds"]), r)
     result = []
     for row in rows:
         base = baseline.get(tuple(row[k] for k in key))
@@ -185,7 +227,11 @@ def speedups(rows: list[dict]) -> list[dict]:
                  "personalize": base["personalize_seconds_per_client"] / row["personalize_seconds_per_client"]}
         if "evaluation_seconds" in row and "evaluation_seconds" in base:
             ratio["evaluation"] = (base["evaluation_seconds"] / base["new_clients"]) / (row["evaluation_seconds"] / row["new_clients"])
-        result.append({**{k: row[k] for k in key}, "clients": row["clients"], "seeds": row["seeds"], **ratio})
+        same = eager.get((*(row[k] for k in key), row["seeds"]))
+        if row["capture"] != "none" and same is not None:
+            ratio["vs_eager"] = same["seconds_per_round"] / row["seconds_per_round"]
+        result.append({**{k: row[k] for k in key}, "clients": row["clients"], "capture": row["capture"],
+                       "seeds": row["seeds"], **ratio})
     return result
 
 
@@ -209,7 +255,8 @@ def project(result: dict, preset_name: str) -> list[str]:
         seconds, missing = 0.0, []
         for method in preset.methods:
             rows = [r for r in result["rows"] if r["dataset"] == dataset and r["method"] == method and r["variant"] == "paper"
-                    and r["precision"] == "32-true" and r["client_threads"] == 1]
+                    and r["precision"] == "32-true" and r.get("matmul_precision", "highest") == "highest"
+                    and r["client_threads"] == 1]
             if not rows:
                 missing.append(method)
                 continue
@@ -220,7 +267,8 @@ def project(result: dict, preset_name: str) -> list[str]:
         total += seconds
         note = f" (not measured: {', '.join(missing)})" if missing else ""
         lines.append(f"{name}: {seconds / 3600:.1f} h{note}" if seconds else f"{name}: not measured")
-    lines.append(f"total of the measured settings: {total / 3600:.1f} h on {result['rows'][0]['hardware'] if result['rows'] else '?'}")
+    hardware = sorted({r["hardware"] for r in result["rows"]}) or ["?"]
+    lines.append(f"total of the measured settings: {total / 3600:.1f} h on {', '.join(hardware)}")
     return lines
 
 
@@ -230,7 +278,13 @@ def run_isolated(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-CLIENTS = {"sequential": "federation.vectorize=false", "vmap": "federation.vectorize=true"}
+CLIENTS = {  # how a row runs a round's clients (configs/bench.yaml: clients)
+    "sequential": ["federation.vectorize=false", "federation.capture=none"],
+    "vmap": ["federation.vectorize=true", "federation.capture=none"],
+    "static": ["federation.vectorize=true", "federation.capture=static"],  # the recorded layout, run eagerly
+    "graph": ["federation.vectorize=true", "federation.capture=graph"],  # CUDA graphs
+    "compile": ["federation.vectorize=true", "federation.capture=compile"],  # torch.compile
+}
 
 
 def plan(bench: DictConfig, datasets: list[str] | None, methods: list[str] | None, extra: list[str]) -> list[dict]:
@@ -245,7 +299,7 @@ def plan(bench: DictConfig, datasets: list[str] | None, methods: list[str] | Non
         variants += [list(r) for r in bench.extra_rows if not methods or r[0].split("=", 1)[1] in methods]
         for variant in variants:
             evaluate = len(variant) == 1 and variant[0].split("=", 1)[1] in bench.evaluation_methods
-            rows += [{"overrides": [*setting, *variant, CLIENTS[way], *extra], "evaluate": evaluate} for way in bench.clients]
+            rows += [{"overrides": [*setting, *variant, *CLIENTS[way], *extra], "evaluate": evaluate} for way in bench.clients]
         rows += [{"overrides": [*setting, *list(r), *extra], "evaluate": False} for r in bench.seed_rows
                  if not methods or r[0].split("=", 1)[1] in methods]
     return rows
@@ -273,42 +327,54 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
         load_preset(projection)  # an unknown preset: one line before anything runs
     for overrides in [row["overrides"] for row in rows] + memory_rows:  # bad names or values: one line before anything runs
         compose([*overrides, *QUIET])
-    accelerator = compose([*rows[0]["overrides"], *QUIET]).fabric.accelerator if rows else "cpu"
-    device = torch.device("cuda" if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
-                          else "cpu")  # the rows' device: the "% peak" column compares with its matmul
-    result = {"machine": hardware_name(device),
-              "peak_gflops": matmul_peak_gflops(bench.matmul_size, device=device),
-              "peak_gflops_bf16": matmul_peak_gflops(bench.matmul_size, torch.bfloat16, device=device),
-              "rows": [], "memory": []}
-    print(f"{result['machine']}: fp32 matmul peak {result['peak_gflops']:.0f} GFLOP/s, "
-          f"bf16 {result['peak_gflops_bf16']:.0f} GFLOP/s")
+    result = {"peaks": {}, "rows": [], "memory": []}
+
+    def peak(kind: str) -> float:
+        """The fp32 matmul peak of a row's device, measured here once per device kind."""
+        if kind not in result["peaks"]:
+            device = torch.device(kind)
+            result["peaks"][kind] = {"hardware": hardware_name(device), **device_peaks(device, bench.matmul_size)}
+            shown = ", ".join(f"{name} {value:.0f}" for name, value in result["peaks"][kind].items() if name != "hardware")
+            print(f"{result['peaks'][kind]['hardware']}: matmul peaks (GFLOP/s) {shown}", flush=True)
+        return result["peaks"][kind]["fp32"]
+
+    peak("cpu")
     print(f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} {'seeds':>5s} "
-          f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'pers s/cl':>9s} {'eval s':>7s} {'peak MB':>8s}")
+          f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'launch':>7s} {'pers s/cl':>9s} "
+          f"{'eval s':>7s} {'peak MB':>8s}")
     for plan_row in rows:
         overrides = plan_row["overrides"]
         try:
             row = run_isolated(measure_round, overrides, bench.warmup_rounds, bench.rounds, bench.personalize_clients,
-                               profile, plan_row["evaluate"])
+                               profile, plan_row["evaluate"], bench.get("count_flops", True))
         except FedmetaError as exc:  # e.g. a data set not on this machine: the other rows still count
             result.setdefault("skipped", []).append({"overrides": overrides, "reason": str(exc)})
             print(f"skipped {' '.join(overrides)}: {exc}", flush=True)
             continue
+        row["peak_fraction"] = row["gflops"] / peak(row["device"])  # of the fp32 peak of the device it ran on
         result["rows"].append(row)
         evaluation = f"{row['evaluation_seconds']:7.1f}" if "evaluation_seconds" in row else f"{'-':>7s}"
+        launches = f"{row['launches_per_round']:7.0f}" if "launches_per_round" in row else f"{'-':>7s}"
+        clients = row["clients"] if row["capture"] == "none" else f"{row['clients']}+{row['capture']}"
         print(f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
-              f"{row['client_threads']:6d} {row['clients']:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
-              f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['gflops'] / result['peak_gflops']:6.1f} "
-              f"{row['personalize_seconds_per_client']:9.2f} {evaluation} {row['peak_rss_mb']:8.0f}", flush=True)
+              f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
+              f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
+              f"{row['ops_per_round']:8.0f} {launches} {row['personalize_seconds_per_client']:9.2f} {evaluation} "
+              f"{row['peak_rss_mb']:8.0f}", flush=True)
+        if row["fallback"]:
+            print(f"    fell back: {row['fallback']}")
         for op in row.get("profile", []):
             print(f"    {100 * op['share']:5.1f} %  {op['op']} ×{op['calls']}")
     result["speedups"] = speedups(result["rows"])
     if result["speedups"]:
-        print(f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>10s} {'seeds':>5s} "
-              f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s}   (sequential ÷ this; > 1 is faster)")
+        print(f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>13s} {'seeds':>5s} "
+              f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s} {'vs eager':>8s}   (sequential ÷ this; vs eager: vmapped "
+              "eager ÷ this; > 1 is faster)")
         for s in result["speedups"]:
             cells = [f"{s[key]:{width}.2f}" if s.get(key) else f"{'-':>{width}s}" for key, width in
-                     (("round", 8), ("personalize", 7), ("evaluation", 7))]
-            print(f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {s['clients']:>10s} "
+                     (("round", 8), ("personalize", 7), ("evaluation", 7), ("vs_eager", 8))]
+            clients = s["clients"] if s["capture"] == "none" else f"{s['clients']}+{s['capture']}"
+            print(f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {clients:>13s} "
                   f"{s['seeds']:5d} {' '.join(cells)}")
     if memory_rows:
         print(f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} {'state MB/client':>15s} {'peak MB':>8s}")

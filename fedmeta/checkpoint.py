@@ -21,7 +21,8 @@ from fedmeta.algorithms import Algorithm
 from fedmeta.errors import FedmetaError
 
 # Settings a run may change when it resumes: how long, how often, how fast — not what it computes.
-RESUMABLE = {"federation": {"rounds", "eval_every", "checkpoint_every", "client_threads", "vectorize", "vectorize_lanes"}}
+RESUMABLE = {"federation": {"rounds", "eval_every", "checkpoint_every", "client_threads", "vectorize", "vectorize_lanes",
+                              "capture"}}
 IDENTITY = ("seed", "dataset", "partition", "method", "variant", "model", "federation", "personalization")
 
 

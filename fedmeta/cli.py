@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     grid_args.add_argument("--datasets", nargs="+", help="only these data sets (cifar10) or settings (cifar10-shards)")
     grid_args.add_argument("--methods", nargs="+", help="default: the preset's")
     grid_args.add_argument("--seeds", nargs="+", type=int, help="default: the preset's")
-    grid_args.add_argument("--parallel", type=int, default=1, help="runs at once (CPU: one per core)")
+    grid_args.add_argument("--parallel", type=int, help="processes at once (default: all of them on a GPU, whose card "
+                           "they share; 1 on a CPU, where one per core is the most that helps)")
     grid_args.add_argument("--executor", default="pool", help="pool: processes on this machine | slurm: an array job "
                            "through submitit | local: submitit's local executor (the SLURM jobs, run here)")
     grid_args.add_argument("--slurm", nargs="*", default=[], metavar="key=value",
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     grid_args.add_argument("overrides", nargs="*", metavar="key=value", help="for every run, e.g. fabric.accelerator=cuda")
     table_cmd = commands.add_parser("table", parents=[grid_args], help="run the paper's table grid, write results/TABLES.md")
     table_cmd.add_argument("--no-run", action="store_true", help="only write the table from the finished runs")
+    table_cmd.add_argument("--budget", type=float, metavar="SECONDS", help="start only the processes estimated (from "
+                           "--estimate) to finish in this time: a GPU lease's share of the table")
+    table_cmd.add_argument("--estimate", metavar="BENCH_JSON", help="fedmeta bench's results on this machine, for --budget")
     table_cmd.add_argument("--out", default="results/TABLES.md")
     figures_cmd = commands.add_parser("figures", parents=[grid_args], help="draw the paper's figures into results/")
     figures_cmd.add_argument("--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)")
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), config,
                       profile=args.profile, projection=args.project)
             return 0
-        if args.command in ("table", "figures", "sweep") and args.parallel < 1:
+        if args.command in ("table", "figures", "sweep") and args.parallel is not None and args.parallel < 1:
             raise FedmetaError(f"--parallel must be ≥ 1 (runs at once), got {args.parallel}")
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
@@ -186,6 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _bench_rows(path) -> list[dict]:
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and "seconds_per_round" in r for r in rows):
+            raise ValueError("rows are not bench rows")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FedmetaError(f"--estimate {path}: not a fedmeta bench result ({type(exc).__name__}): "
+                           "give the bench.json that fedmeta bench wrote on this machine") from None
+    return rows
+
+
 def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     """``fedmeta table`` / ``fedmeta figures``: run a preset's grid (finished runs skipped), then report."""
     from pathlib import Path
@@ -196,9 +211,16 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     kept = Path("results") / "runs" / args.preset  # the runs' small files, committed: what the report reads
     grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
+    budget = None
+    if args.command == "table" and (args.budget is not None) != (args.estimate is not None):
+        raise FedmetaError("--budget SECONDS and --estimate BENCH_JSON go together (fedmeta bench writes the estimate), "
+                           "e.g. --budget 480 --estimate results/gpu/bench.json")
+    if args.command == "table" and args.budget is not None:
+        budget = (args.budget, _bench_rows(Path(args.estimate)))
     if should_run:
         jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
-        failures = grid.run(jobs, root, args.parallel, kept, args.executor, args.slurm)
+        failures = grid.run(jobs, root, grid.default_parallel() if args.parallel is None else args.parallel, kept,
+                            args.executor, args.slurm, budget)
         for line in failures:
             print(f"fedmeta: failed run: {line}", file=sys.stderr)
     report.archive(root, kept)
@@ -256,7 +278,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
     root = Path(args.root)
     jobs = grid.sweep_plan(args.values, root)
-    failures = grid.run(jobs, root, args.parallel, None, args.executor, args.slurm)
+    failures = grid.run(jobs, root, grid.default_parallel() if args.parallel is None else args.parallel, None, args.executor, args.slurm)
     for line in failures:
         print(f"fedmeta: failed run: {line}", file=sys.stderr)
     table = grid.sweep_report(jobs)

@@ -124,6 +124,8 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
     return cfg
 
 
+CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.capture (fedmeta.capture)
+
 NULLABLE = {"personalization.held_out_batch_size", "method.clusters", "seeds", "output.setting"}  # null means something here
 
 
@@ -171,6 +173,9 @@ def validate(cfg: DictConfig) -> None:
         seeds = list(cfg.seeds) if OmegaConf.is_list(cfg.seeds) else None
         _require(bool(seeds) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
                  and len(set(seeds)) == len(seeds), f"seeds must be a list of distinct integers ≥ 0, e.g. seeds=[0,1,2], got {cfg.seeds}")
+    _require(isinstance(fed.vectorize, bool) or fed.vectorize == "auto",
+             f"federation.vectorize must be true, false or auto, got {fed.vectorize!r}")
+    _require(fed.capture in CAPTURE_MODES, f"federation.capture must be one of {', '.join(CAPTURE_MODES)}, got {fed.capture!r}")
     _require(fed.vectorize_lanes >= 0, f"federation.vectorize_lanes must be ≥ 0 (0: all clients at once), got {fed.vectorize_lanes}")
     _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
     _require(0 <= fed.client_failure_rate < 1, f"federation.client_failure_rate must be in [0, 1), got {fed.client_failure_rate}")

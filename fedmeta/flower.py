@@ -167,6 +167,12 @@ class FlowerEngine:
         self.grid, self.node_of, self.timeout = grid, node_of, timeout
         self.bytes_sent = self.bytes_received = self.messages = 0  # tensors' bytes both ways, messages sent
 
+    def describe(self) -> dict:
+        return {"vectorized": False, "capture": "none", "recorded": False, "fallback": None}
+
+    def label(self) -> str:
+        return "clients on Flower SuperNodes"
+
     def _exchange(self, lanes: list, kind: str, round_: int) -> dict[int, Message | str]:
         """Send each lane's client its message; its reply, or why there is none, by client id."""
         messages, model_bytes, gone = [], {}, {}

@@ -87,11 +87,22 @@ def finished(job: Job, kept: Path | None = None) -> bool:
     return any((folder / run_name(cfg) / "summary.json").exists() for folder in (Path(cfg.output.root), kept) if folder)
 
 
+def vectorized_here(cfg: DictConfig) -> bool:
+    """Whether a run of ``cfg`` started on this machine vmaps its clients (``auto``: where a GPU is)."""
+    import torch
+
+    from fedmeta.capture import resolve
+
+    accelerator = cfg.fabric.accelerator
+    gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    return resolve(cfg.federation.vectorize, cfg.federation.capture, torch.device("cuda" if gpu else "cpu"))[0]
+
+
 def stacked(jobs: list[Job]) -> list[Job]:
     """Vectorized jobs of one setting and method merged into one job over their seeds."""
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
-        together = compose(list(job.overrides)).federation.vectorize
+        together = vectorized_here(compose(list(job.overrides)))
         key = (job.point, job.setting, job.method) + (() if together else (job.seed,))
         groups.setdefault(key, []).append(job)
     merged = []
@@ -162,15 +173,68 @@ def sweep_report(jobs: list[Job]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_parallel() -> int:
+    """Processes at once when not asked: all of them on a GPU (the card is shared; one process alone
+    leaves it mostly idle), one on a CPU."""
+    import torch
+
+    return 0 if torch.cuda.is_available() else 1
+
+
+STARTUP_SECONDS = 60  # a unit's process: imports, data to the device, the first recordings
+
+
+def unit_seconds(job: Job, rows: list[dict]) -> float | None:
+    """A process's estimated wall time from bench rows (``fedmeta bench``'s results): its seeds ×
+    (rounds × the fastest measured seconds per seed and round + its evaluations × one evaluation of
+    the new clients), plus start-up; None when no row measured its data set, method and variant."""
+    cfg = compose(list(job.overrides))
+    seeds = len(cfg.seeds) if cfg.seeds else 1
+    fed = cfg.federation
+    match = [r for r in rows if r["dataset"] == cfg.dataset.name and r["method"] == cfg.method.name
+             and r["variant"] == cfg.variant and r["precision"] == str(cfg.fabric.precision)
+             and r.get("matmul_precision", "highest") == cfg.fabric.matmul_precision]
+    if not match:
+        return None
+    per_round = min(r["seconds_per_round"] for r in match)
+    evaluation = min(r["evaluation_seconds"] / r["new_clients"] if "evaluation_seconds" in r
+                     else r["personalize_seconds_per_client"] for r in match) * fed.num_new_clients
+    evaluations = math.ceil(fed.rounds / fed.eval_every) + (fed.rounds % fed.eval_every != 0)
+    return STARTUP_SECONDS + seeds * (fed.rounds * per_round + evaluations * evaluation)
+
+
+def within_budget(todo: list[Job], rows: list[dict], budget: float) -> list[Job]:
+    """The processes to start so that all of them finish in ``budget`` seconds, in the grid's order:
+    estimated one after another (a card shared by processes at once does no more work than their
+    sum, and may do less). Each process left out is said in one line, with its estimate."""
+    chosen, total = [], 0.0
+    for job in todo:
+        seconds = unit_seconds(job, rows)
+        if seconds is not None and total + seconds <= budget:
+            chosen.append(job)
+            total += seconds
+            print(f"starting {job.label}: ~{seconds:.0f} s")
+        else:
+            reason = "no bench row measured it" if seconds is None else f"~{seconds:.0f} s, {budget - total:.0f} s left"
+            print(f"not starting {job.label}: {reason}")
+    print(f"{len(chosen)} of {len(todo)} processes fit {budget:.0f} s (~{total:.0f} s estimated)")
+    return chosen
+
+
 def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None, executor: str = "pool",
-        slurm: list[str] = ()) -> list[str]:
-    """Run the jobs not yet finished on ``executor``; returns one line per failed run (its log holds the rest)."""
+        slurm: list[str] = (), budget: tuple[float, list[dict]] | None = None) -> list[str]:
+    """Run the jobs not yet finished on ``executor``; returns one line per failed run (its log holds the rest).
+    ``budget`` (seconds, bench rows): start only the processes estimated to finish in that time.
+    ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods)."""
     if executor not in EXECUTORS:
         raise FedmetaError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     remaining = [job for job in jobs if not finished(job, kept)]
     todo = stacked(remaining)
     print(f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
-          f"in {len(todo)} processes, {parallel} at a time ({executor})")
+          f"in {len(todo)} processes, {parallel or 'all'} at a time ({executor})")
+    if budget is not None:
+        todo = within_budget(todo, budget[1], budget[0])
+    parallel = parallel or max(1, len(todo))
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     threads = 1 if parallel > 1 and executor != "slurm" else 0  # OpenMP threads of parallel runs only fight each other

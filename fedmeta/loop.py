@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from fedmeta import checkpoint
 from fedmeta.algorithms import Algorithm, build_algorithm
+from fedmeta.capture import resolve
 from fedmeta.config import apply_overrides, compose, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
@@ -236,8 +237,13 @@ def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:
     return fabric, *build(fabric, cfg)
 
 
-def make_engine(cfg: DictConfig) -> Engine:
-    return Engine(cfg.federation.vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes)
+def make_engine(cfg: DictConfig, device: torch.device) -> Engine:
+    """The engine the config asks for on ``device`` (``auto`` resolved: fedmeta.capture.resolve)."""
+    vectorize, capture = resolve(cfg.federation.vectorize, cfg.federation.capture, device)
+    if capture == "graph" and device.type != "cuda":
+        raise FedmetaError(f"federation.capture=graph records CUDA graphs and needs a CUDA device, not {device.type}: "
+                           "use capture=static (the same layout, eagerly), compile or none")
+    return Engine(vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes, capture)
 
 
 TEST_TIME_KEYS = {"method.test_head_steps", "method.lam"}  # method settings read only by new clients (FedRep, Ditto)
@@ -281,7 +287,8 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
     except Exception as exc:
         raise FedmetaError(f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
                            f"({type(exc).__name__}): it is corrupt or from another run") from None
-    result = evaluate_on_ranks(fabric, [Federated(algorithm, federation, cfg.seed)], cfg.personalization, make_engine(cfg))[0]
+    result = evaluate_on_ranks(fabric, [Federated(algorithm, federation, cfg.seed)], cfg.personalization,
+                               make_engine(cfg, fabric.device))[0]
     record = {"personalization": OmegaConf.to_container(cfg.personalization), "accuracy": result.accuracy,
               "accuracy_std": result.accuracy_std, "curve": result.curve}
     if fabric.is_global_zero:
@@ -366,7 +373,7 @@ class Run:
             "rounds": cfg.federation.rounds, "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
             "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None, "resumed_at_round": self.resumed_at,
             "new_clients": len(self.result.curves), "device": str(fabric.device), "world_size": fabric.world_size,
-            "vectorized": bool(cfg.federation.vectorize), "seeds_stacked": self.stacked, "hardware": hardware_name(fabric.device),
+            "seeds_stacked": self.stacked, "hardware": hardware_name(fabric.device),
         }
 
 
@@ -387,7 +394,7 @@ def train(cfg: DictConfig, show_progress: bool = True,
     try:
         for one in configs:
             runs.append(Run(fabric, one, len(configs)))
-        return _train(fabric, cfg, runs, show_progress, on_evaluation, engine or make_engine(cfg))
+        return _train(fabric, cfg, runs, show_progress, on_evaluation, engine or make_engine(cfg, fabric.device))
     finally:
         for run in runs:
             run.recorder.close("failed")  # a run that stopped early (error, pruner, Ctrl-C); after finish: nothing left
@@ -399,7 +406,8 @@ def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool
     fed = cfg.federation
     shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
     first = min(run.first_round for run in runs)
-    label = f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}" + (f" ×{len(runs)} seeds" if len(runs) > 1 else "")
+    label = (f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}" + (f" ×{len(runs)} seeds" if len(runs) > 1 else "")
+             + f" [{fabric.device.type}, {engine.label()}]")  # how it runs, said once at the start
     bar = tqdm(range(first, fed.rounds + 1), desc=label, disable=not (show_progress and fabric.is_global_zero),
                unit="round", initial=first - 1, total=fed.rounds)
     for round_ in bar:
@@ -447,7 +455,7 @@ def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool
     summaries = []
     for run in runs:
         if run.error is None:
-            summary = run.summary()
+            summary = {**run.summary(), **engine.describe()}
             run.recorder.finish(summary, run.cfg)
             summaries.append(summary)
     failed = [run.error for run in runs if run.error]

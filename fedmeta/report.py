@@ -65,12 +65,13 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, command: str) -> str:
-    """TABLES.md: accuracy mean ± std over seeds (paper's number and our difference beside it), then
-    the budget, hardware and wall time of every cell."""
+    """The preset's section of TABLES.md — accuracy mean ± std over seeds (paper's number and our
+    difference beside it), then the budget, hardware and wall time of every cell — in place of that
+    preset's earlier section; the other presets' sections stay as they are."""
     runs, paper = collect(root), OmegaConf.load(CONFIG_DIR / "paper_results.yaml")
     settings = [name for name, s in preset.settings.items() if s.grid == "table"]
     methods = list(preset.methods)
-    lines = [f"# Results — preset `{preset_name}`", "",
+    lines = [f"## Preset `{preset_name}`", "",
              f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
              f"the seeds run; beside it the paper's number (5 seeds, full protocol) and ours minus the paper's.",
              "", f"Command: `{command}`. Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from `{root}/`.", "",
@@ -89,7 +90,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
                 cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
             cells.append(cell)
         lines.append(f"| {method_label(method)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Every cell: budget, hardware, wall time", "",
+    lines += ["", f"### Every cell of `{preset_name}`: budget, hardware, wall time", "",
               "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |", "|---|---|---|---|---|---|---|"]
     for setting in settings:
         for method in methods:
@@ -101,9 +102,29 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
                              f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
                              f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |")
     text = "\n".join(lines) + "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    replace_section(out, preset_name, text)
     return text
+
+
+TABLES_TITLE = "# Results\n\nOne section per preset, each written by `fedmeta table --preset <name>`.\n"
+
+
+def replace_section(path: Path, name: str, text: str) -> None:
+    """``path`` with the section of preset ``name`` (between its markers) replaced by ``text``, or
+    added; written to a temporary file and renamed, so a reader never sees half a file."""
+    start, end = f"<!-- preset {name} -->", f"<!-- end of preset {name} -->"
+    old = path.read_text() if path.exists() else TABLES_TITLE
+    if not old.startswith("# Results\n"):  # a file from before sections: kept whole below the title
+        old = TABLES_TITLE + "\n" + old.replace("# Results — preset", "## Preset", 1)
+    block = f"{start}\n{text}{end}\n"
+    if start in old and end in old:
+        new = old[:old.index(start)] + block + old[old.index(end) + len(end) + 1:]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
 
 
 def _steps(runs) -> int:

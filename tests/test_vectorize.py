@@ -53,17 +53,21 @@ def paths(method: str, data: ImageDataset):
     return fabric, cfg, built
 
 
+@pytest.mark.parametrize("capture", ["none", "static"])
 @pytest.mark.parametrize("method", sorted(FAST))
-def test_vectorized_rounds_and_evaluation_equal_sequential(method, uneven):
+def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, uneven):
+    """Vmapped (``none``), and vmapped on the fixed layout a recorded round replays (``static``: every
+    round padded to the largest batches and the most steps seen, the data gathered on the device
+    from stacked indices), compute what one client at a time computes."""
     fabric, cfg, built = paths(method, uneven)
     sizes = {c.num_samples for c in built[0][1].train_clients}
     assert len(sizes) > 5  # clients of many sizes: padded batches and idle steps are exercised
     results = []
     for (algorithm, federation), vectorize in zip(built, (False, True)):
-        engine = Engine(vectorize, max_lanes=3)  # the 4 clients of a round in two vmapped calls
+        engine = Engine(vectorize, max_lanes=3, capture=capture)  # the 4 clients of a round in two vmapped calls
         losses = [federated_round(algorithm, federation, r, 4, seed=0, engine=engine).loss for r in (1, 2, 3)]
         curves = evaluate_on_ranks(fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine)[0].curves
-        assert engine.vectorize == vectorize  # vmap did not fall back to one client at a time
+        assert engine.vectorize == vectorize and engine.describe()["fallback"] is None  # vmap did not fall back
         results.append((algorithm.global_params(), losses, curves, algorithm.client_states))
     (seq_params, seq_losses, seq_curves, seq_states), (vec_params, vec_losses, vec_curves, vec_states) = results
     for name in seq_params:
@@ -112,6 +116,7 @@ def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch
         for r in (1, 2):
             outcome = federated_round(algorithm, federation, r, 4, seed=0, engine=engine)
     assert not outcome.dropped and not engine.vectorize
+    assert engine.describe()["vectorized"] is False and "could not be vmapped" in engine.describe()["fallback"]
     notices = [r.message for r in caplog.records if "could not be vmapped" in r.message]
     assert len(notices) == 1 and "one at a time" in notices[0]
 

@@ -5,6 +5,11 @@ client's work is the same whichever process or order runs it. ``Client.stream`` 
 to read a client's data, the one of a persistent iterator over a shuffled ``drop_last`` loader:
 batch k of an endless sequence of epochs, each epoch shuffled by its own seeded generator, so a
 client that has read k batches continues at k — in any process, after any checkpoint.
+
+A client's draws can also yield *index batches* (``Client.indexed``): the same batches as sample
+indices, which fedmeta.engine stacks for all the clients of a round, moves to the device in one
+copy and gathers from the device-resident data there (``Federation.gather``) — the form a captured
+round replays with new indices each round.
 """
 
 from __future__ import annotations
@@ -43,6 +48,15 @@ class Client:
 
     def __post_init__(self):
         self._splits = {"pers": self.pers, "held_out": self.held_out, "all": torch.cat([self.pers, self.held_out])}
+        self._indexed: Client | None = None
+
+    def indexed(self) -> Client:
+        """This client with batches of sample indices in place of images and labels (``x`` and ``y``
+        both hold the indices): the same draws, gathered later by ``Federation.gather``."""
+        if self._indexed is None:
+            self._indexed = Client(self.id, self.pers, self.held_out, self.seed, INDICES)
+            self._indexed._splits = self._splits
+        return self._indexed
 
     @property
     def num_samples(self) -> int:
@@ -100,6 +114,28 @@ class Client:
         return batches
 
 
+def map_batches(tree, fn):
+    """``fn`` applied to every batch of a client's data (dicts and lists of batches)."""
+    if isinstance(tree, Batch):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {key: map_batches(value, fn) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [map_batches(item, fn) for item in tree]
+    return tree
+
+
+class _Indices:
+    """Stands in for a federation's data: ``take`` returns the indices themselves."""
+
+    @staticmethod
+    def take(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return indices, indices
+
+
+INDICES = _Indices()
+
+
 class Federation:
     """The data tensors (on the training device) and the clients that index them."""
 
@@ -128,6 +164,11 @@ class Federation:
     def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         indices = indices.to(self.x.device, non_blocking=True)
         return self.x[indices], self.y[indices]
+
+    def gather(self, tree):
+        """Index batches (``Client.indexed``, stacked or not, on this federation's device) → the
+        batches of images and labels they index; masks and step flags pass through."""
+        return map_batches(tree, lambda b: b._replace(x=self.x[b.x], y=None if b.y is None else self.y[b.y]))
 
     def sample_round(self, round_: int, clients_per_round: int, seed: int) -> list[Client]:
         """The M clients of a round, drawn without replacement by a round-seeded generator."""
