@@ -140,9 +140,9 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
     calls = count_calls(lambda: round_(warmup + rounds + 1))
     gflop = float("nan")
     if count_flops:
-        with flop_counter() as flops:  # a dispatch mode sees only its own thread: count a sequential round
-            timed(lambda: round_(warmup + rounds + 2, Engine()))
-        gflop = flops.get_total_flops() / 1e9 / len(runs)
+        with flop_counter() as flops:  # a dispatch mode sees only its own thread: count one seed's sequential round
+            timed(lambda: federated_rounds(runs[:1], warmup + rounds + 2, fed.clients_per_round, engine=Engine()))
+        gflop = flops.get_total_flops() / 1e9
     first = runs[0]
     some = Federated(first.algorithm, _first_new_clients(first.federation, personalize_clients), first.seed)
     evaluate_on_ranks(fabric, [some], cfg.personalization, engine)  # warm-up: kernel selection, allocations

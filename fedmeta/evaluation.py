@@ -82,7 +82,9 @@ def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> 
                 weights.append(step_weight(batch))  # a padded (idle) batch of a stacked client counts 0
         if len(held_out) == 1:
             return accuracies[0]
-        weights = torch.stack([torch.as_tensor(w, dtype=accuracies[0].dtype, device=accuracies[0].device) for w in weights])
+        # a constant weight as a fill, not a host-to-device copy: a recorded evaluation (CUDA graph) cannot copy
+        weights = torch.stack([w.to(accuracies[0].dtype) if isinstance(w, torch.Tensor) else torch.full_like(accuracies[0], w)
+                               for w in weights])
         return (torch.stack(accuracies) * weights).sum() / weights.sum()
 
     personal, accuracies, losses = start, [held_out_accuracy(start, data["context"])], []

@@ -33,7 +33,7 @@ mkdir -p "$OUT"
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import omegaconf" 2>/dev/null; then
+if ! "$PY" -c "import omegaconf, pytest" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/fedmeta-site .gpu/wheels/*.whl || exit 1
   export PYTHONPATH="$PYTHONPATH:/tmp/fedmeta-site"
 fi

@@ -16,7 +16,7 @@ matmul_size: 256
 datasets: {rmnist: [dataset=rmnist, partition=shards]}
 methods: [perfedavg]
 extra_rows: [[method=cafeme, variant=authors]]
-clients: [sequential, vmap]
+clients: [sequential, vmap, static]
 evaluation_methods: [perfedavg]
 seed_rows: [[method=perfedavg, "seeds=[0,1]", federation.vectorize=true]]
 memory:
@@ -40,16 +40,22 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     out = tmp_path / "bench.json"
     result = bench.run(extra=["personalization.steps=3"], out=out, config=small_bench, profile=True, projection="paper")
     assert json.loads(out.read_text()) == result
-    assert result["peak_gflops"] > 0 and result["peak_gflops_bf16"] > 0
-    assert [(r["method"], r["variant"], r["clients"], r["seeds"]) for r in result["rows"]] == [
-        ("perfedavg", "paper", "sequential", 1), ("perfedavg", "paper", "vmap", 1),
-        ("cafeme", "authors", "sequential", 1), ("cafeme", "authors", "vmap", 1), ("perfedavg", "paper", "vmap", 2)]
+    cpu = result["peaks"]["cpu"]
+    assert cpu["fp32"] > 0 and cpu["bf16"] > 0 and "tf32" not in cpu and cpu["hardware"] == result["rows"][0]["hardware"]
+    assert [(r["method"], r["variant"], r["clients"], r["capture"], r["seeds"]) for r in result["rows"]] == [
+        ("perfedavg", "paper", "sequential", "none", 1), ("perfedavg", "paper", "vmap", "none", 1),
+        ("perfedavg", "paper", "vmap", "static", 1),
+        ("cafeme", "authors", "sequential", "none", 1), ("cafeme", "authors", "vmap", "none", 1),
+        ("cafeme", "authors", "vmap", "static", 1), ("perfedavg", "paper", "vmap", "none", 2)]
     assert all(("evaluation_seconds" in r) == (r["method"] == "perfedavg" and r["seeds"] == 1) for r in result["rows"])
-    # each vmap row and the stacked-seed row against the sequential row of its method, from this run
-    ratios = {(s["method"], s["clients"], s["seeds"]): s for s in result["speedups"]}
-    assert set(ratios) == {("perfedavg", "vmap", 1), ("cafeme", "vmap", 1), ("perfedavg", "vmap", 2)}
+    # each vmap row and the stacked-seed row against the sequential row of its method, and the fixed-layout
+    # rows against the eager vmapped row too, all from this run
+    ratios = {(s["method"], s["clients"], s["capture"], s["seeds"]): s for s in result["speedups"]}
+    assert set(ratios) == {("perfedavg", "vmap", "none", 1), ("perfedavg", "vmap", "static", 1), ("cafeme", "vmap", "none", 1),
+                           ("cafeme", "vmap", "static", 1), ("perfedavg", "vmap", "none", 2)}
     assert all(s["round"] > 0 and s["personalize"] > 0 for s in ratios.values())
-    assert ratios[("perfedavg", "vmap", 1)]["evaluation"] > 0
+    assert ratios[("perfedavg", "vmap", "none", 1)]["evaluation"] > 0
+    assert ratios[("cafeme", "vmap", "static", 1)]["vs_eager"] > 0 and "vs_eager" not in ratios[("cafeme", "vmap", "none", 1)]
     # the paper preset's cost on this machine, from the rows measured (RMNIST only, and only Per-FedAvg of the paper's methods)
     lines = result["projection"]["lines"]
     assert any(line.startswith("rmnist-shards: ") and "not measured: cafeme" in line for line in lines)
@@ -57,11 +63,13 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     for row in result["rows"]:
         assert row["seconds_per_round"] > 0 and row["gflop_per_round"] > 0 and row["peak_rss_mb"] > 100
         assert row["gflops"] == pytest.approx(row["gflop_per_round"] / row["seconds_per_round"])
+        assert row["peak_fraction"] == pytest.approx(row["gflops"] / cpu["fp32"]) and row["device"] == "cpu"
+        assert row["ops_per_round"] > 100 and "launches_per_round" not in row  # a CPU launches no kernels
     # A CAFeMe client: 5 inner steps on 30 images + one outer step on 180, through base and modulator
     # (≈ 13–16 GFLOP a client, as counted for the authors' code). FLOPs are counted through the second-order inner loops too.
-    assert 50 < result["rows"][2]["gflop_per_round"] < 100
-    assert result["rows"][4]["gflop_per_round"] == pytest.approx(result["rows"][0]["gflop_per_round"], rel=0.2)  # per seed
-    profile = result["rows"][2]["profile"]  # the convolutions are where a CAFeMe round's time goes
+    assert 50 < result["rows"][3]["gflop_per_round"] < 100
+    assert result["rows"][6]["gflop_per_round"] == pytest.approx(result["rows"][0]["gflop_per_round"], rel=0.2)  # per seed
+    profile = result["rows"][3]["profile"]  # the convolutions are where a CAFeMe round's time goes
     assert len(profile) == bench.PROFILE_TOP and any("convolution" in op["op"] for op in profile[:3])
 
     memory = {(m["method"], m["num_clients"]): m for m in result["memory"]}
