@@ -18,7 +18,7 @@ TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) $(if $(SEEDS),seeds=[$(subst $
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(if $(RESUME),output.resume=true) $(ARGS)
 
-.PHONY: install train test config describe download table figures bench tensorboard clean-env
+.PHONY: install train test test-all config describe download table figures bench tensorboard clean-env
 
 install: $(VENV)/.ready
 
@@ -61,7 +61,10 @@ tensorboard: install
 download: install
 	$(BIN)/fedmeta data download $(NAME) $(ARGS)
 
-test: install
+test: install      # the quick tier: a few minutes
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: install  # everything, as CI runs it
 	$(BIN)/python -m pytest -q
 
 clean-env:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import resource
 import statistics
 import time
@@ -318,8 +319,20 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
     from fedmeta.config import compose
     from fedmeta.loop import hardware_name
 
+    from fedmeta.config import group_choices
+
     bench = OmegaConf.load(config)
+    if not isinstance(bench, DictConfig) or "datasets" not in bench:
+        raise FedmetaError(f"{config} is not a bench config (a mapping with datasets, methods, rows: see configs/bench.yaml)")
+    unknown = sorted(set(datasets or ()) - set(bench.datasets))
+    if unknown:
+        raise FedmetaError(f"--datasets {' '.join(unknown)}: not a data set of {config.name}; choose from {', '.join(bench.datasets)}")
+    unknown = sorted(set(methods or ()) - set(group_choices("method")))
+    if unknown:
+        raise FedmetaError(f"--methods {' '.join(unknown)}: no such method; choose from {', '.join(group_choices('method'))}")
     rows = plan(bench, datasets, methods, list(extra))
+    if not rows and not (memory and bench.memory.num_clients):
+        raise FedmetaError(f"no row of {config.name} is for these data sets and methods: nothing to measure")
     memory_rows = memory_plan(bench, list(extra)) if memory else []
     if projection:
         from fedmeta.grid import load_preset
@@ -337,6 +350,18 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
             shown = ", ".join(f"{name} {value:.0f}" for name, value in result["peaks"][kind].items() if name != "hardware")
             print(f"{result['peaks'][kind]['hardware']}: matmul peaks (GFLOP/s) {shown}", flush=True)
         return result["peaks"][kind]["fp32"]
+
+    def save() -> None:
+        """The rows so far, atomically (a bench cut short by a lease's end keeps its rows); a bench
+        that measured nothing leaves an earlier result as it is."""
+        if not result["rows"] and not result["memory"]:
+            print(f"no row was measured: {out} left as it was")
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, out)
+        print(f"wrote {out}", flush=True)
 
     peak("cpu")
     print(f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} {'seeds':>5s} "
@@ -363,6 +388,7 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
               f"{row['peak_rss_mb']:8.0f}", flush=True)
         if row["fallback"]:
             print(f"    fell back: {row['fallback']}")
+        save()
         for op in row.get("profile", []):
             print(f"    {100 * op['share']:5.1f} %  {op['op']} ×{op['calls']}")
     result["speedups"] = speedups(result["rows"])
@@ -387,7 +413,5 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
         result["projection"] = {"preset": projection, "lines": project(result, projection)}
         print(f"\nprojected wall time of make table PRESET={projection}, one run at a time on this machine:")
         print("\n".join(f"  {line}" for line in result["projection"]["lines"]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    save()
     return result

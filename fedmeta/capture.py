@@ -60,6 +60,7 @@ class _Graph:
     """One CUDA graph of ``fn`` over static copies of its inputs."""
 
     def __init__(self, fn: Callable, inputs: tuple):
+        self.fn = fn  # and so every tensor it reads (the device data): the graph reads them by address
         self.static = _copy(inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

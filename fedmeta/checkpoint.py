@@ -55,7 +55,8 @@ def _set_rng_states(states: dict) -> None:
 
 def save(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig, round_: int, history: dict) -> None:
     """Write the checkpoint of the state after ``round_`` (all ranks call this; rank 0 writes)."""
-    state = {"round": round_, "identity": identity(cfg), "federation": algorithm.federation_state(),
+    state = {"round": round_, "identity": identity(cfg), "precision": str(cfg.fabric.precision),
+             "federation": algorithm.federation_state(),
              "rng": _rng_states(), "history": history}
     tmp = path.with_name(path.name + ".tmp")
     fabric.save(tmp, state)
@@ -72,11 +73,11 @@ def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> d
     except Exception as exc:
         raise FedmetaError(f"{path} cannot be read ({type(exc).__name__}): it is corrupt or not a fedmeta checkpoint; "
                            "start over with output.overwrite=true") from None
-    ours = identity(cfg)
-    different = _differences(saved_identity, ours)
-    if different:
-        raise FedmetaError(f"{path} belongs to another experiment ({'; '.join(different[:3])}): resume with the "
-                           "settings it was written with, or start over with output.overwrite=true")
+    check_identity(path, saved_identity, cfg)
+    saved_precision = state.get("precision")  # absent in checkpoints written before it was recorded
+    if saved_precision is not None and saved_precision != str(cfg.fabric.precision) and not cfg.output.change_precision:
+        raise FedmetaError(f"{path} was trained in fabric.precision={saved_precision}, this run asks for "
+                           f"{cfg.fabric.precision}: resume in {saved_precision}, or allow it with output.change_precision=true")
     if round_ > cfg.federation.rounds:
         raise FedmetaError(f"{path} is at round {round_}, beyond federation.rounds={cfg.federation.rounds}")
     try:
@@ -85,6 +86,14 @@ def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> d
         raise FedmetaError(f"{path} does not fit this model ({type(exc).__name__}): start over with output.overwrite=true") from None
     _set_rng_states(state["rng"])
     return state
+
+
+def check_identity(path: Path, saved: dict, cfg: DictConfig, ignore: tuple[str, ...] = ()) -> None:
+    """The checkpoint at ``path`` was written by a run of ``cfg``'s experiment (``ignore``: keys that may differ)."""
+    different = [d for d in _differences(saved, identity(cfg)) if not d.startswith(ignore)]
+    if different:
+        raise FedmetaError(f"{path} belongs to another experiment ({'; '.join(different[:3])}): use the "
+                           "settings it was written with, or start over with output.overwrite=true")
 
 
 def _differences(saved, ours, prefix: str = "") -> list[str]:

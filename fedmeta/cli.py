@@ -9,8 +9,42 @@ import sys
 from fedmeta.errors import FedmetaError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with fedmeta's one-line errors (argparse prints its usage block first)."""
+
+    def error(self, message: str):
+        print(f"fedmeta: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class Names(argparse.Action):
+    """A multi-value option (``--datasets a b`` or ``--datasets a,b``) that stops at the first
+    ``key=value``: overrides after it are the command's overrides, not names."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = [n for v in values if "=" not in v for n in v.split(",") if n]
+        moved = [v for v in values if "=" in v]
+        if moved and values.index(moved[0]) < len(values) - len(moved):
+            parser.error(f"{option_string}: put key=value overrides after the names, not among them: {' '.join(values)}")
+        if not names:
+            parser.error(f"{option_string} needs at least one name before any key=value, e.g. {option_string} {self.metavar or 'a b'}")
+        if self.type_of is int:
+            bad = [n for n in names if not n.lstrip("-").isdigit()]
+            if bad:
+                parser.error(f"{option_string} takes integers, e.g. {option_string} 0 1 2; got {bad[0]!r}")
+            names = [int(n) for n in names]
+        setattr(namespace, self.dest, names)
+        namespace.moved_overrides = [*getattr(namespace, "moved_overrides", []), *moved]
+
+    type_of: type = str
+
+
+class Seeds(Names):
+    type_of = int
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedmeta", description="Personalized federated learning with meta-learning.")
+    parser = Parser(prog="fedmeta", description="Personalized federated learning with meta-learning.")
     commands = parser.add_subparsers(dest="command", required=True)
     from fedmeta.config import catalog
 
@@ -39,17 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     evaluate_cmd.add_argument("overrides", nargs="*", metavar="personalization.key=value",
                               help="also method.test_head_steps (FedRep) and method.lam (Ditto): read only by new clients")
     evaluate_cmd.add_argument("--unfinished", action="store_true", help="evaluate the last checkpoint of an unfinished run")
-    grid_args = argparse.ArgumentParser(add_help=False)
+    grid_args = Parser(add_help=False)
     grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")
-    grid_args.add_argument("--datasets", nargs="+", help="only these data sets (cifar10) or settings (cifar10-shards)")
-    grid_args.add_argument("--methods", nargs="+", help="default: the preset's")
-    grid_args.add_argument("--seeds", nargs="+", type=int, help="default: the preset's")
+    grid_args.add_argument("--datasets", nargs="+", action=Names, metavar="NAME",
+                           help="only these data sets (cifar10) or settings (cifar10-shards); spaces or commas")
+    grid_args.add_argument("--methods", nargs="+", action=Names, metavar="NAME", help="default: the preset's")
+    grid_args.add_argument("--seeds", nargs="+", action=Seeds, metavar="SEED", help="default: the preset's")
     grid_args.add_argument("--parallel", type=int, help="processes at once (default: all of them on a GPU, whose card "
                            "they share; 1 on a CPU, where one per core is the most that helps)")
     grid_args.add_argument("--executor", default="pool", help="pool: processes on this machine | slurm: an array job "
                            "through submitit | local: submitit's local executor (the SLURM jobs, run here)")
-    grid_args.add_argument("--slurm", nargs="*", default=[], metavar="key=value",
-                           help="submitit parameters for the jobs, e.g. partition=gpu gpus_per_node=1 timeout_min=600")
+    grid_args.add_argument("--slurm", action="append", default=[], metavar="key=value[,key=value…]",
+                           help="submitit parameters for the jobs, e.g. --slurm partition=gpu,gpus_per_node=1,timeout_min=600")
     grid_args.add_argument("overrides", nargs="*", metavar="key=value", help="for every run, e.g. fabric.accelerator=cuda")
     table_cmd = commands.add_parser("table", parents=[grid_args], help="run the paper's table grid, write results/TABLES.md")
     table_cmd.add_argument("--no-run", action="store_true", help="only write the table from the finished runs")
@@ -88,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             flower_sub.add_argument("--max-seconds", type=float, default=24 * 3600, help="stop the deployment after this long")
             flower_sub.add_argument("--print", action="store_true", help="print the commands, start nothing")
     bench_cmd = commands.add_parser("bench", help="time, FLOP-count and memory-profile every method's round (configs/bench.yaml)")
-    bench_cmd.add_argument("--datasets", nargs="+", help="default: the bench config's (rmnist cifar10)")
-    bench_cmd.add_argument("--methods", nargs="+", help="default: every method")
+    bench_cmd.add_argument("--datasets", nargs="+", action=Names, metavar="NAME", help="default: the bench config's (rmnist cifar10)")
+    bench_cmd.add_argument("--methods", nargs="+", action=Names, metavar="NAME", help="default: every method")
     bench_cmd.add_argument("--no-memory", action="store_true", help="skip the 100/1,000/10,000-client memory rows")
     bench_cmd.add_argument("--profile", action="store_true", help="also list each row's most expensive operators (torch.profiler)")
     bench_cmd.add_argument("--project", metavar="PRESET", help="also print the projected wall time of make table PRESET=…")
@@ -107,7 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                           "one URL shared by several machines runs one study")
     tune_cmd.add_argument("--overwrite", action="store_true", help="replace a tuned.yaml that was written by hand")
     tune_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every trial, e.g. partition=dirichlet")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error, said in one line (2)
+        return int(exit_.code or 0)
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *getattr(args, "moved_overrides", [])]
+    if hasattr(args, "slurm"):
+        args.slurm = [item for value in args.slurm for item in value.split(",") if item]
 
     try:
         from omegaconf import OmegaConf
@@ -181,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"fedmeta: error: {where}{exc.strerror or exc}: check the path and its permissions or free space", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the run's lock is released and its last checkpoint kept on the way out
+        hint = " resume with the same command and output.resume=true (make train RESUME=1)" if args.command == "train" else \
+            " run the same command again: finished work is kept"
+        print(f"\nfedmeta: interrupted;{hint}", file=sys.stderr)
+        return 130
     for one in summary if isinstance(summary, list) else [summary]:  # stacked seeds: one summary each
         print(json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")}))
         print(f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
@@ -208,6 +255,9 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     from fedmeta import grid, report
 
     preset, root = grid.load_preset(args.preset), Path("runs") / args.preset
+    if args.executor not in grid.EXECUTORS:
+        raise FedmetaError(f"--executor must be one of {', '.join(grid.EXECUTORS)}, got {args.executor!r}")
+    grid.check_names(preset, args.datasets, args.methods)
     kept = Path("results") / "runs" / args.preset  # the runs' small files, committed: what the report reads
     grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []

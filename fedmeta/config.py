@@ -113,7 +113,11 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
         raise FedmetaError(f"cannot parse overrides {list(settings)}: {exc}".splitlines()[0]) from None
     for override in settings:
         key = override.split("=", 1)[0]
-        _check_type(key, OmegaConf.select(cfg, key, default=None), OmegaConf.select(cli, key, default=None))
+        default, value = OmegaConf.select(cfg, key, default=None), OmegaConf.select(cli, key, default=None)
+        if _is_list(default) and isinstance(value, str) and all(isinstance(v, str) for v in default):
+            value = [value]  # one name where a list of names is expected: logger=tensorboard
+            OmegaConf.update(cli, key, value, merge=False)
+        _check_type(key, default, value)
     try:
         cfg = OmegaConf.merge(cfg, cli)
         OmegaConf.resolve(cfg)
@@ -147,10 +151,20 @@ def _check_type(key: str, default, value) -> None:
     elif isinstance(default, float):
         _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                  shown.format("a finite number"))
-    elif OmegaConf.is_list(default) or isinstance(default, list):
-        _require(OmegaConf.is_list(value) or isinstance(value, list), shown.format("a list, e.g. [32,64]"))
+    elif _is_list(default):
+        example = f"[{','.join(map(str, default))}]" if len(default) else "[]"
+        _require(_is_list(value), shown.format(f"a list, e.g. {key}={example}"))
     elif OmegaConf.is_dict(default):
         _require(OmegaConf.is_dict(value) or isinstance(value, dict), shown.format("a mapping"))
+
+
+def _plain(name) -> bool:
+    """A name that is one folder, never a path: it cannot climb out of output.root or name another folder."""
+    return isinstance(name, str) and NAME.fullmatch(name) is not None and ".." not in name
+
+
+def _is_list(value) -> bool:
+    return OmegaConf.is_list(value) or isinstance(value, list)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -183,6 +197,8 @@ def validate(cfg: DictConfig) -> None:
     _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
     _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,
              "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 1")
+    _require(isinstance(pers.decay_every, int) and pers.decay_every >= 1,
+             f"personalization.decay_every must be an integer ≥ 1 (steps between decays), got {pers.decay_every!r}")
     _require(pers.batches in ("independent", "stream"), f"personalization.batches must be independent or stream, got {pers.batches!r}")
     _require(pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
              f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}")
@@ -201,6 +217,10 @@ def validate(cfg: DictConfig) -> None:
     for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
         if key in method:
             _require(isinstance(method[key], int) and method[key] >= 0, f"method.{key} must be an integer ≥ 0, got {method[key]}")
+    if method.algorithm == "ifca":  # IFCA trains as FedAvg with plain SGD epochs: FedAvg's other options mean nothing here
+        _require(method.get("local_optimizer", "sgd") == "sgd" and not method.get("local_batches"),
+                 "IFCA trains with SGD epochs: method.local_optimizer and method.local_batches are FedAvg's "
+                 "(its authors' Ditto), not IFCA's; leave them at sgd and 0")
     if "clusters" in method:
         _require(method.clusters is None and cfg.dataset.name == "meta_dataset" or isinstance(method.clusters, int) and method.clusters >= 1,
                  f"method.clusters must be an integer ≥ 1 (null, one per source, only for dataset=meta_dataset), got {method.clusters}")
@@ -214,8 +234,11 @@ def validate(cfg: DictConfig) -> None:
         _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
                  f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
     setting = cfg.output.setting
-    _require(setting is None or (isinstance(setting, str) and NAME.fullmatch(setting) is not None and ".." not in setting),
+    _require(setting is None or _plain(setting),
              f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
+    for key, value in (("method.name", cfg.method.name), ("variant", cfg.variant)):  # they name the run folder
+        _require(_plain(value), f"{key} must be a plain name (letters, digits, _ . -; no / or ..), e.g. "
+                 f"method.name=cafeme; got {value!r}")
     _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {', '.join(PRECISIONS)}, "
              f"got {cfg.fabric.precision!r}")
     _require(cfg.fabric.matmul_precision in ("highest", "high", "medium"),

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fedmeta.algorithms import Algorithm, ClientUpdate
 from fedmeta.capture import Capture
-from fedmeta.data.federation import Batch, Client, Federation, map_batches
+from fedmeta.data.federation import Batch, Client, Federation, gather, map_batches
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import check_finite, draw_personalization, personalize, personalize_client
 from fedmeta.functional import vmapped
@@ -303,8 +303,9 @@ class Engine:
             indices = pad_to(indices, self.layouts[key])
         device = federations[0].x.device
         indices = to_device(indices, device)
-        if len(federations) == 1:
-            return key, indices, federations[0].gather
+        if len(federations) == 1:  # the tensors themselves, not the federation: a recording keeps what it read
+            x, y = federations[0].x, federations[0].y
+            return key, indices, lambda tree: gather(x, y, tree)
         bank_key = tuple(id(f) for f in federations)
         if bank_key not in self.banks and DataBank.fits(federations):
             self.banks[bank_key] = DataBank(federations)
@@ -313,7 +314,8 @@ class Engine:
         if bank_key in self.banks:
             bank = self.banks[bank_key]
             return key, (indices, sources), lambda both: bank.gather(*both)
-        return key, (indices, sources), lambda both: stack([c.data.gather(lane(both[0], i)) for i, (_, c) in enumerate(lanes)])
+        data = [(c.data.x, c.data.y) for _, c in lanes]  # data sets of different shapes: a gather per lane
+        return key, (indices, sources), lambda both: stack([gather(*xy, lane(both[0], i)) for i, xy in enumerate(data)])
 
     def _vectorized_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate]:
         algorithm = _for_vmap(lanes)

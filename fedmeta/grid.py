@@ -55,11 +55,9 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
     """The runs of the chosen grids, seed by seed (all methods of seed 0 first, so a grid cut short
     still compares every method)."""
     settings = {name: s for name, s in preset.settings.items() if s.grid in grids}
+    check_names(preset, datasets, methods)
     if datasets:  # data set names (cifar10) or setting names (cifar10-shards)
         settings = {name: s for name, s in settings.items() if name in datasets or setting_dataset(s) in datasets}
-        unknown = set(datasets) - {setting_dataset(s) for s in preset.settings.values()} - set(preset.settings)
-        if unknown:
-            raise FedmetaError(f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}")
     jobs = []
     for label, setting in settings.items():
         dataset = setting_dataset(setting)
@@ -74,6 +72,17 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
                 picks = (f"method={name}", *([f"variant={variant}"] if variant else []))
                 jobs.append(Job(label, method, int(seed), (*common, *picks, f"seed={seed}")))
     return jobs
+
+
+def check_names(preset: DictConfig, datasets: list[str] | None = None, methods: list[str] | None = None) -> None:
+    """Every data set or setting name is one of the preset's, every method a method (with an
+    existing variant: ``fedrep-tuned``): a typo is one line before anything runs or is written."""
+    unknown = set(datasets or ()) - {setting_dataset(s) for s in preset.settings.values()} - set(preset.settings)
+    if unknown:
+        raise FedmetaError(f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}")
+    for method in methods or ():
+        name, _, variant = method.partition("-")
+        compose([f"method={name}", *([f"variant={variant}"] if variant else [])])  # unknown: one line with the choices
 
 
 def setting_dataset(setting: DictConfig) -> str:
@@ -140,6 +149,8 @@ def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise FedmetaError(f"sweep values must be key=value or key=a,b,c, got {bad[0]!r}")
+    if any(o.split("=", 1)[0] == "output.root" for o in overrides):
+        raise FedmetaError("a sweep's runs go under --root (default runs/sweep), not output.root: give --root FOLDER")
     axes = [(key, split_values(value)) for key, value in (o.split("=", 1) for o in overrides)]
     if any(not v for _, values in axes for v in values):
         raise FedmetaError("a sweep value is empty (two commas, or one at an end): write key=a,b,c")

@@ -32,8 +32,8 @@ from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.engine import Engine
-from fedmeta.evaluation import PersonalizationResult
-from fedmeta.runs import RunLock, RunRecorder
+from fedmeta.evaluation import PersonalizationResult, draw_personalization
+from fedmeta.runs import RunLock, RunRecorder, append_text, check_run_folder
 
 log = logging.getLogger("fedmeta")
 
@@ -253,6 +253,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
     """The shared test-time procedure again on a finished run's final model, with other
     ``personalization.*`` settings (e.g. the step size); appended to the run's evaluations.jsonl.
     ``unfinished`` allows the last checkpoint of a run that has not finished."""
+    check_run_folder(run_dir)
     if not (run_dir / "checkpoint.ckpt").exists() or not (run_dir / "config.yaml").exists():
         raise FedmetaError(f"{run_dir} holds no run (config.yaml and checkpoint.ckpt): give a run folder")
     if not unfinished and not (run_dir / "summary.json").exists():
@@ -283,6 +284,14 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
     fabric, federation, algorithm = setup(cfg)
     try:
         state = fabric.load(run_dir / "checkpoint.ckpt", weights_only=True)
+        saved = state["identity"]
+    except Exception as exc:
+        raise FedmetaError(f"{run_dir / 'checkpoint.ckpt'} cannot be read ({type(exc).__name__}): it is corrupt or not "
+                           "a fedmeta checkpoint") from None
+    # another seed's or experiment's checkpoint in this folder: refused, as a resume refuses it
+    checkpoint.check_identity(run_dir / "checkpoint.ckpt", saved, cfg,
+                              ignore=("personalization.", *(f"{key}:" for key in TEST_TIME_KEYS)))
+    try:
         algorithm.load_federation_state(state["federation"])
     except Exception as exc:
         raise FedmetaError(f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
@@ -292,8 +301,7 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
     record = {"personalization": OmegaConf.to_container(cfg.personalization), "accuracy": result.accuracy,
               "accuracy_std": result.accuracy_std, "curve": result.curve}
     if fabric.is_global_zero:
-        with open(run_dir / "evaluations.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(run_dir / "evaluations.jsonl", json.dumps(record) + "\n")
     return record
 
 
@@ -309,6 +317,14 @@ def seed_configs(cfg: DictConfig) -> list[DictConfig]:
     return configs
 
 
+def rehearse(algorithm: Algorithm, federation: Federation, cfg: DictConfig) -> None:
+    """The draws of a round and of an evaluation on the smallest clients, once, before anything is on
+    disk: what only the data can refuse (a batch larger than a client's data) is said before a run
+    folder exists to block the corrected run. A draw has no effect but its result."""
+    algorithm.draw(min(federation.train_clients, key=lambda c: c.num_samples), 1)
+    draw_personalization(algorithm, min(federation.new_clients, key=lambda c: c.num_samples), cfg.personalization)
+
+
 class Run:
     """One federation's run: its folder, model, clients, checkpoint and the metrics so far."""
 
@@ -317,6 +333,7 @@ class Run:
         self.started = time.perf_counter()
         self.dir = Path(cfg.output.root) / run_name(cfg)
         self.federation, self.algorithm = build(fabric, cfg)  # bad data or settings: refused before anything is on disk
+        rehearse(self.algorithm, self.federation, cfg)
         self.lock = RunLock(self.dir)
         if fabric.is_global_zero:
             self.lock.acquire()
@@ -330,6 +347,7 @@ class Run:
         """The checkpoint to resume from, and the run folder's recorder."""
         cfg, fabric = self.cfg, self.fabric
         self.checkpoint_path = self.dir / "checkpoint.ckpt"
+        check_run_folder(self.dir)  # before anything in it is read
         state = None
         if cfg.output.resume and not (self.dir / "summary.json").exists():
             if self.checkpoint_path.exists():
@@ -389,12 +407,13 @@ def train(cfg: DictConfig, show_progress: bool = True,
     the clients' work (default: fedmeta.engine's, from the config; fedmeta.flower's sends it to
     Flower SuperNodes)."""
     fabric = make_fabric(cfg)
+    engine = engine or make_engine(cfg, fabric.device)  # a setting the device cannot run: refused before any folder
     configs = seed_configs(cfg)
     runs: list[Run] = []
     try:
         for one in configs:
             runs.append(Run(fabric, one, len(configs)))
-        return _train(fabric, cfg, runs, show_progress, on_evaluation, engine or make_engine(cfg, fabric.device))
+        return _train(fabric, cfg, runs, show_progress, on_evaluation, engine)
     finally:
         for run in runs:
             run.recorder.close("failed")  # a run that stopped early (error, pruner, Ctrl-C); after finish: nothing left

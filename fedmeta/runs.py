@@ -6,7 +6,9 @@ curve at every evaluation), summary.json, checkpoint.ckpt — and what its Fabri
 from __future__ import annotations
 
 import csv
+import io
 import json
+import logging
 import os
 import shutil
 import socket
@@ -18,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from fedmeta.config import setting_name
 from fedmeta.errors import FedmetaError
 
+log = logging.getLogger("fedmeta")
+
 METRIC_FIELDS = ["round", "train_loss", "round_seconds", "clients_dropped", "eval_accuracy", "eval_accuracy_std",
                  "eval_step0_accuracy"]
 
@@ -26,6 +30,39 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+RUN_ENTRIES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl", "checkpoint.ckpt",
+               "checkpoint.ckpt.tmp", "tensorboard", "wandb", "csv")  # everything a run writes in its folder
+LOG_FOLDERS = ("tensorboard", "wandb", "csv")
+
+
+def clear_run_folder(run_dir: Path) -> None:
+    """Removes what a run writes in ``run_dir`` and nothing else: a file that fedmeta did not write
+    there stays (and a symbolic link is removed, never followed)."""
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """Each file a run reads or writes in its folder is a plain file (or absent): a symbolic link would
+    send a write elsewhere, a FIFO would block a read forever."""
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_symlink() or (path.exists() and not (path.is_file() or (path.is_dir() and name in LOG_FOLDERS))):
+            kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+            raise FedmetaError(f"{path} is {kind}: a run folder holds only the files fedmeta writes; move it away and run again")
+
+
+def append_text(path: Path, text: str) -> None:
+    """Appends to a file of a run folder without following a symbolic link put there since."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "a", newline="") as f:
+        f.write(text)
 
 
 class RunLock:
@@ -94,10 +131,21 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | 
     # Our own wandb.init: Lightning's would set $WANDB_MODE for the whole process, reuse another
     # seed's open run, and pass options W&B warns about. reinit="create_new": stacked seeds hold
     # one W&B run each at the same time in this process.
-    run = wandb.init(project=cfg.wandb.project, name=f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}", group=setting_name(cfg),
-                     job_type=method, tags=[t[:64] for t in tags], dir=str(run_dir.resolve()), mode=mode, reinit="create_new",
-                     config=OmegaConf.to_container(cfg), settings=wandb.Settings(silent=True, console="off"),
-                     **({"id": run_id, "resume": "allow"} if run_id else {}))
+    def start(resume_id: str | None):
+        return wandb.init(project=cfg.wandb.project, name=f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}",
+                          group=setting_name(cfg), job_type=method, tags=[t[:64] for t in tags], dir=str(run_dir.resolve()),
+                          mode=mode, reinit="create_new", config=OmegaConf.to_container(cfg),
+                          settings=wandb.Settings(silent=True, console="off"),
+                          **({"id": resume_id, "resume": "allow"} if resume_id else {}))
+
+    try:
+        run = start(run_id)
+    except Exception as exc:  # noqa: BLE001 — W&B refuses to continue a run (a killed process's run still "in use")
+        if not run_id:
+            raise
+        log.warning(f"W&B run {run_id} could not be continued ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}); "
+                    "the resumed rounds go to a new W&B run of the same name and group")
+        run = start(None)
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)  # x axis: the round
     return WandbLogger(experiment=run)
@@ -153,7 +201,7 @@ class RunRecorder:
                 if kept and not (cfg.output.overwrite or cfg.output.resume):  # resume without a checkpoint: nothing to keep
                     raise FedmetaError(f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
                                        "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true")
-                shutil.rmtree(run_dir)  # empty of results, or replacing them was asked for
+                clear_run_folder(run_dir)  # empty of results, or replacing them was asked for
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "checkpoint.ckpt.tmp").unlink(missing_ok=True)  # a checkpoint write cut off by a kill
             atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
@@ -174,8 +222,9 @@ class RunRecorder:
         self.rows.append(row)
         if not self.main:
             return
-        with open(self.dir / "metrics.csv", "a", newline="") as f:
-            csv.DictWriter(f, METRIC_FIELDS).writerow(row)
+        line = io.StringIO()
+        csv.DictWriter(line, METRIC_FIELDS).writerow(row)
+        append_text(self.dir / "metrics.csv", line.getvalue())
         for logger in self.loggers:
             logger.log_metrics(_logged(row), step=row["round"])
 
@@ -187,8 +236,9 @@ class RunRecorder:
         self.curves.append([round_, curve])
         if not self.main:
             return
-        with open(self.dir / "curves.csv", "a", newline="") as f:
-            csv.writer(f).writerows([round_, step, acc] for step, acc in enumerate(curve))
+        lines = io.StringIO()
+        csv.writer(lines).writerows([round_, step, acc] for step, acc in enumerate(curve))
+        append_text(self.dir / "curves.csv", lines.getvalue())
         for logger in self.curve_loggers:
             for step, accuracy in enumerate(curve):
                 logger.log_metrics({f"personalization/round_{round_:05d}": accuracy}, step=step)

@@ -84,12 +84,15 @@ class Study:
         self.setting = setting_name(cfg)
         self.name = f"{method}-{self.setting}-{self.rounds}rounds-seed{self.seed}"
         self.root = root / self.name
-        root.mkdir(parents=True, exist_ok=True)
-        self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
-        self.storage_label = storage or f"SQLite, {root / 'studies.db'}"  # what the summary says: no machine's absolute path
+        if storage is not None and not storage.strip():
+            raise FedmetaError("--storage is empty: give a database URL (e.g. sqlite:///studies.db), or leave the option "
+                               "out for the default SQLite file under runs/tune/")
         self.out = config_dir / "variant" / cfg.method.name / "tuned.yaml"
         if self.out.exists() and MARK not in self.out.read_text() and not overwrite:
             raise FedmetaError(f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it")
+        root.mkdir(parents=True, exist_ok=True)  # every input checked: only now is anything created
+        self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
+        self.storage_label = storage or f"SQLite, {root / 'studies.db'}"  # what the summary says: no machine's absolute path
 
     def run(self, show_progress: bool = True) -> dict:
         import optuna

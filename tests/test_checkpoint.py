@@ -39,6 +39,7 @@ def rounds_logged(directory) -> int:
     return len(list(csv.DictReader(open(path)))) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_exactly_the_same_result(tmp_path, mnist_dir):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert fedmeta(root=straight, data=mnist_dir).returncode == 0

@@ -68,6 +68,17 @@ BAD = [
     (["method=../../somewhere/evil"], "unknown method '../../somewhere/evil'"),
     (["dataset=../configs/config"], "unknown data set"),
     (["fabric.precision=16-mixed"], "16-mixed needs a GPU; on the CPU use bf16-mixed"),
+    # the run folder is named from method.name and variant: plain names only, never a path
+    (["method.name=../../../../ESCAPED"], "method.name must be a plain name"),
+    (["method.name=/tmp"], "method.name must be a plain name"),
+    (["personalization.decay_every=0"], "personalization.decay_every must be an integer ≥ 1"),
+    (["method=ifca", "method.local_optimizer=adam_kept"], "IFCA trains with SGD epochs"),
+    (["method=ifca", "method.local_batches=5"], "IFCA trains with SGD epochs"),
+    # what only the data can refuse is refused before a run folder exists (a rehearsal of the first draws)
+    (["variant=authors", "method.batch_size=100000"], "fewer than one batch of 100000"),
+    (["federation.capture=graph"], "federation.capture=graph records CUDA graphs and needs a CUDA device"),
+    (["federation.capture=sometimes"], "federation.capture must be one of"),
+    (["federation.vectorize=maybe"], "federation.vectorize must be true, false or auto"),
 ]
 
 
@@ -152,12 +163,11 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
     (run / "checkpoint.ckpt").write_bytes(b"not a checkpoint")
     assert main(["evaluate", str(run)]) == 2
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and "corrupt or from another run" in error
+    assert error.count("\n") == 1 and "it is corrupt or not a fedmeta checkpoint" in error
 
 
 def test_train_help_lists_every_choice_with_one_line(capsys):
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
+    assert main(["train", "--help"]) == 0
     text = capsys.readouterr().out
     for group in ("dataset", "partition", "method"):
         for name in group_choices(group):
@@ -202,3 +212,49 @@ def test_flower_dp_out_of_range_is_one_line(capsys):
     assert main(["flower", "sim", "--dp", "0", "1", "1", "1e-5"]) == 2
     err = capsys.readouterr().err
     assert "--dp needs CLIP > 0" in err and err.count("\n") == 1
+
+
+def test_one_name_is_a_list_of_one(capsys):
+    assert main(["train", "--print-config", "logger=tensorboard"]) == 0
+    assert "logger:\n- tensorboard\n" in capsys.readouterr().out
+    assert main(["train", "--print-config", "model.dense_units=5"]) == 2  # a number is not a name: refused, with an example
+    assert "model.dense_units must be a list, e.g. model.dense_units=[512]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--datasets", "rmnsit", "fabric.accelerator=cpu", "--no-memory"], "--datasets rmnsit: not a data set of bench.yaml"),
+    (["bench", "--methods", "fedprox", "--no-memory"], "--methods fedprox: no such method"),
+    (["bench", "--datasets", "fabric.accelerator=cpu"], "--datasets needs at least one name"),
+    (["table", "--no-run", "--methods", "bogus"], "unknown method 'bogus'"),
+    (["table", "--no-run", "--methods", "fedrep-nope"], "method 'fedrep' has no variant 'nope'"),
+    (["table", "--no-run", "--executor", "bogus"], "--executor must be one of pool, local, slurm"),
+    (["table", "--no-run", "--datasets", "rmnsit", "federation.rounds=2"], "no setting of the preset is or uses ['rmnsit']"),
+    (["table", "--no-run", "--seeds", "0", "x"], "--seeds takes integers"),
+    (["sweep", "method=local", "output.root=elsewhere"], "a sweep's runs go under --root"),
+    (["tune", "fedrep", "--storage", ""], "--storage is empty"),
+])
+def test_a_typo_in_a_command_is_one_line_and_writes_nothing(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "bench.json").write_text("{}")  # a committed result a typo must not replace
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.count("\n") == 1 and err.startswith("fedmeta: error: "), err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["bench.json", "results"]
+    assert (results / "bench.json").read_text() == "{}"
+
+
+def test_overrides_after_a_list_option_are_overrides():
+    """--datasets a b key=value: the names stop at the first key=value (they used to swallow it)."""
+    import argparse
+
+    from fedmeta.cli import Names
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--datasets", nargs="+", action=Names)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(["--datasets", "rmnist", "cifar10-shards,femnist", "fabric.accelerator=cuda", "seed=1"])
+    assert args.datasets == ["rmnist", "cifar10-shards", "femnist"]
+    assert args.moved_overrides == ["fabric.accelerator=cuda", "seed=1"]

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # make test-all; make test skips it
+
 
 def train(root, data, devices: int, method: str, *extra: str):
     strategy = "ddp" if devices > 1 else "auto"

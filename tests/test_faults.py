@@ -49,6 +49,7 @@ def test_failing_and_nonfinite_clients_are_dropped_not_fatal(tmp_path, mnist_dir
         federated_round(algorithm, federation, 2, 5, cfg.seed)
 
 
+@pytest.mark.slow
 def test_failure_rate_drops_clients_reproducibly_and_still_learns(tmp_path, mnist_dir, caplog):
     cfg = small(tmp_path, mnist_dir, "federation.rounds=6", "federation.eval_every=6", "federation.client_failure_rate=0.4",
                 "personalization.steps=10")

@@ -17,6 +17,8 @@ pytest.importorskip("ray", reason="Flower's Simulation Engine needs Ray: pip ins
 from fedmeta.config import compose  # noqa: E402
 from fedmeta.loop import train  # noqa: E402
 
+pytestmark = pytest.mark.slow  # make test-all; make test skips it
+
 SMALL = ["federation.rounds=3", "federation.eval_every=3", "personalization.steps=3", "federation.num_new_clients=4",
          "model.conv_channels=[8,16]", "model.dense_units=[32]", "logger=[]"]
 

@@ -29,6 +29,7 @@ def test_presets_cover_the_papers_table_and_figures():
         plan(quick, root=Path("runs/quick"), grids=["table"], datasets=["cifar100"])
 
 
+@pytest.mark.slow
 def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
@@ -67,6 +68,7 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     assert "8 of 8 runs already finished" in capsys.readouterr().out and not (tmp_path / "runs" / "quick" / "rmnist-shards").exists()
 
 
+@pytest.mark.slow
 def test_vectorized_grid_stacks_each_methods_seeds_in_one_process(tmp_path, monkeypatch, mnist_dir, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
@@ -87,6 +89,7 @@ def test_parallel_must_be_positive(capsys):
     assert "--parallel must be ≥ 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_failures(tmp_path, monkeypatch, mnist_dir, capsys):
     """fedmeta sweep: every combination of the comma-separated values, each point in its own
     folder, run as submitit jobs (its local executor: the jobs SLURM would get), a table of the
@@ -115,6 +118,7 @@ def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_f
     assert err.count("fedmeta: failed run:") == 1 and "exit 2" in err and "nowhere" in err
 
 
+@pytest.mark.slow
 def test_a_lease_budget_starts_only_the_units_that_fit_and_tables_keep_each_presets_section(tmp_path, monkeypatch, mnist_dir,
                                                                                                capsys):
     """fedmeta table --budget S --estimate BENCH_JSON (scripts/gpu_table.sh): a unit whose estimate

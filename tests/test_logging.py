@@ -8,6 +8,7 @@ import json
 import shutil
 import time
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fedmeta import report
@@ -19,6 +20,7 @@ from wandb_files import read_run
 ROUNDS, EVAL_EVERY, STEPS = 4, 2, 3
 
 
+@pytest.mark.slow
 def test_wandb_and_tensorboard_hold_every_item(tmp_path, mnist_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = compose([f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "method=fedavg_ft", "variant=tuned",

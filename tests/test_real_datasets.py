@@ -9,6 +9,8 @@ from fedmeta.data.sources import data_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.loop import train
 
+pytestmark = pytest.mark.slow  # make test-all; make test skips it
+
 SMALL_32 = ["model.conv_channels=[8,8,8]", "model.dense_units=[32,32]", "model.modulator.before_mean=[16,16,16]",
             "model.modulator.after_mean=[16]"]
 

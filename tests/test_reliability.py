@@ -113,6 +113,10 @@ def canonical(tmp_path, **arrays):
     (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 5, 0, 1, 0]), classes=np.array(["a", "b"])), "has no entry"),
     (dict(x=np.zeros((6, 8, 8, 4), np.uint8), y=np.array([0, 1, 0, 1, 0, 1])), "N×H×W×3"),
     (dict(x=np.zeros((6, 8, 8), np.float32), y=np.array([0, 1, 0, 1, 0, 1])), "uint8 images"),
+    # labels name the model's outputs: a stray 200000 would build a 200,001-class model
+    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 200000, 0, 1, 0])), "labels must be 0…K−1"),
+    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 0, 1, 0, 1]), split=np.zeros(4, np.uint8)), "split must hold one"),
+    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 0, 1, 0, 1]), split=np.zeros(6, np.float32)), "split must hold one"),
 ])
 def test_data_files_are_validated_when_loaded(tmp_path, arrays, message):
     with pytest.raises(FedmetaError, match=message):
@@ -178,3 +182,65 @@ def test_generated_data_files_load_or_are_refused_in_one_line(tmp_path, n, shape
         assert "\n" not in str(exc)
     else:
         assert arrays["x"].dtype == np.uint8 and len(np.unique(arrays["y"])) >= 2
+
+
+def test_run_folder_files_are_never_followed_out_of_it(tmp_path, mnist_dir, capsys):
+    """A symbolic link or a FIFO in a run folder is refused in one line: a resume never writes
+    through a link, an evaluation never appends through one, and nothing blocks on a pipe."""
+    run = unfinished_run(tmp_path / "runs", mnist_dir)
+    elsewhere = tmp_path / "elsewhere.csv"
+    elsewhere.write_text("precious\n")
+    (run / "metrics.csv").unlink()
+    (run / "metrics.csv").symlink_to(elsewhere)
+    capsys.readouterr()
+    assert main(run_args(tmp_path / "runs", mnist_dir, "output.resume=true")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.csv is a symbolic link" in err and elsewhere.read_text() == "precious\n"
+    (run / "metrics.csv").unlink()
+    os.mkfifo(run / "checkpoint.ckpt.tmp")
+    assert main(run_args(tmp_path / "runs", mnist_dir, "output.resume=true")) == 2
+    assert "checkpoint.ckpt.tmp is not a regular file" in capsys.readouterr().err
+    (run / "checkpoint.ckpt.tmp").unlink()
+    (run / "evaluations.jsonl").symlink_to(elsewhere)
+    assert main(["evaluate", str(run), "--unfinished"]) == 2
+    assert "evaluations.jsonl is a symbolic link" in capsys.readouterr().err and elsewhere.read_text() == "precious\n"
+
+
+def test_a_name_never_deletes_what_fedmeta_did_not_write(tmp_path, mnist_dir):
+    """Replacing a run (output.overwrite=true) removes the run's own files only."""
+    assert main(run_args(tmp_path, mnist_dir)) == 0
+    run = tmp_path / "rmnist-shards" / "local" / "seed0"
+    (run / "notes.txt").write_text("mine")
+    assert main(run_args(tmp_path, mnist_dir, "output.overwrite=true")) == 0
+    assert (run / "notes.txt").read_text() == "mine" and (run / "summary.json").exists()
+
+
+def test_evaluate_and_resume_check_whose_checkpoint_it_is(tmp_path, mnist_dir, capsys):
+    """Another seed's checkpoint in a run folder is refused by evaluate as by resume; a resume in
+    another precision is refused unless asked for."""
+    for seed in (0, 1):
+        assert main(run_args(tmp_path, mnist_dir, f"seed={seed}")) == 0
+    runs = tmp_path / "rmnist-shards" / "local"
+    (runs / "seed0" / "checkpoint.ckpt").write_bytes((runs / "seed1" / "checkpoint.ckpt").read_bytes())
+    capsys.readouterr()
+    assert main(["evaluate", str(runs / "seed0")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "belongs to another experiment (seed: 1 there, 0 here)" in err
+    (runs / "seed1" / "summary.json").unlink()
+    assert main(run_args(tmp_path, mnist_dir, "seed=1", "output.resume=true", "fabric.precision=64-true")) == 2
+    assert "was trained in fabric.precision=32-true" in capsys.readouterr().err
+    assert main(run_args(tmp_path, mnist_dir, "seed=1", "output.resume=true", "fabric.precision=64-true",
+                         "output.change_precision=true")) == 0
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_lock_is_released(tmp_path, mnist_dir, capsys, monkeypatch):
+    import fedmeta.loop
+
+    def interrupted_round(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fedmeta.loop, "federated_rounds", interrupted_round)
+    assert main(run_args(tmp_path, mnist_dir)) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "fedmeta: interrupted; resume with the same command and output.resume=true (make train RESUME=1)"
+    assert not list(tmp_path.rglob("*.lock"))

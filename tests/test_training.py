@@ -24,6 +24,7 @@ def cafeme_run(tmp_path_factory, mnist_dir):
     return cfg, train(cfg, show_progress=False)
 
 
+@pytest.mark.slow  # the module's 8-round CAFeMe run: 1.5 min
 def test_cafeme_learns_to_personalize_new_clients(cafeme_run):
     _, summary = cafeme_run
     assert len(summary["curve"]) == 21
@@ -32,6 +33,7 @@ def test_cafeme_learns_to_personalize_new_clients(cafeme_run):
     assert 0 <= summary["accuracy_std"] < 0.5
 
 
+@pytest.mark.slow  # the module's 8-round CAFeMe run: 1.5 min
 def test_run_folder_holds_config_metrics_summary_and_checkpoint(cafeme_run):
     cfg, summary = cafeme_run
     run_dir = cfg.output.root / run_name(cfg)
@@ -53,12 +55,14 @@ def test_run_folder_holds_config_metrics_summary_and_checkpoint(cafeme_run):
     assert any(not torch.equal(a, b) for a, b in zip(restored.parameters(), fresh.parameters()))
 
 
+@pytest.mark.slow  # the module's 8-round CAFeMe run: 1.5 min
 def test_finished_run_is_not_overwritten(cafeme_run, capsys):
     cfg, _ = cafeme_run
     code = main(["train", "method=cafeme", f"dataset.dir={cfg.dataset.dir}", f"output.root={cfg.output.root}"])
     assert code == 2 and "already holds a finished run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fedavg_ft_fine_tunes_and_fedavg_does_not(tmp_path, mnist_dir):
     local = ["method.local_lr=0.05", "method.local_epochs=1", "federation.rounds=5"]  # the same training for both
     fedavg_ft = train(config(tmp_path, mnist_dir, "method=fedavg_ft", *local, "personalization.steps=20",
@@ -70,6 +74,7 @@ def test_fedavg_ft_fine_tunes_and_fedavg_does_not(tmp_path, mnist_dir):
     assert fedavg["accuracy"] == pytest.approx(fedavg_ft["curve"][0])  # same training, same global model
 
 
+@pytest.mark.slow
 def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     args = ["method=fedavg_ft", "variant=tuned", "federation.rounds=2", "personalization.steps=3"]
@@ -82,6 +87,7 @@ def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkey
     assert third["curve"] != first["curve"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["cafeme variant=authors", "fedavg"])
 def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, method):
     """federation.client_threads=2 runs a round's clients two at a time: the global model after two
@@ -93,7 +99,7 @@ def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, metho
         cfg = config(tmp_path, mnist_dir, *method.replace("cafeme", "method=cafeme").replace("fedavg", "method=fedavg").split(),
                      "federation.num_new_clients=4", "personalization.steps=3", f"federation.client_threads={threads}")
         fabric, federation, algorithm = setup(cfg)
-        engine = make_engine(cfg)
+        engine = make_engine(cfg, fabric.device)
         for round_ in (1, 2):
             federated_round(algorithm, federation, round_, 5, seed=0, engine=engine)
         result = evaluate_on_ranks(fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine)[0]
@@ -104,6 +110,7 @@ def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, metho
     assert torch.equal(curves_1, curves_2)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
     """Under fabric.precision=bf16-mixed, in-place fine-tuning steps must reach the next forward
     pass (autocast caches low-precision weight copies until it exits: it is entered per forward)."""
@@ -117,6 +124,7 @@ def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
     assert curve[-1] > curve[0] + 0.3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, dtype", [("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
 def test_true_precisions_convert_the_model_and_train(tmp_path, mnist_dir, precision, dtype):
     """Fabric's "-true" precisions reach the model (fabric.setup_module) and its inputs: the

@@ -3,6 +3,7 @@ study run again continues instead of starting over."""
 
 import shutil
 
+import pytest
 from omegaconf import OmegaConf
 
 from fedmeta.config import CONFIG_DIR, compose
@@ -12,6 +13,7 @@ TINY = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "personalization
         "logger=[]"]
 
 
+@pytest.mark.slow
 def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, mnist_dir):
     configs = tmp_path / "configs"
     shutil.copytree(CONFIG_DIR, configs)

@@ -53,7 +53,7 @@ def paths(method: str, data: ImageDataset):
     return fabric, cfg, built
 
 
-@pytest.mark.parametrize("capture", ["none", "static"])
+@pytest.mark.parametrize("capture", [pytest.param("none", marks=pytest.mark.slow), "static"])  # static reaches more code
 @pytest.mark.parametrize("method", sorted(FAST))
 def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, uneven):
     """Vmapped (``none``), and vmapped on the fixed layout a recorded round replays (``static``: every
@@ -142,6 +142,7 @@ def test_out_of_memory_halves_the_lanes_per_call_and_keeps_vmapping(uneven, monk
         "federation.vectorize_lanes: 4 lanes did not fit in memory; now 2 per vmapped call"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["cafeme variant=authors", "fedavg_ft"])
 def test_stacked_seeds_are_the_seeds_run_alone(method, tmp_path, mnist_dir):
     """seeds=[0,1] in one process writes the two run folders that the two seeds' own runs write:

@@ -125,6 +125,11 @@ def map_batches(tree, fn):
     return tree
 
 
+def gather(x: torch.Tensor, y: torch.Tensor, tree):
+    """The batches of images ``x`` and labels ``y`` that a tree of index batches names."""
+    return map_batches(tree, lambda b: b._replace(x=x[b.x], y=None if b.y is None else y[b.y]))
+
+
 class _Indices:
     """Stands in for a federation's data: ``take`` returns the indices themselves."""
 
@@ -168,7 +173,7 @@ class Federation:
     def gather(self, tree):
         """Index batches (``Client.indexed``, stacked or not, on this federation's device) → the
         batches of images and labels they index; masks and step flags pass through."""
-        return map_batches(tree, lambda b: b._replace(x=self.x[b.x], y=None if b.y is None else self.y[b.y]))
+        return gather(self.x, self.y, tree)
 
     def sample_round(self, round_: int, clients_per_round: int, seed: int) -> list[Client]:
         """The M clients of a round, drawn without replacement by a round-seeded generator."""

@@ -130,6 +130,12 @@ def read_canonical(path: Path) -> dict[str, np.ndarray]:
         raise FedmetaError(f"{path}: labels y must be ≥ 0, found {int(y.min())}")
     if "classes" in arrays and len(y) and y.max() >= len(arrays["classes"]):
         raise FedmetaError(f"{path}: label {int(y.max())} has no entry in its {len(arrays['classes'])} classes")
+    if "classes" not in arrays and len(y) and y.max() >= len(np.unique(y)):  # the labels name the model's outputs
+        raise FedmetaError(f"{path}: labels must be 0…K−1 for K classes (or list the names in a `classes` array); "
+                           f"found {len(np.unique(y))} distinct labels up to {int(y.max())}")
+    if "split" in arrays and (arrays["split"].shape != y.shape or not np.issubdtype(arrays["split"].dtype, np.integer)):
+        raise FedmetaError(f"{path}: split must hold one integer per image (0 train, 1 test, 2 validation), "
+                           f"got {arrays['split'].dtype} of shape {arrays['split'].shape}")
     if len(np.unique(y)) < 2:
         raise FedmetaError(f"{path}: a classification data set needs at least 2 classes, found {len(np.unique(y))}")
     return arrays
