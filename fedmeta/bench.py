@@ -3,8 +3,12 @@
 For every row of ``configs/bench.yaml`` (data set × method, plus the authors' variant and bf16
 rows) a fresh process sets the run up as ``fedmeta train`` would, times rounds after a warm-up,
 counts one round's FLOPs with ``torch.utils.flop_counter``, times the shared test-time
-personalization and reports its peak resident memory. The machine's fp32 matmul peak is measured
-the same way, so GFLOP/s can be read as a fraction of it. Results go to ``results/bench.json``.
+personalization, counts one round's dispatched operators (and on a GPU its kernel launches, with
+``torch.profiler``) and reports its peak resident memory. The fp32 matmul peak of the device each
+row ran on (and its TF32 and bf16 peaks) is measured in the same run, so GFLOP/s reads as a
+fraction of that device's peak. A row names how its clients ran — one at a time, vmapped, or
+vmapped with the round recorded (``federation.capture``) — and the eager and recorded rows of one
+run are compared. Rows go to ``results/bench.json`` as they finish.
 """
 
 from __future__ import annotations
@@ -62,18 +66,40 @@ def device_peaks(device: torch.device, size: int) -> dict:
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
-def count_calls(run_round) -> dict:
-    """One round's operator calls (every ``aten::`` call, nested ones included) and, on a GPU, its
-    kernel and graph launches — the host work a recorded round saves."""
-    from torch.profiler import ProfilerActivity, profile
+class _OperatorCount:
+    """Counts the operators dispatched while it is active (a dispatch mode sees them below vmap's
+    batching: the operators that really run)."""
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.calls += 1
+                return func(*args, **(kwargs or {}))
+
+        self.calls, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def count_calls(run_round, device: torch.device) -> dict:
+    """One round's dispatched operators — the host work a recorded round saves (a replayed graph
+    dispatches none) — and on a GPU a second round's kernel and graph launches (torch.profiler)."""
+    with _OperatorCount() as ops:
         run_round()
-    events = prof.key_averages()
-    counts = {"ops_per_round": sum(e.count for e in events if e.key.startswith("aten::"))}
-    if torch.cuda.is_available():
-        counts["launches_per_round"] = sum(e.count for e in events if e.key in LAUNCHES)
+    counts = {"ops_per_round": ops.calls}
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_round()
+        counts["launches_per_round"] = sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
     return counts
 
 
@@ -138,7 +164,7 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
         federated_rounds(runs, r, fed.clients_per_round, engine=run_engine)
 
     seconds = [timed(lambda r=r: round_(r)) for r in range(1, warmup + rounds + 1)][warmup:]
-    calls = count_calls(lambda: round_(warmup + rounds + 1))
+    calls = count_calls(lambda: round_(warmup + rounds + 1), fabric.device)
     gflop = float("nan")
     if count_flops:
         with flop_counter() as flops:  # a dispatch mode sees only its own thread: count one seed's sequential round

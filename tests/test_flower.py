@@ -73,7 +73,7 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
     try:
         def run(method: str, kill_in_round: int | None = None) -> Path:
             folder = tmp_path / "runs" / "rmnist-shards" / method / "seed0"
-            run_id = deployment.submit([f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION], timeout=30)
+            run_id = deployment.submit([f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION], timeout=75)  # a node starts a process per message: ~30 s on a busy 2-core machine
             if kill_in_round is None:
                 deployment.wait(run_id, folder / "summary.json", limit=420)
                 return folder
