@@ -57,7 +57,9 @@ def matmul_peak_gflops(size: int, dtype: torch.dtype = torch.float32, repeats: i
 
 def device_peaks(device: torch.device, size: int) -> dict:
     """A device's matmul peaks in GFLOP/s: fp32, TF32 (CUDA only) and bf16."""
-    peaks = {"fp32": matmul_peak_gflops(size, device=device), "bf16": matmul_peak_gflops(size, torch.bfloat16, device=device)}
+    # a CPU without bf16 units runs bf16 matmuls at ~1 GFLOP/s: a large one would take minutes
+    bf16_size = size if device.type == "cuda" else min(size, 1024)
+    peaks = {"fp32": matmul_peak_gflops(size, device=device), "bf16": matmul_peak_gflops(bf16_size, torch.bfloat16, device=device)}
     if device.type == "cuda":
         peaks["tf32"] = matmul_peak_gflops(size, device=device, matmul_precision="high")
     return peaks

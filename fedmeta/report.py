@@ -114,8 +114,8 @@ def replace_section(path: Path, name: str, text: str) -> None:
     added; written to a temporary file and renamed, so a reader never sees half a file."""
     start, end = f"<!-- preset {name} -->", f"<!-- end of preset {name} -->"
     old = path.read_text() if path.exists() else TABLES_TITLE
-    if not old.startswith("# Results\n"):  # a file from before sections: kept whole below the title
-        old = TABLES_TITLE + "\n" + old.replace("# Results — preset", "## Preset", 1)
+    if not old.startswith("# Results\n"):  # a file from before sections: every table in it is rebuilt from results/runs/
+        old = TABLES_TITLE
     block = f"{start}\n{text}{end}\n"
     if start in old and end in old:
         new = old[:old.index(start)] + block + old[old.index(end) + len(end) + 1:]
