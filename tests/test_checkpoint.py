@@ -23,8 +23,8 @@ RUN = ["method=cafeme", "variant=authors", "federation.rounds=6", "federation.ch
        "federation.eval_every=3", "federation.num_new_clients=4", "personalization.steps=5", "wandb.mode=disabled"]
 
 
-def fedmeta(*args, root, data, wait=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDMETA_DATA": str(data)}
+def fedmeta(*args, root, data, wait=True, wandb_mode="disabled"):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDMETA_DATA": str(data), "WANDB_MODE": wandb_mode}
     command = [sys.executable, "-m", "fedmeta.cli", "train", *RUN, f"output.root={root}", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True) if wait else \
         subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -41,10 +41,12 @@ def rounds_logged(directory) -> int:
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_exactly_the_same_result(tmp_path, mnist_dir):
+    # With the loggers a user gets by default (TensorBoard and offline W&B): the killed process's
+    # W&B run is still "in use" when the resumed one starts.
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert fedmeta(root=straight, data=mnist_dir).returncode == 0
 
-    process = fedmeta(root=killed, data=mnist_dir, wait=False)
+    process = fedmeta("wandb.mode=offline", root=killed, data=mnist_dir, wait=False, wandb_mode="offline")
     while rounds_logged(run_dir(killed)) < 3 and process.poll() is None:  # killed during round 4
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
@@ -52,8 +54,10 @@ def test_killed_run_resumes_to_exactly_the_same_result(tmp_path, mnist_dir):
     assert not (run_dir(killed) / "summary.json").exists()
     assert torch.load(run_dir(killed) / "checkpoint.ckpt", weights_only=True)["round"] == 2
 
-    resumed = fedmeta("output.resume=true", root=killed, data=mnist_dir)
+    resumed = fedmeta("wandb.mode=offline", "output.resume=true", root=killed, data=mnist_dir, wandb_mode="offline")
     assert resumed.returncode == 0, resumed.stderr
+    assert "Traceback" not in resumed.stderr and list((run_dir(killed) / "wandb").glob("offline-run-*"))
+    assert list((run_dir(killed) / "tensorboard").rglob("events.out.tfevents.*"))
     a, b = (json.loads((run_dir(r) / "summary.json").read_text()) for r in (straight, killed))
     assert b["resumed_at_round"] == 2 and a["accuracy"] == b["accuracy"] and a["curve"] == b["curve"]
     ckpt_a, ckpt_b = (torch.load(run_dir(r) / "checkpoint.ckpt", weights_only=True) for r in (straight, killed))
