@@ -347,10 +347,10 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
     from fedmeta.config import compose
     from fedmeta.loop import hardware_name
 
-    from fedmeta.config import group_choices
+    from fedmeta.config import group_choices, load_mapping
 
-    bench = OmegaConf.load(config)
-    if not isinstance(bench, DictConfig) or "datasets" not in bench:
+    bench = load_mapping(config, "a bench config (see configs/bench.yaml)")
+    if "datasets" not in bench:
         raise FedmetaError(f"{config} is not a bench config (a mapping with datasets, methods, rows: see configs/bench.yaml)")
     unknown = sorted(set(datasets or ()) - set(bench.datasets))
     if unknown:

@@ -182,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
             from fedmeta import bench
 
             config = Path(args.config) if args.config else bench.CONFIG_DIR / "bench.yaml"
-            if not config.is_file():
-                raise FedmetaError(f"--config {config}: no such file; the bench configs are configs/bench*.yaml")
             bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), config,
                       profile=args.profile, projection=args.project)
             return 0
@@ -294,6 +292,9 @@ def _flower_command(args: argparse.Namespace) -> int:
 
     if args.nodes < 1 or args.timeout <= 0:
         raise FedmetaError(f"--nodes must be ≥ 1 and --timeout > 0, got {args.nodes} and {args.timeout}")
+    if args.flower_command == "deploy" and not 1024 <= args.port <= 65535 - 3 - args.nodes:
+        raise FedmetaError(f"--port must leave room for the SuperLink's and {args.nodes} SuperNodes' ports in "
+                           f"1024..65535, got {args.port}; e.g. --port 9091")
     compose(args.overrides)  # bad overrides are refused before anything starts
     try:
         from fedmeta import flower

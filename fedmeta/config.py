@@ -60,6 +60,20 @@ def catalog(config_dir: Path = CONFIG_DIR) -> str:
     return "\n".join(out)
 
 
+def load_mapping(path: Path, what: str) -> DictConfig:
+    """A YAML file that must hold a mapping (a run's config.yaml, a bench config), or one line saying
+    why it is not one."""
+    if not path.is_file():
+        raise FedmetaError(f"{path}: no such file (or not a regular file); give {what}")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as exc:  # YAML's parser errors, bytes that are not text
+        raise FedmetaError(f"{path} does not parse as YAML ({type(exc).__name__}): give {what}") from None
+    if not isinstance(cfg, DictConfig):
+        raise FedmetaError(f"{path} is not a mapping of keys to values: give {what}")
+    return cfg
+
+
 def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
     path = config_dir / group / f"{name}.yaml"
     plain = isinstance(name, str) and all(NAME.fullmatch(part) and ".." not in part for part in name.split("/"))
@@ -72,14 +86,15 @@ def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
 
 def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
     """The fully merged configuration for ``overrides`` (``key=value`` strings)."""
-    bad = [o for o in overrides if "=" not in o]
+    bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0]]
     if bad:
-        raise FedmetaError(f"overrides must be key=value, got {bad[0]!r}")
+        raise FedmetaError(f"overrides must be key=value, e.g. federation.rounds=5; got {bad[0]!r}")
     choice = dict.fromkeys(GROUPS)
     settings = []
     for override in overrides:
         key, value = override.split("=", 1)
         if key in GROUPS:
+            _require(bool(value), f"{key}= needs a name: choose one of {group_choices(key, config_dir) if key != 'variant' else 'paper, authors, …'}")
             choice[key] = value
         else:
             settings.append(override)
@@ -107,6 +122,13 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
 def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
     """``cfg`` (struct) with ``key=value`` settings merged in — each key must exist and each value
     have its key's type — resolved and range-checked."""
+    for override in settings:
+        key, value = override.split("=", 1)
+        _require("${" not in value, f"{key}: interpolations (${{…}}) are not taken on the command line; write the value "
+                 f"itself, e.g. {key}={OmegaConf.select(cfg, key, default='…')}")
+        if key in CHOSEN:
+            raise FedmetaError(f"{key} is set by {CHOSEN[key]}=<name>, not on its own: choose another {CHOSEN[key]} "
+                               "(fedmeta train --help lists them)")
     try:
         cli = OmegaConf.from_dotlist(list(settings))
     except Exception as exc:  # OmegaConf's own errors, and YAML's for values such as "["
@@ -130,7 +152,10 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
 
 CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.capture (fedmeta.capture)
 
-NULLABLE = {"personalization.held_out_batch_size", "method.clusters", "seeds", "output.setting"}  # null means something here
+# keys where null means something, and an example of their other values (its type is theirs)
+NULLABLE = {"personalization.held_out_batch_size": 30, "method.clusters": 4, "seeds": [0, 1, 2], "output.setting": "my-setting"}
+# keys that say which config file was chosen: changing one alone would mislabel the run (or name a folder)
+CHOSEN = {"dataset.name": "dataset", "partition.name": "partition", "method.algorithm": "method"}
 
 
 def _check_type(key: str, default, value) -> None:
@@ -138,12 +163,18 @@ def _check_type(key: str, default, value) -> None:
     (an int where an int is configured; finite), true/false for flags, lists for lists. Keys whose
     configured value is null or a string take any value (paths, names); keys where null means
     something (NULLABLE) may be set back to it."""
-    if default is None or (value is None and key in NULLABLE):
+    if value is None and key in NULLABLE:
         return
+    if default is None:
+        if key not in NULLABLE:
+            return
+        default = NULLABLE[key]
     _require(value is not None, f"{key} needs a value (got none): e.g. {key}={default}")
     if isinstance(default, str):
+        _require(not _is_list(value) and not OmegaConf.is_dict(value) and not isinstance(value, dict),
+                 f"{key} must be a single value, e.g. {key}={default or 'name'}; got {value!r}")
         return
-    shown = f"{key} must be {{}}, got {value!r}"
+    shown = f"{key} must be {{}}, got " + repr(value).replace("{", "{{").replace("}", "}}")
     if isinstance(default, bool):
         _require(isinstance(value, bool), shown.format("true or false"))
     elif isinstance(default, int):
@@ -183,10 +214,12 @@ def validate(cfg: DictConfig) -> None:
              f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}")
     _require(fed.rounds >= 1, f"federation.rounds must be ≥ 1, got {fed.rounds}")
     _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
+    _require(0 <= cfg.seed < 2**32, f"seed must be in [0, 2^32) (NumPy's seeds), got {cfg.seed}")
     if cfg.seeds is not None:
         seeds = list(cfg.seeds) if OmegaConf.is_list(cfg.seeds) else None
-        _require(bool(seeds) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
-                 and len(set(seeds)) == len(seeds), f"seeds must be a list of distinct integers ≥ 0, e.g. seeds=[0,1,2], got {cfg.seeds}")
+        _require(bool(seeds) and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)
+                 and len(set(seeds)) == len(seeds),
+                 f"seeds must be a list of distinct integers in [0, 2^32), e.g. seeds=[0,1,2], got {cfg.seeds}")
     _require(isinstance(fed.vectorize, bool) or fed.vectorize == "auto",
              f"federation.vectorize must be true, false or auto, got {fed.vectorize!r}")
     _require(fed.capture in CAPTURE_MODES, f"federation.capture must be one of {', '.join(CAPTURE_MODES)}, got {fed.capture!r}")
@@ -233,6 +266,12 @@ def validate(cfg: DictConfig) -> None:
                  f"method.outer_optimizer must be adam_fresh, adam_kept or sgd, got {cfg.method.outer_optimizer!r}")
         _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
                  f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
+    layers = {f"model.{k}": cfg.model[k] for k in ("conv_channels", "dense_units")}
+    layers |= {f"model.modulator.{k}": v for k, v in cfg.model.modulator.items()}
+    for key, units in layers.items():
+        _require(all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
+                 f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}")
+    _require(cfg.model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {cfg.model.kernel_size}")
     setting = cfg.output.setting
     _require(setting is None or _plain(setting),
              f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
@@ -241,6 +280,9 @@ def validate(cfg: DictConfig) -> None:
                  f"method.name=cafeme; got {value!r}")
     _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {', '.join(PRECISIONS)}, "
              f"got {cfg.fabric.precision!r}")
+    _require(cfg.fabric.num_nodes >= 1, f"fabric.num_nodes must be ≥ 1, got {cfg.fabric.num_nodes}")
+    _require(cfg.fabric.devices == -1 or cfg.fabric.devices >= 1,
+             f"fabric.devices must be ≥ 1 (or -1: every device of the machine), got {cfg.fabric.devices}")
     _require(cfg.fabric.matmul_precision in ("highest", "high", "medium"),
              f"fabric.matmul_precision must be highest, high or medium, got {cfg.fabric.matmul_precision!r}")
     loggers = list(cfg.logger) if OmegaConf.is_list(cfg.logger) else None

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, run_name, setting_name
 from fedmeta.errors import FedmetaError
+from fedmeta.runs import read_summary
 
 EXECUTORS = ("pool", "local", "slurm")
 
@@ -168,15 +169,15 @@ def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
 
 def sweep_report(jobs: list[Job]) -> str:
     """Each point's new-client accuracy, mean ± std over the seeds that finished."""
-    import json
     import statistics
 
     points: dict[str, list[float]] = {}
     for job in jobs:
         cfg = compose(list(job.overrides))
-        summary = Path(cfg.output.root) / run_name(cfg) / "summary.json"
-        if summary.exists():
-            points.setdefault(f"{job.point or '-'} | {job.setting} | {job.method}", []).append(100 * json.loads(summary.read_text())["accuracy"])
+        path = Path(cfg.output.root) / run_name(cfg) / "summary.json"
+        summary = read_summary(path) if path.exists() else None
+        if summary:
+            points.setdefault(f"{job.point or '-'} | {job.setting} | {job.method}", []).append(100 * summary["accuracy"])
     lines = ["| point | setting | method | accuracy (%) | seeds |", "|---|---|---|---|---|"]
     for point, values in points.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from fedmeta import checkpoint
 from fedmeta.algorithms import Algorithm, build_algorithm
 from fedmeta.capture import resolve
-from fedmeta.config import apply_overrides, compose, run_name, setting_name
+from fedmeta.config import apply_overrides, compose, load_mapping, run_name, setting_name
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.data.sources import data_dir
@@ -263,9 +263,14 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
     if model_keys:
         raise FedmetaError(f"evaluate changes only personalization.* settings and {', '.join(sorted(TEST_TIME_KEYS))} "
                            f"(the model is the run's): got {model_keys}")
-    saved = OmegaConf.load(run_dir / "config.yaml")
-    base = compose([f"dataset={saved.dataset.name}", f"partition={saved.partition.name}",
-                    f"method={saved.method.name}", f"variant={saved.variant}"])
+    saved = load_mapping(run_dir / "config.yaml", "the config.yaml fedmeta wrote for this run")
+    try:
+        choices = [f"dataset={saved.dataset.name}", f"partition={saved.partition.name}",
+                   f"method={saved.method.name}", f"variant={saved.variant}"]
+    except Exception:  # noqa: BLE001 — OmegaConf's missing-key errors
+        raise FedmetaError(f"{run_dir / 'config.yaml'} does not name its dataset, partition, method and variant: "
+                           "it is not the config.yaml fedmeta wrote for this run") from None
+    base = compose(choices)
     try:  # today's defaults under the saved config, so runs from before a new key still load
         OmegaConf.set_struct(base, False)
         cfg = OmegaConf.merge(base, saved)

@@ -22,6 +22,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.config import CONFIG_DIR
+from fedmeta.runs import read_summary
 
 METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "ifca_ft": "IFCA-FT", "ditto": "Ditto",
                 "fedrep": "FedRep", "perfedavg": "Per-FedAvg", "local": "Local", "cafeme": "CAFeMe"}
@@ -53,7 +54,9 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
     """(setting, method folder) → the summaries of its finished seeds, each with its metrics rows."""
     runs = defaultdict(list)
     for path in sorted(root.glob("*/*/seed*/summary.json")):
-        summary = json.loads(path.read_text())
+        summary = read_summary(path)
+        if summary is None or not (path.parent / "metrics.csv").is_file():
+            continue
         with open(path.parent / "metrics.csv") as f:
             summary["metrics"] = [row for row in csv.DictReader(f) if row["eval_accuracy"]]
         runs[(path.parts[-4], path.parts[-3])].append(summary)

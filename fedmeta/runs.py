@@ -32,6 +32,19 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def read_summary(path: Path) -> dict | None:
+    """A finished run's summary.json, or None (said in one line) where the file is not one — cut
+    short, emptied or edited: reports skip that run rather than stop."""
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict) or not isinstance(summary.get("accuracy"), (int, float)):
+            raise ValueError("no accuracy")
+        return summary
+    except (OSError, ValueError) as exc:
+        log.warning(f"skipping {path}: not a finished run's summary ({type(exc).__name__}); delete it and run that run again")
+        return None
+
+
 RUN_ENTRIES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl", "checkpoint.ckpt",
                "checkpoint.ckpt.tmp", "tensorboard", "wandb", "csv")  # everything a run writes in its folder
 LOG_FOLDERS = ("tensorboard", "wandb", "csv")

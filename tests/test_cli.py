@@ -45,7 +45,7 @@ BAD = [
     (["partition.shards_per_client=1000"], "cannot be cut"),
     (["partition=iid", "federation.num_clients=20000"], "too few for personalization and held-out splits"),
     (["fabric.strategy=telepathy"], "fabric settings rejected"),
-    (["fabric.devices=0"], "fabric settings rejected"),
+    (["fabric.devices=0"], "fabric.devices must be ≥ 1 (or -1: every device of the machine)"),
     # untyped command-line values are checked against each key's type, before anything is created
     (["federation.rounds=abc"], "federation.rounds must be an integer, got 'abc'"),
     (["federation.rounds=2.5"], "federation.rounds must be an integer, got 2.5"),
@@ -60,7 +60,7 @@ BAD = [
     (["model.kernel_size=40"], "the model does not fit 28×28 images"),
     (["model.kernel_size=27"], "use a smaller kernel"),
     (["seeds=[0,0]"], "seeds must be a list of distinct integers"),
-    (["seeds=abc"], "seeds must be a list of distinct integers"),
+    (["seeds=abc"], "seeds must be a list, e.g. seeds=[0,1,2]"),
     (["federation.vectorize_lanes=-1"], "federation.vectorize_lanes must be ≥ 0"),
     # paths: names from their folders only, settings without separators
     (["output.setting=x/../../escape"], "output.setting must be a plain folder name"),
@@ -79,6 +79,25 @@ BAD = [
     (["federation.capture=graph"], "federation.capture=graph records CUDA graphs and needs a CUDA device"),
     (["federation.capture=sometimes"], "federation.capture must be one of"),
     (["federation.vectorize=maybe"], "federation.vectorize must be true, false or auto"),
+    # interpolations are not taken on the command line (one rule, every key)
+    (["output.root=${oc.env:HOME}"], "interpolations (${…}) are not taken on the command line"),
+    (["federation.rounds=${federation.eval_every}"], "write the value itself, e.g. federation.rounds=1000"),
+    (["=5"], "overrides must be key=value"),
+    (["dataset="], "dataset= needs a name: choose one of"),
+    # the keys a choice of config file sets are not changed alone: the run would be mislabelled or misplaced
+    (["method.algorithm=fedavg"], "method.algorithm is set by method=<name>"),
+    (["dataset.name=../../x"], "dataset.name is set by dataset=<name>"),
+    # keys that may be null still have a type for their other values
+    (["personalization.held_out_batch_size=abc"], "personalization.held_out_batch_size must be an integer"),
+    (["method=ifca", "method.clusters=[1]"], "method.clusters must be an integer"),
+    (["model.dense_units={a:1}"], "model.dense_units must be a list"),
+    (["fabric={a:1}"], "unknown or invalid config key"),
+    (["output.setting=[a]"], "output.setting must be a single value"),
+    (["seed=-1"], "seed must be in [0, 2^32)"),
+    ([f"seed={2**32}"], "seed must be in [0, 2^32)"),
+    (["fabric.num_nodes=0"], "fabric.num_nodes must be ≥ 1"),
+    (["model.dense_units=[0]"], "model.dense_units must list integers ≥ 1"),
+    (["model.modulator.after_mean=[a]"], "model.modulator.after_mean must list integers ≥ 1"),
 ]
 
 
@@ -200,6 +219,7 @@ def test_sweep_and_tune_bad_input_is_one_line(args, message, capsys, tmp_path, m
     (["flower", "sim", "--nodes", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
     (["flower", "deploy", "--timeout", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
     (["flower", "sim", "method=nope"], "unknown method 'nope'"),
+    (["flower", "deploy", "--print", "--port", "99999"], "--port must leave room"),
 ])
 def test_flower_bad_input_is_one_line(args, message, capsys):
     assert main(args) == 2

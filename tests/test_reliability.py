@@ -244,3 +244,33 @@ def test_ctrl_c_is_one_line_exit_130_and_the_lock_is_released(tmp_path, mnist_di
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "fedmeta: interrupted; resume with the same command and output.resume=true (make train RESUME=1)"
     assert not list(tmp_path.rglob("*.lock"))
+
+
+def test_files_others_read_are_refused_or_skipped_in_one_line(tmp_path, capsys, caplog, monkeypatch):
+    """A corrupt summary.json is skipped by the reports (said once); a config that does not parse
+    or is not a mapping is one line, in bench and in evaluate."""
+    monkeypatch.chdir(tmp_path)
+    for method, text in (("cafeme", "{not json"), ("fedavg", ""), ("ditto", "[1, 2]")):
+        seed = tmp_path / "results" / "runs" / "quick" / "rmnist-shards" / method / "seed0"
+        seed.mkdir(parents=True)
+        (seed / "summary.json").write_text(text)
+    assert main(["table", "--no-run"]) == 0
+    err = capsys.readouterr().err
+    assert caplog.text.count("skipping ") == 3 and "Traceback" not in err and (tmp_path / "results" / "TABLES.md").exists()
+
+    (tmp_path / "bad.yaml").write_text("a: [\n")
+    (tmp_path / "list.yaml").write_text("- a\n")
+    for config, message in (("bad.yaml", "does not parse as YAML"), ("list.yaml", "is not a mapping")):
+        assert main(["bench", "--config", config]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.ckpt").write_bytes(b"")
+    (run / "summary.json").write_text("{}")
+    for text, message in (("- a\n", "is not a mapping"), ("a: [\n", "does not parse as YAML"),
+                          ("a: 1\n", "does not name its dataset")):
+        (run / "config.yaml").write_text(text)
+        assert main(["evaluate", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
