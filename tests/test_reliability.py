@@ -274,3 +274,22 @@ def test_files_others_read_are_refused_or_skipped_in_one_line(tmp_path, capsys, 
         assert main(["evaluate", str(run)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_an_image_claiming_ten_billion_pixels_is_one_line(tmp_path):
+    """PIL's decompression-bomb limit bounds decoding: a PNG header of 100000×100000 is refused
+    before anything is allocated, naming the file."""
+    import struct
+    import zlib
+
+    from fedmeta.data.sources import _converted_tree
+
+    header = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    chunk = struct.pack(">I", len(header)) + b"IHDR" + header + struct.pack(">I", zlib.crc32(b"IHDR" + header))
+    image = tmp_path / "tree" / "train" / "cat" / "bomb.png"
+    image.parent.mkdir(parents=True)
+    image.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk)
+    with pytest.raises(FedmetaError) as refused:
+        _converted_tree(tmp_path / "tree", tmp_path / "cache.npz")
+    assert "bomb.png is not an image PIL can decode within its size limit" in str(refused.value)
+    assert "\n" not in str(refused.value) and not (tmp_path / "cache.npz").exists()

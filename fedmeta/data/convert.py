@@ -11,6 +11,7 @@ import gzip
 import io
 import pickle
 import tarfile
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -121,9 +122,15 @@ def image_tree(*sources: Path, size: int | None = None, mode: str = "RGB",
     tests, splits_named = {f.lower() for f in test_folders}, {f.lower() for f in (*train_folders, *test_folders)}
     images, class_names, splits = [], [], []
     for name, data in (item for source in sources for item in _tree_members(source)):
-        with Image.open(io.BytesIO(data)) as image:
-            image = image.convert(mode)
-            images.append(np.asarray(ImageOps.fit(image, (size, size)) if size else image))
+        try:
+            with warnings.catch_warnings():  # PIL's decompression-bomb warning (> 89M pixels) refuses the image too
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(io.BytesIO(data)) as image:
+                    image = image.convert(mode)
+                    images.append(np.asarray(ImageOps.fit(image, (size, size)) if size else image))
+        except (OSError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ValueError(f"{name} is not an image PIL can decode within its size limit "
+                             f"({type(exc).__name__}: {str(exc)[:120]}); remove it or fix it") from None
         folders = PurePosixPath(name).parts[:-1]
         class_names.append("/".join(f for f in folders if f.lower() not in splits_named))
         splits.append(any(f.lower() in tests for f in folders))
