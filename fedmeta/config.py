@@ -9,6 +9,7 @@ configs/config.yaml, dataset/<d>.yaml, partition/<p>.yaml (default: the data set
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -17,7 +18,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedmeta.errors import FedmetaError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# configs/ of a checkout (an editable install), else the copy an installed package carries
+_CHECKOUT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = _CHECKOUT_CONFIGS if (_CHECKOUT_CONFIGS / "config.yaml").is_file() else Path(__file__).resolve().parent / "configs"
+# Where fedmeta tune writes tuned variants: the checkout's configs/, or (installed: never into
+# site-packages) $FEDMETA_CONFIG_HOME, else ~/.config/fedmeta — read after CONFIG_DIR.
+USER_CONFIG_DIR = CONFIG_DIR if CONFIG_DIR == _CHECKOUT_CONFIGS else \
+    Path(os.environ.get("FEDMETA_CONFIG_HOME") or Path.home() / ".config" / "fedmeta").expanduser()
 GROUPS = ("dataset", "partition", "method", "variant")
 GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant",
                "preset": "preset"}
@@ -26,8 +33,13 @@ GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "metho
 PRECISIONS = ("32-true", "32", "64-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 
 
+def _group_dirs(group: str, config_dir: Path) -> list[Path]:
+    """Where a group's files are: ``config_dir``, and for the installed configs also the user's folder."""
+    return [config_dir / group] + ([USER_CONFIG_DIR / group] if config_dir == CONFIG_DIR != USER_CONFIG_DIR else [])
+
+
 def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
-    return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+    return sorted({p.stem for folder in _group_dirs(group, config_dir) for p in folder.glob("*.yaml")})
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a file name of a config folder, or a setting: no path
@@ -75,9 +87,9 @@ def load_mapping(path: Path, what: str) -> DictConfig:
 
 
 def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
-    path = config_dir / group / f"{name}.yaml"
     plain = isinstance(name, str) and all(NAME.fullmatch(part) and ".." not in part for part in name.split("/"))
-    if not plain or not path.exists():
+    path = next((folder / f"{name}.yaml" for folder in _group_dirs(group, config_dir) if (folder / f"{name}.yaml").is_file()), None)
+    if not plain or path is None:
         raise FedmetaError(f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}")
     cfg = OmegaConf.load(path)
     parent = cfg.pop("inherits", None)

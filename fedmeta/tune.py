@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.config import CONFIG_DIR, compose, group_choices, setting_name
+from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, compose, group_choices, setting_name
 from fedmeta.errors import FedmetaError
 
 MARK = "# written by fedmeta tune:"  # in the header of a tuned.yaml this command may replace
@@ -87,7 +87,7 @@ class Study:
         if storage is not None and not storage.strip():
             raise FedmetaError("--storage is empty: give a database URL (e.g. sqlite:///studies.db), or leave the option "
                                "out for the default SQLite file under runs/tune/")
-        self.out = config_dir / "variant" / cfg.method.name / "tuned.yaml"
+        self.out = (USER_CONFIG_DIR if config_dir == CONFIG_DIR else config_dir) / "variant" / cfg.method.name / "tuned.yaml"
         if self.out.exists() and MARK not in self.out.read_text() and not overwrite:
             raise FedmetaError(f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it")
         root.mkdir(parents=True, exist_ok=True)  # every input checked: only now is anything created

@@ -278,3 +278,18 @@ def test_overrides_after_a_list_option_are_overrides():
     args = parser.parse_args(["--datasets", "rmnist", "cifar10-shards,femnist", "fabric.accelerator=cuda", "seed=1"])
     assert args.datasets == ["rmnist", "cifar10-shards", "femnist"]
     assert args.moved_overrides == ["fabric.accelerator=cuda", "seed=1"]
+
+
+def test_the_package_lists_every_subpackage_and_ships_the_configs():
+    """pyproject.toml names the packages (configs/ is mapped into fedmeta.configs): a new subpackage
+    must be added there, or `pip install .` would leave it out."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "fedmeta").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == found | {"fedmeta.configs"}
+    assert setuptools["package-dir"] == {"fedmeta.configs": "configs"}
+    shipped = {p for pattern in setuptools["package-data"]["fedmeta.configs"] for p in (root / "configs").glob(pattern)}
+    assert shipped == set((root / "configs").rglob("*.yaml"))

@@ -1,0 +1,1 @@
+"""fedmeta: personalized federated learning with meta-learning on Lightning Fabric."""

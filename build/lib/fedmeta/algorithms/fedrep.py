@@ -1,0 +1,78 @@
+"""FedRep (Collins et al. 2021): a shared representation (the body) is averaged by the server;
+each client's head stays local. Every round a client first trains its head with the body frozen,
+then the body with the head frozen, and sends the body only.
+
+Heads are the one piece of per-client state here (the last linear layer: 5,130 numbers on
+RMNIST); a client that has not taken part yet starts from the global head, which the server
+never changes — so it stays at its initialization. A new client at test time starts from that
+head too, and — FedRep's own procedure for new clients — trains the head alone on the frozen body
+for its first ``test_head_steps`` personalization steps, then all layers for the rest of the
+shared budget (``test_head_steps=0``: all layers from the first step).
+
+The CAFeMe authors' FedRep (``variant=authors``) reads its batches from the client's persistent
+iterator — ``head_batches`` (5) for the head, then ``body_batches`` (1) for the body — with two
+per-client Adams kept across rounds (``local_optimizer=adam_kept``), and sends the head too, which
+the server averages (``share_head``); a new client then starts from that averaged head.
+"""
+
+from __future__ import annotations
+
+from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalResult
+from fedmeta.data.federation import Client
+from fedmeta.functional import Params
+
+HEAD_PREFIX = "head."
+
+
+class FedRep(Algorithm):
+    def __init__(self, model, cfg):
+        super().__init__(model, cfg)
+        names = [name for name, _ in model.named_parameters()]
+        self.head_names = [n for n in names if n.startswith(HEAD_PREFIX)]
+        self.body_names = [n for n in names if not n.startswith(HEAD_PREFIX)]
+
+    def streamed(self) -> int:
+        return self.cfg.head_batches + self.cfg.body_batches
+
+    def draw(self, client: Client, round_: int) -> ClientData:
+        cfg = self.cfg
+        if self.streamed():  # consecutive batches of the client's persistent iterator
+            batches = client.stream(cfg.train_split, cfg.batch_size, self.batches_read(client.id), self.streamed())
+            return {"head": batches[:cfg.head_batches], "body": batches[cfg.head_batches:]}
+        generator = client.generator(round_)
+        head = client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.head_epochs)
+        return {"head": head, "body": client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.body_epochs)}
+
+    def client_state(self, client_id: int, params: Params) -> dict:
+        kept = self.client_states.get(client_id, {})
+        state = {} if self.cfg.share_head else {n: kept.get(n, params[n]) for n in self.head_names}  # its own head
+        if self.cfg.local_optimizer == "adam_kept":
+            for key, names in (("head_adam", self.head_names), ("body_adam", self.body_names)):
+                state[key] = self.kept_adam(client_id, key, {n: params[n] for n in names})
+        return state
+
+    def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
+        params = {**params, **{n: state[n] for n in self.head_names if n in state}}
+        lr, kept = self.cfg.local_lr, {}
+        if "head_adam" in state:
+            params, _, kept["head_adam"] = self.local_adam(params, data["head"], lr, state["head_adam"], self.head_names)
+            params, loss, kept["body_adam"] = self.local_adam(params, data["body"], lr, state["body_adam"], self.body_names)
+        else:
+            params, _ = self.local_sgd(params, data["head"], lr, self.cfg.momentum, trainable=self.head_names)
+            params, loss = self.local_sgd(params, data["body"], lr, self.cfg.momentum, trainable=self.body_names)
+        sent = self.body_names + (self.head_names if self.cfg.share_head else [])
+        if not self.cfg.share_head:
+            kept.update({n: params[n] for n in self.head_names})
+        return LocalResult({n: params[n] for n in sent}, loss, kept, {})
+
+    def adapted_names(self, step: int) -> list[str] | None:
+        return self.head_names if step < self.cfg.test_head_steps else None
+
+    def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
+        update = super().to_update(client, result)
+        kept = {n: result.state[n].detach().clone() for n in self.head_names if n in result.state}  # the head stays
+        kept.update({key: self.compact_adam(result.state[key]) for key in ("head_adam", "body_adam") if key in result.state})
+        if self.streamed():
+            kept["batches_read"] = self.batches_read(client.id) + self.streamed()
+        update.state = kept or None
+        return update

@@ -1,0 +1,103 @@
+"""One checkpoint holds the whole federation state: the global model(s) and any per-client state
+(``Algorithm.federation_state``), the round, every random-number generator and the metrics so far.
+
+It is written every ``federation.checkpoint_every`` rounds and at the end, atomically (a temporary
+file, then a rename), so a run killed at any moment leaves the last complete checkpoint; with
+``output.resume=true`` a run continues from it and ends exactly as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig, OmegaConf
+
+from fedmeta.algorithms import Algorithm
+from fedmeta.errors import FedmetaError
+
+# Settings a run may change when it resumes: how long, how often, how fast — not what it computes.
+RESUMABLE = {"federation": {"rounds", "eval_every", "checkpoint_every", "client_threads", "vectorize", "vectorize_lanes",
+                              "capture"}}
+IDENTITY = ("seed", "dataset", "partition", "method", "variant", "model", "federation", "personalization")
+
+
+def identity(cfg: DictConfig) -> dict:
+    """What must match between a checkpoint and the run that resumes from it."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    ident = {key: container.get(key) for key in IDENTITY}
+    for section, keys in RESUMABLE.items():
+        ident[section] = {k: v for k, v in ident[section].items() if k not in keys}
+    ident["dataset"] = {k: v for k, v in ident["dataset"].items() if k not in ("dir", "download")}
+    return ident
+
+
+def _rng_states() -> dict:
+    numpy_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
+            "numpy_rest": [int(numpy_state[2]), int(numpy_state[3]), float(numpy_state[4])],
+            "python": random.getstate(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    pos, has_gauss, cached = states["numpy_rest"]
+    np.random.set_state(("MT19937", states["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig, round_: int, history: dict) -> None:
+    """Write the checkpoint of the state after ``round_`` (all ranks call this; rank 0 writes)."""
+    state = {"round": round_, "identity": identity(cfg), "precision": str(cfg.fabric.precision),
+             "federation": algorithm.federation_state(),
+             "rng": _rng_states(), "history": history}
+    tmp = path.with_name(path.name + ".tmp")
+    fabric.save(tmp, state)
+    if fabric.is_global_zero:
+        os.replace(tmp, path)  # atomic: the old checkpoint stays whole until the new one is
+    fabric.barrier()
+
+
+def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> dict:
+    """Restore ``algorithm`` and the generators from ``path``; returns the round and history."""
+    try:
+        state = fabric.load(path, weights_only=True)  # explicit: a crafted checkpoint must not run code
+        saved_identity, round_ = state["identity"], int(state["round"])
+    except Exception as exc:
+        raise FedmetaError(f"{path} cannot be read ({type(exc).__name__}): it is corrupt or not a fedmeta checkpoint; "
+                           "start over with output.overwrite=true") from None
+    check_identity(path, saved_identity, cfg)
+    saved_precision = state.get("precision")  # absent in checkpoints written before it was recorded
+    if saved_precision is not None and saved_precision != str(cfg.fabric.precision) and not cfg.output.change_precision:
+        raise FedmetaError(f"{path} was trained in fabric.precision={saved_precision}, this run asks for "
+                           f"{cfg.fabric.precision}: resume in {saved_precision}, or allow it with output.change_precision=true")
+    if round_ > cfg.federation.rounds:
+        raise FedmetaError(f"{path} is at round {round_}, beyond federation.rounds={cfg.federation.rounds}")
+    try:
+        algorithm.load_federation_state(state["federation"])
+    except Exception as exc:
+        raise FedmetaError(f"{path} does not fit this model ({type(exc).__name__}): start over with output.overwrite=true") from None
+    _set_rng_states(state["rng"])
+    return state
+
+
+def check_identity(path: Path, saved: dict, cfg: DictConfig, ignore: tuple[str, ...] = ()) -> None:
+    """The checkpoint at ``path`` was written by a run of ``cfg``'s experiment (``ignore``: keys that may differ)."""
+    different = [d for d in _differences(saved, identity(cfg)) if not d.startswith(ignore)]
+    if different:
+        raise FedmetaError(f"{path} belongs to another experiment ({'; '.join(different[:3])}): use the "
+                           "settings it was written with, or start over with output.overwrite=true")
+
+
+def _differences(saved, ours, prefix: str = "") -> list[str]:
+    if isinstance(saved, dict) and isinstance(ours, dict):
+        return [d for key in sorted(set(saved) | set(ours))
+                for d in _differences(saved.get(key), ours.get(key), f"{prefix}{key}.")]
+    return [] if saved == ours else [f"{prefix[:-1]}: {saved!r} there, {ours!r} here"]

@@ -1,0 +1,314 @@
+"""Configuration: YAML files in configs/ composed and overridden with OmegaConf.
+
+``compose(["dataset=rmnist", "method=cafeme", "federation.rounds=100"])`` merges, in order:
+configs/config.yaml, dataset/<d>.yaml, partition/<p>.yaml (default: the data set's), method/<m>.yaml
+(after the file it ``inherits``), variant/<v>.yaml (for methods with variants), then every other
+``key=value``. Keys that do not exist are refused, so a typo cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fedmeta.errors import FedmetaError
+
+# configs/ of a checkout (an editable install), else the copy an installed package carries
+_CHECKOUT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = _CHECKOUT_CONFIGS if (_CHECKOUT_CONFIGS / "config.yaml").is_file() else Path(__file__).resolve().parent / "configs"
+# Where fedmeta tune writes tuned variants: the checkout's configs/, or (installed: never into
+# site-packages) $FEDMETA_CONFIG_HOME, else ~/.config/fedmeta — read after CONFIG_DIR.
+USER_CONFIG_DIR = CONFIG_DIR if CONFIG_DIR == _CHECKOUT_CONFIGS else \
+    Path(os.environ.get("FEDMETA_CONFIG_HOME") or Path.home() / ".config" / "fedmeta").expanduser()
+GROUPS = ("dataset", "partition", "method", "variant")
+GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant",
+               "preset": "preset"}
+# Fabric's precisions: "-true" ones convert the model (fabric.setup_module) and the inputs, the
+# mixed ones enter autocast per forward pass (Algorithm.run_model).
+PRECISIONS = ("32-true", "32", "64-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
+
+
+def _group_dirs(group: str, config_dir: Path) -> list[Path]:
+    """Where a group's files are: ``config_dir``, and for the installed configs also the user's folder."""
+    return [config_dir / group] + ([USER_CONFIG_DIR / group] if config_dir == CONFIG_DIR != USER_CONFIG_DIR else [])
+
+
+def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
+    return sorted({p.stem for folder in _group_dirs(group, config_dir) for p in folder.glob("*.yaml")})
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a file name of a config folder, or a setting: no path
+
+
+def first_sentence(path: Path, width: int = 100) -> str:
+    """The first sentence of a config file's leading comment: what the choice is."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    end = re.search(r"\.\s+(?=[A-Z])", text)  # a full stop before a capital: not "et al. 2021" or "i.i.d. split"
+    sentence = text[:end.start() + 1] if end else text
+    return sentence if len(sentence) <= width else sentence[:width - 1].rstrip() + "…"
+
+
+def catalog(config_dir: Path = CONFIG_DIR) -> str:
+    """Every data set, partition, method and variant with one line each (``fedmeta train --help``)."""
+    out = []
+    for group in ("dataset", "partition", "method"):
+        out.append(f"{group}=")
+        for name in group_choices(group, config_dir):
+            out.append(f"  {name:12s} {first_sentence(config_dir / group / f'{name}.yaml')}")
+    out.append("variant=  (paper: the method file as is, the default)")
+    for method in group_choices("method", config_dir):
+        for name in group_choices(f"variant/{method}", config_dir):
+            out.append(f"  {method + '/' + name:20s} {first_sentence(config_dir / 'variant' / method / f'{name}.yaml')}")
+    return "\n".join(out)
+
+
+def load_mapping(path: Path, what: str) -> DictConfig:
+    """A YAML file that must hold a mapping (a run's config.yaml, a bench config), or one line saying
+    why it is not one."""
+    if not path.is_file():
+        raise FedmetaError(f"{path}: no such file (or not a regular file); give {what}")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as exc:  # YAML's parser errors, bytes that are not text
+        raise FedmetaError(f"{path} does not parse as YAML ({type(exc).__name__}): give {what}") from None
+    if not isinstance(cfg, DictConfig):
+        raise FedmetaError(f"{path} is not a mapping of keys to values: give {what}")
+    return cfg
+
+
+def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
+    plain = isinstance(name, str) and all(NAME.fullmatch(part) and ".." not in part for part in name.split("/"))
+    path = next((folder / f"{name}.yaml" for folder in _group_dirs(group, config_dir) if (folder / f"{name}.yaml").is_file()), None)
+    if not plain or path is None:
+        raise FedmetaError(f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}")
+    cfg = OmegaConf.load(path)
+    parent = cfg.pop("inherits", None)
+    return OmegaConf.merge(load_group(group, parent, config_dir), cfg) if parent else cfg
+
+
+def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """The fully merged configuration for ``overrides`` (``key=value`` strings)."""
+    bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0]]
+    if bad:
+        raise FedmetaError(f"overrides must be key=value, e.g. federation.rounds=5; got {bad[0]!r}")
+    choice = dict.fromkeys(GROUPS)
+    settings = []
+    for override in overrides:
+        key, value = override.split("=", 1)
+        if key in GROUPS:
+            _require(bool(value), f"{key}= needs a name: choose one of {group_choices(key, config_dir) if key != 'variant' else 'paper, authors, …'}")
+            choice[key] = value
+        else:
+            settings.append(override)
+    base = OmegaConf.load(config_dir / "config.yaml")
+
+    dataset = load_group("dataset", choice["dataset"] or base.defaults.dataset, config_dir)
+    partition = load_group("partition", choice["partition"] or dataset.pop("default_partition"), config_dir)
+    dataset.pop("default_partition", None)
+    method = load_group("method", choice["method"] or base.defaults.method, config_dir)
+    layers = [base, dataset, partition, method]
+    variant = choice["variant"] or base.defaults.variant
+    if variant != "paper":  # the method file itself is the "paper" setting
+        name = method.method.name
+        available = ["paper", *group_choices(f"variant/{name}", config_dir)]
+        if variant not in available:
+            raise FedmetaError(f"method {name!r} has no variant {variant!r}: choose one of {available}")
+        layers.append(load_group("variant", f"{name}/{variant}", config_dir))
+    cfg = OmegaConf.merge(*layers)
+    cfg.variant = variant
+    del cfg["defaults"]
+    OmegaConf.set_struct(cfg, True)
+    return apply_overrides(cfg, settings)
+
+
+def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
+    """``cfg`` (struct) with ``key=value`` settings merged in — each key must exist and each value
+    have its key's type — resolved and range-checked."""
+    for override in settings:
+        key, value = override.split("=", 1)
+        _require("${" not in value, f"{key}: interpolations (${{…}}) are not taken on the command line; write the value "
+                 f"itself, e.g. {key}={OmegaConf.select(cfg, key, default='…')}")
+        if key in CHOSEN:
+            raise FedmetaError(f"{key} is set by {CHOSEN[key]}=<name>, not on its own: choose another {CHOSEN[key]} "
+                               "(fedmeta train --help lists them)")
+    try:
+        cli = OmegaConf.from_dotlist(list(settings))
+    except Exception as exc:  # OmegaConf's own errors, and YAML's for values such as "["
+        raise FedmetaError(f"cannot parse overrides {list(settings)}: {exc}".splitlines()[0]) from None
+    for override in settings:
+        key = override.split("=", 1)[0]
+        default, value = OmegaConf.select(cfg, key, default=None), OmegaConf.select(cli, key, default=None)
+        if _is_list(default) and isinstance(value, str) and all(isinstance(v, str) for v in default):
+            value = [value]  # one name where a list of names is expected: logger=tensorboard
+            OmegaConf.update(cli, key, value, merge=False)
+        _check_type(key, default, value)
+    try:
+        cfg = OmegaConf.merge(cfg, cli)
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
+        raise FedmetaError(f"unknown or invalid config key {key!r}: see configs/ for the keys that exist") from None
+    validate(cfg)
+    return cfg
+
+
+CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.capture (fedmeta.capture)
+
+# keys where null means something, and an example of their other values (its type is theirs)
+NULLABLE = {"personalization.held_out_batch_size": 30, "method.clusters": 4, "seeds": [0, 1, 2], "output.setting": "my-setting"}
+# keys that say which config file was chosen: changing one alone would mislabel the run (or name a folder)
+CHOSEN = {"dataset.name": "dataset", "partition.name": "partition", "method.algorithm": "method"}
+
+
+def _check_type(key: str, default, value) -> None:
+    """A command-line value must have the type of the key's configured value: numbers for numbers
+    (an int where an int is configured; finite), true/false for flags, lists for lists. Keys whose
+    configured value is null or a string take any value (paths, names); keys where null means
+    something (NULLABLE) may be set back to it."""
+    if value is None and key in NULLABLE:
+        return
+    if default is None:
+        if key not in NULLABLE:
+            return
+        default = NULLABLE[key]
+    _require(value is not None, f"{key} needs a value (got none): e.g. {key}={default}")
+    if isinstance(default, str):
+        _require(not _is_list(value) and not OmegaConf.is_dict(value) and not isinstance(value, dict),
+                 f"{key} must be a single value, e.g. {key}={default or 'name'}; got {value!r}")
+        return
+    shown = f"{key} must be {{}}, got " + repr(value).replace("{", "{{").replace("}", "}}")
+    if isinstance(default, bool):
+        _require(isinstance(value, bool), shown.format("true or false"))
+    elif isinstance(default, int):
+        _require(isinstance(value, int) and not isinstance(value, bool), shown.format("an integer"))
+    elif isinstance(default, float):
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                 shown.format("a finite number"))
+    elif _is_list(default):
+        example = f"[{','.join(map(str, default))}]" if len(default) else "[]"
+        _require(_is_list(value), shown.format(f"a list, e.g. {key}={example}"))
+    elif OmegaConf.is_dict(default):
+        _require(OmegaConf.is_dict(value) or isinstance(value, dict), shown.format("a mapping"))
+
+
+def _plain(name) -> bool:
+    """A name that is one folder, never a path: it cannot climb out of output.root or name another folder."""
+    return isinstance(name, str) and NAME.fullmatch(name) is not None and ".." not in name
+
+
+def _is_list(value) -> bool:
+    return OmegaConf.is_list(value) or isinstance(value, list)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise FedmetaError(message)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range checks that the YAML types cannot express; each failure is one line."""
+    fed, pers = cfg.federation, cfg.personalization
+    _require(fed.num_clients >= 2, f"federation.num_clients must be ≥ 2, got {fed.num_clients}")
+    _require(0 < fed.num_new_clients < fed.num_clients,
+             f"federation.num_new_clients must be between 1 and num_clients-1, got {fed.num_new_clients}")
+    train_clients = fed.num_clients - fed.num_new_clients
+    _require(1 <= fed.clients_per_round <= train_clients,
+             f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}")
+    _require(fed.rounds >= 1, f"federation.rounds must be ≥ 1, got {fed.rounds}")
+    _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
+    _require(0 <= cfg.seed < 2**32, f"seed must be in [0, 2^32) (NumPy's seeds), got {cfg.seed}")
+    if cfg.seeds is not None:
+        seeds = list(cfg.seeds) if OmegaConf.is_list(cfg.seeds) else None
+        _require(bool(seeds) and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)
+                 and len(set(seeds)) == len(seeds),
+                 f"seeds must be a list of distinct integers in [0, 2^32), e.g. seeds=[0,1,2], got {cfg.seeds}")
+    _require(isinstance(fed.vectorize, bool) or fed.vectorize == "auto",
+             f"federation.vectorize must be true, false or auto, got {fed.vectorize!r}")
+    _require(fed.capture in CAPTURE_MODES, f"federation.capture must be one of {', '.join(CAPTURE_MODES)}, got {fed.capture!r}")
+    _require(fed.vectorize_lanes >= 0, f"federation.vectorize_lanes must be ≥ 0 (0: all clients at once), got {fed.vectorize_lanes}")
+    _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
+    _require(0 <= fed.client_failure_rate < 1, f"federation.client_failure_rate must be in [0, 1), got {fed.client_failure_rate}")
+    _require(fed.checkpoint_every >= 0, f"federation.checkpoint_every must be ≥ 0 (0: only at the end), got {fed.checkpoint_every}")
+    _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
+    _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,
+             "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 1")
+    _require(isinstance(pers.decay_every, int) and pers.decay_every >= 1,
+             f"personalization.decay_every must be an integer ≥ 1 (steps between decays), got {pers.decay_every!r}")
+    _require(pers.batches in ("independent", "stream"), f"personalization.batches must be independent or stream, got {pers.batches!r}")
+    _require(pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
+             f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}")
+    if cfg.partition.name == "shards":
+        _require(cfg.partition.shards_per_client >= 1, f"partition.shards_per_client must be ≥ 1, got {cfg.partition.shards_per_client}")
+    if cfg.partition.name == "dirichlet":
+        _require(cfg.partition.alpha > 0, f"partition.alpha must be > 0, got {cfg.partition.alpha}")
+    for key in ("inner_lr", "outer_lr", "local_lr"):
+        if key in cfg.method:
+            _require(cfg.method[key] > 0, f"method.{key} must be > 0, got {cfg.method[key]}")
+    method = cfg.method
+    for key, allowed in (("train_split", ("all", "pers")), ("averaging", ("samples", "uniform")),
+                         ("local_optimizer", ("sgd", "adam_kept")), ("batches", ("independent", "stream"))):
+        if key in method:
+            _require(method[key] in allowed, f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}")
+    for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
+        if key in method:
+            _require(isinstance(method[key], int) and method[key] >= 0, f"method.{key} must be an integer ≥ 0, got {method[key]}")
+    if method.algorithm == "ifca":  # IFCA trains as FedAvg with plain SGD epochs: FedAvg's other options mean nothing here
+        _require(method.get("local_optimizer", "sgd") == "sgd" and not method.get("local_batches"),
+                 "IFCA trains with SGD epochs: method.local_optimizer and method.local_batches are FedAvg's "
+                 "(its authors' Ditto), not IFCA's; leave them at sgd and 0")
+    if "clusters" in method:
+        _require(method.clusters is None and cfg.dataset.name == "meta_dataset" or isinstance(method.clusters, int) and method.clusters >= 1,
+                 f"method.clusters must be an integer ≥ 1 (null, one per source, only for dataset=meta_dataset), got {method.clusters}")
+    if cfg.method.algorithm == "cafeme":
+        _require(cfg.method.modulation in ("c0", "c1", "c2"), f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}")
+        _require(cfg.method.context in ("labelled", "transductive"),
+                 f"method.context must be labelled or transductive, got {cfg.method.context!r}")
+        _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
+        _require(cfg.method.outer_optimizer in ("adam_fresh", "adam_kept", "sgd"),
+                 f"method.outer_optimizer must be adam_fresh, adam_kept or sgd, got {cfg.method.outer_optimizer!r}")
+        _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
+                 f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
+    layers = {f"model.{k}": cfg.model[k] for k in ("conv_channels", "dense_units")}
+    layers |= {f"model.modulator.{k}": v for k, v in cfg.model.modulator.items()}
+    for key, units in layers.items():
+        _require(all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
+                 f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}")
+    _require(cfg.model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {cfg.model.kernel_size}")
+    setting = cfg.output.setting
+    _require(setting is None or _plain(setting),
+             f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
+    for key, value in (("method.name", cfg.method.name), ("variant", cfg.variant)):  # they name the run folder
+        _require(_plain(value), f"{key} must be a plain name (letters, digits, _ . -; no / or ..), e.g. "
+                 f"method.name=cafeme; got {value!r}")
+    _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {', '.join(PRECISIONS)}, "
+             f"got {cfg.fabric.precision!r}")
+    _require(cfg.fabric.num_nodes >= 1, f"fabric.num_nodes must be ≥ 1, got {cfg.fabric.num_nodes}")
+    _require(cfg.fabric.devices == -1 or cfg.fabric.devices >= 1,
+             f"fabric.devices must be ≥ 1 (or -1: every device of the machine), got {cfg.fabric.devices}")
+    _require(cfg.fabric.matmul_precision in ("highest", "high", "medium"),
+             f"fabric.matmul_precision must be highest, high or medium, got {cfg.fabric.matmul_precision!r}")
+    loggers = list(cfg.logger) if OmegaConf.is_list(cfg.logger) else None
+    _require(loggers is not None and set(loggers) <= {"csv", "tensorboard", "wandb"},
+             f"logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. logger=[tensorboard,wandb]; got {cfg.logger}")
+    _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}")
+
+
+def run_name(cfg: DictConfig) -> Path:
+    """runs/<setting>/<method>[-<variant>]/seed<seed>/ — fixed so scripts can rely on it."""
+    method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+    return Path(setting_name(cfg)) / method / f"seed{cfg.seed}"
+
+
+def setting_name(cfg: DictConfig) -> str:
+    """The experimental setting a run belongs to: ``output.setting``, else <dataset>-<partition>."""
+    return cfg.output.setting or f"{cfg.dataset.name}-{cfg.partition.name}"

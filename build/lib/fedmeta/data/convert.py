@@ -1,0 +1,192 @@
+"""Upstream file formats → fedmeta's canonical arrays (x uint8, y int64, split uint8, classes, …).
+
+Each function reads files exactly as their publishers ship them (MNIST's idx files, CIFAR's
+pickled batches, TensorFlow Federated's EMNIST HDF5, ImageFolder trees in folders, zip or tar
+archives) and returns the arrays to save; a file in another format raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+import tarfile
+import warnings
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".gif", ".tif", ".tiff"}
+
+
+def mnist_idx(train_images: Path, train_labels: Path, test_images: Path, test_labels: Path) -> dict[str, np.ndarray]:
+    """MNIST's four gzipped idx files (train images/labels, t10k images/labels)."""
+    train_x, test_x = _idx(train_images, dims=3), _idx(test_images, dims=3)
+    train_y, test_y = _idx(train_labels, dims=1), _idx(test_labels, dims=1)
+    if len(train_x) != len(train_y) or len(test_x) != len(test_y):
+        raise ValueError("MNIST's image and label files hold different numbers of items")
+    return {"x": np.concatenate([train_x, test_x]), "y": np.concatenate([train_y, test_y]).astype(np.int64),
+            "split": np.repeat(np.array([0, 1], np.uint8), [len(train_y), len(test_y)])}
+
+
+def _idx(path: Path, dims: int) -> np.ndarray:
+    """An idx file of unsigned bytes: magic 0x0000 08 <dims>, then <dims> big-endian sizes, then data."""
+    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    if raw[:4] != bytes([0, 0, 8, dims]):
+        raise ValueError(f"{path.name} is not an idx file of {dims}-dimensional unsigned bytes")
+    shape = [int.from_bytes(raw[4 + 4 * d:8 + 4 * d], "big") for d in range(dims)]
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles plain data only — containers, strings, numbers and numpy arrays. A pickle that
+    names any other callable (which is how a pickle runs code) is refused."""
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a data file")
+
+
+def _load_pickle(stream) -> dict:
+    return _ArraysOnly(stream, encoding="bytes").load()
+
+
+def cifar_pickles(archive: Path, label_key: str = "labels", names_key: str = "label_names") -> dict[str, np.ndarray]:
+    """CIFAR-10/100's python tarball: pickled batches ``data_batch_*``/``train`` and ``test_batch``/``test``
+    of (N, 3072) uint8 rows, plus ``batches.meta``/``meta`` with the class names."""
+    batches: dict[int, list[dict]] = {0: [], 1: []}
+    names = None
+    with tarfile.open(archive) as tar:
+        for member in sorted((m for m in tar if m.isfile()), key=lambda m: m.name):
+            base = PurePosixPath(member.name).name
+            if base.startswith("data_batch") or base == "train":
+                batches[0].append(_load_pickle(tar.extractfile(member)))
+            elif base in ("test_batch", "test"):
+                batches[1].append(_load_pickle(tar.extractfile(member)))
+            elif base in ("batches.meta", "meta"):
+                names = [n.decode() for n in _load_pickle(tar.extractfile(member))[names_key.encode()]]
+    if not batches[0] or names is None:
+        raise ValueError(f"{archive.name} holds no CIFAR training batches or no class names")
+    parts = [(b[b"data"], b[label_key.encode()], split) for split in (0, 1) for b in batches[split]]
+    return {"x": np.concatenate([d for d, _, _ in parts]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy(),
+            "y": np.concatenate([np.asarray(labels, np.int64) for _, labels, _ in parts]),
+            "split": np.concatenate([np.full(len(labels), split, np.uint8) for _, labels, split in parts]),
+            "classes": np.array(names)}
+
+
+def tff_emnist(archive: Path) -> dict[str, np.ndarray]:
+    """TensorFlow Federated's ``fed_emnist.tar.bz2``: ``fed_emnist_{train,test}.h5`` with
+    ``examples/<writer>/pixels`` (float 28×28, 1 = white paper as in LEAF) and ``.../label``.
+    Stored in LEAF's polarity with writer ids, as ``femnist.npz``."""
+    import h5py
+
+    xs, ys, splits, writers, names = [], [], [], [], {}
+    with tarfile.open(archive) as tar:
+        for member in tar:
+            split = {"fed_emnist_train.h5": 0, "fed_emnist_test.h5": 1}.get(PurePosixPath(member.name).name)
+            if split is None:
+                continue
+            with h5py.File(io.BytesIO(tar.extractfile(member).read()), "r") as h5:
+                for writer, group in h5["examples"].items():
+                    pixels = np.asarray(group["pixels"], np.float32)
+                    xs.append(np.round(pixels * 255).clip(0, 255).astype(np.uint8))
+                    ys.append(np.asarray(group["label"], np.int64).reshape(-1))
+                    splits.append(np.full(len(pixels), split, np.uint8))
+                    writers.append(np.full(len(pixels), names.setdefault(writer, len(names)), np.int64))
+    if not xs:
+        raise ValueError(f"{archive.name} holds no fed_emnist_train.h5 / fed_emnist_test.h5")
+    split, writer = np.concatenate(splits), np.concatenate(writers)
+    complete = np.zeros(len(names), bool)
+    complete[np.intersect1d(writer[split == 0], writer[split == 1])] = True
+    return {"x": np.concatenate(xs), "y": np.concatenate(ys), "split": split, "writer": writer,
+            "writer_names": np.array(list(names)), "writer_complete": complete}
+
+
+def image_tree(*sources: Path, size: int | None = None, mode: str = "RGB",
+               train_folders: tuple[str, ...] = ("train",), test_folders: tuple[str, ...] = ("test",)
+               ) -> dict[str, np.ndarray]:
+    """ImageFolder trees — folders, zip or tar archives of ``…/<class>/<image>`` — as one data set.
+
+    The class of an image is its folder path (so Omniglot's ``alphabet/character`` stays unique)
+    without its split folder; an image is in the test split when its path goes through one of
+    ``test_folders``, else in the training split. ``size`` center-crops and resizes every image to a square (needed
+    when sizes differ); ``mode`` is PIL's "RGB" or "L".
+    """
+    from PIL import Image, ImageOps
+
+    tests, splits_named = {f.lower() for f in test_folders}, {f.lower() for f in (*train_folders, *test_folders)}
+    images, class_names, splits = [], [], []
+    for name, data in (item for source in sources for item in _tree_members(source)):
+        try:
+            with warnings.catch_warnings():  # PIL's decompression-bomb warning (> 89M pixels) refuses the image too
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(io.BytesIO(data)) as image:
+                    image = image.convert(mode)
+                    images.append(np.asarray(ImageOps.fit(image, (size, size)) if size else image))
+        except (OSError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ValueError(f"{name} is not an image PIL can decode within its size limit "
+                             f"({type(exc).__name__}: {str(exc)[:120]}); remove it or fix it") from None
+        folders = PurePosixPath(name).parts[:-1]
+        class_names.append("/".join(f for f in folders if f.lower() not in splits_named))
+        splits.append(any(f.lower() in tests for f in folders))
+    if not images:
+        raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {', '.join(str(s) for s in sources)}")
+    if len({i.shape for i in images}) > 1:
+        raise ValueError(f"images of different sizes under {sources[0]}: give a size to resize them to")
+    classes = sorted(set(class_names))
+    index = {c: i for i, c in enumerate(classes)}
+    return {"x": np.stack(images), "y": np.array([index[c] for c in class_names], np.int64),
+            "split": np.array(splits, np.uint8), "classes": np.array(classes)}
+
+
+def _tree_members(source: Path) -> Iterator[tuple[str, bytes]]:
+    """(relative path, bytes) of every image file under a folder (sorted), zip or tar (archive order:
+    fixed by the file, and a compressed tar cannot seek back), so the same files give the same arrays."""
+    is_image = lambda name: PurePosixPath(name).suffix.lower() in IMAGE_SUFFIXES  # noqa: E731
+    if source.is_dir():
+        for path in sorted(p for p in source.rglob("*") if p.is_file() and is_image(p.name)):
+            yield path.relative_to(source).as_posix(), path.read_bytes()
+    elif zipfile.is_zipfile(source):
+        with zipfile.ZipFile(source) as archive:
+            for name in (n for n in archive.namelist() if is_image(n) and "__MACOSX" not in n):
+                yield name, archive.read(name)
+    elif tarfile.is_tarfile(source):
+        with tarfile.open(source) as archive:
+            for member in archive:
+                if member.isfile() and is_image(member.name):
+                    yield member.name, archive.extractfile(member).read()
+    else:
+        raise ValueError(f"{source} is neither a folder nor a zip or tar archive")
+
+
+def learn2learn_splits(dataset_class, root: Path, size: int) -> dict[str, np.ndarray]:
+    """A learn2learn vision data set (``learn2learn.vision.datasets``), read through its own class —
+    which downloads its publisher's files into ``root`` and knows their layout — split by split.
+    Its splits are Meta-Dataset's class splits: training classes get ``split`` 0, validation 2,
+    test 1; labels run over all classes. Every image is center-cropped and resized to ``size``²."""
+    from PIL import Image, ImageOps
+
+    images, labels, splits, offset = [], [], [], 0
+    for split, mode in ((0, "train"), (2, "validation"), (1, "test")):
+        data = dataset_class(root=str(root), mode=mode, download=True)
+        if isinstance(getattr(data, "data", None), list):  # (path, label) in os.listdir order: fix it
+            data.data = sorted(data.data)
+        seen = []
+        for i in range(len(data)):
+            image, label = data[i]
+            if not isinstance(image, Image.Image):  # mini-ImageNet: a float CHW tensor of 0…255
+                image = Image.fromarray(np.asarray(image.permute(1, 2, 0), dtype=np.uint8))
+            images.append(np.asarray(ImageOps.fit(image.convert("RGB"), (size, size))))
+            seen.append(int(label))
+        labels += [offset + label for label in seen]
+        splits += [split] * len(seen)
+        offset += max(seen, default=-1) + 1
+    if not images:
+        raise ValueError(f"{dataset_class.__name__} holds no images under {root}")
+    _, y = np.unique(np.array(labels), return_inverse=True)  # classes with no image leave no gap
+    return {"x": np.stack(images), "y": y.astype(np.int64), "split": np.array(splits, np.uint8)}

@@ -1,0 +1,127 @@
+"""Image data sets built from canonical sources, as normalized tensors ready for indexing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+from fedmeta.data.sources import load_npz, load_source
+from fedmeta.errors import FedmetaError
+
+
+@dataclass
+class ImageDataset:
+    """All samples of a data set; ``groups`` marks a natural grouping (rotation, writer, source)."""
+
+    x: torch.Tensor  # float32 (N, C, H, W), normalized
+    y: torch.Tensor  # int64 (N,)
+    num_classes: int
+    groups: torch.Tensor | None = None  # int64 (N,)
+    sources: tuple[str, ...] = ()  # Meta-Dataset: the source data sets its clients were drawn from
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: int = 10,
+                 degrees_per_group: float = 20.0) -> ImageDataset:
+    """Rotated MNIST: MNIST-train cut into equal random groups, group g rotated g·20°.
+
+    Every image is rotated once here, not per sample per epoch.
+    """
+    arrays = load_npz("mnist", directory, download)
+    train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
+    images = images_to_tensor(arrays["x"][train])
+    labels = torch.from_numpy(arrays["y"][train]).long()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    groups = torch.empty(len(labels), dtype=torch.long)
+    for g, members in enumerate(order.tensor_split(num_groups)):
+        groups[members] = g
+        images[members] = TF.rotate(images[members], angle=g * degrees_per_group, interpolation=TF.InterpolationMode.BILINEAR)
+    images.sub_(MNIST_MEAN).div_(MNIST_STD)
+    return ImageDataset(x=images, y=labels, num_classes=10, groups=groups)
+
+
+def images_to_tensor(x: np.ndarray) -> torch.Tensor:
+    """uint8 (N,H,W) or (N,H,W,3) → float (N,C,H,W) in [0, 1]."""
+    images = torch.from_numpy(x).float().div_(255.0)
+    return images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2).contiguous()
+
+
+def standardize(images: torch.Tensor) -> torch.Tensor:
+    """Per-channel zero mean, unit variance (statistics of this very set)."""
+    mean = images.mean(dim=(0, 2, 3), keepdim=True)
+    std = images.std(dim=(0, 2, 3), keepdim=True)
+    return images.sub_(mean).div_(std)
+
+
+def build_cifar10(directory: Path, seed: int, download: bool = True) -> ImageDataset:
+    """CIFAR-10's 50,000 training images, 32×32 RGB."""
+    arrays = load_npz("cifar10", directory, download)
+    train = arrays["split"] == 0
+    return ImageDataset(x=standardize(images_to_tensor(arrays["x"][train])),
+                        y=torch.from_numpy(arrays["y"][train]).long(), num_classes=10)
+
+
+def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDataset:
+    """FEMNIST (LEAF): 62 classes, grouped by writer. LEAF's dark ink on white is inverted to
+    MNIST's polarity so the two can share sources and models."""
+    arrays = load_npz("femnist", directory, download)
+    if "writer" not in arrays:
+        raise FedmetaError(f"{directory}/femnist.npz has no writer array: the writers partition needs it")
+    return ImageDataset(x=standardize(images_to_tensor(255 - arrays["x"])), y=torch.from_numpy(arrays["y"]).long(),
+                        num_classes=62, groups=torch.from_numpy(arrays["writer"]).long())
+
+
+def to_shape(x: np.ndarray, channels: int, size: int) -> torch.Tensor:
+    """Any canonical images → float (N, channels, size, size) in [0, 1]: grey copied to 3 channels
+    or colour averaged to grey, resized where the size differs."""
+    images = images_to_tensor(x)
+    if images.shape[1] != channels:
+        images = images.expand(-1, 3, -1, -1) if channels == 3 else images.mean(dim=1, keepdim=True)
+    if images.shape[-2:] != (size, size):
+        images = TF.resize(images, [size, size], antialias=True)
+    return images.contiguous()
+
+
+def build_meta_dataset(directory: Path, seed: int, download: bool = True, sources: tuple[str, ...] = (),
+                       num_clients: int = 100, classes_per_client: int = 10, images_per_client: int = 600) -> ImageDataset:
+    """Meta-Dataset-style concept shift (fedmeta.data.meta_dataset): client i is one learn2learn
+    task — one source, N classes, K images each, labels 0…N−1 in its own order. ``groups`` holds
+    the client of every image; only the drawn images are kept, as 32×32 RGB."""
+    from fedmeta.data.meta_dataset import build_clients
+
+    x, y, owners, used = build_clients(directory, seed, download, list(sources), num_clients, classes_per_client,
+                                       images_per_client, lambda images: to_shape(images, 3, 32))
+    return ImageDataset(x=standardize(x), y=y, num_classes=classes_per_client, groups=owners, sources=tuple(used))
+
+
+def build_folder(directory: Path, seed: int, download: bool = True, path: str | None = None, channels: int = 3,
+                 image_size: int = 32) -> ImageDataset:
+    """Any data set a user points to (``dataset.options.path``): a canonical ``.npz`` or an
+    ImageFolder tree (folder, zip or tar of ``[train|test/]<class>/<image>``); its training split,
+    as ``channels``×``image_size``² images."""
+    if not path:
+        raise FedmetaError("dataset=folder needs dataset.options.path=<canonical .npz, ImageFolder folder or archive>")
+    arrays = load_source(path, directory, download, size=image_size, channels=channels)
+    train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
+    labels = torch.from_numpy(arrays["y"][train]).long()
+    return ImageDataset(x=standardize(to_shape(arrays["x"][train], channels, image_size)), y=labels,
+                        num_classes=int(labels.max()) + 1)
+
+
+BUILDERS = {"rmnist": build_rmnist, "cifar10": build_cifar10, "femnist": build_femnist,
+            "meta_dataset": build_meta_dataset, "folder": build_folder}
+
+
+def load_dataset(name: str, directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:
+    if name not in BUILDERS:
+        raise FedmetaError(f"unknown data set {name!r}: choose one of {sorted(BUILDERS)}")
+    return BUILDERS[name](directory, seed, download, **options)

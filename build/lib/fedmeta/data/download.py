@@ -1,0 +1,208 @@
+"""``fedmeta data download NAME``: fetch a data set's files from its publisher, check them against
+the publisher's checksum, convert them to the canonical ``<name>.npz`` in the data folder.
+
+URLs and checksums are torchvision's own where torchvision knows the data set, so they stay in step
+with it. The Meta-Dataset sources torchvision lacks (Aircraft, CUB Birds, VGG Flowers, CIFAR-FS,
+mini-ImageNet) are fetched by learn2learn's own data set classes, which hold their publishers'
+URLs (and fallbacks) and read their layouts; learn2learn publishes no checksums for them.
+``mirror`` replaces the folder of every URL (an institutional mirror, or a loopback server in the
+tests), for both kinds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import pickle
+import shutil
+import socket
+import tarfile
+import time
+import tempfile
+import urllib.error
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from torchvision.datasets import CIFAR10, CIFAR100, DTD, MNIST, Omniglot
+from torchvision.datasets.utils import download_url
+
+from fedmeta.data import convert
+from fedmeta.errors import FedmetaError
+
+GTSRB_URL = "https://sid.erda.dk/public/archives/daaeac0d7ce1152aea9b61d9f1e19370/GTSRB-Training_fixed.zip"
+GTSRB_MD5 = "513f3c79a4c5141765e10e952eaa2478"  # torchvision's GTSRB.download()
+TFF_EMNIST_URL = "https://storage.googleapis.com/tff-datasets-public/fed_emnist.tar.bz2"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where a data set comes from: its files (URL, MD5 or None where no checksum is published)
+    and the function that turns the fetched files, in that order, into canonical arrays."""
+
+    files: tuple[tuple[str, str | None], ...]
+    convert: Callable[..., dict[str, np.ndarray]]
+    description: str
+
+
+CATALOG: dict[str, Upstream] = {
+    "mnist": Upstream(tuple((MNIST.mirrors[0] + f, md5) for f, md5 in MNIST.resources), convert.mnist_idx,
+                      "MNIST, 70,000 28×28 grey digits (idx files)"),
+    "cifar10": Upstream(((CIFAR10.url, CIFAR10.tgz_md5),), convert.cifar_pickles,
+                        "CIFAR-10, 60,000 32×32 colour images, 10 classes (python batches)"),
+    "cifar100": Upstream(((CIFAR100.url, CIFAR100.tgz_md5),),
+                         functools.partial(convert.cifar_pickles, label_key="fine_labels", names_key="fine_label_names"),
+                         "CIFAR-100, 60,000 32×32 colour images, 100 classes (python batches)"),
+    "omniglot": Upstream(tuple((f"{Omniglot.download_url_prefix}/{n}.zip", Omniglot.zips_md5[n])
+                               for n in ("images_background", "images_evaluation")),
+                         functools.partial(convert.image_tree, mode="L", train_folders=("images_background",),
+                                           test_folders=("images_evaluation",)),
+                         "Omniglot, 32,460 105×105 grey characters, 1,623 classes (PNG zips)"),
+    "gtsrb32": Upstream(((GTSRB_URL, GTSRB_MD5),), functools.partial(convert.image_tree, size=32),
+                        "GTSRB training set, 26,640 traffic signs, 43 classes, resized to 32×32 (PPM zip)"),
+    "dtd32": Upstream(((DTD._URL, DTD._MD5),), functools.partial(convert.image_tree, size=32),
+                      "DTD, 5,640 textures, 47 classes, cropped and resized to 32×32 (JPEG tarball)"),
+    "femnist": Upstream(((TFF_EMNIST_URL, None),), convert.tff_emnist,
+                        "FEMNIST by writer, 3,400 writers, 62 classes (TensorFlow Federated's HDF5; no published MD5)"),
+}
+
+
+@dataclass(frozen=True)
+class Learn2LearnSource:
+    """A source fetched and read by a ``learn2learn.vision.datasets`` class, stored as 32×32 RGB."""
+
+    dataset: str  # the class name in learn2learn.vision.datasets
+    description: str
+
+
+LEARN2LEARN: dict[str, Learn2LearnSource] = {
+    "fgvc_aircraft32": Learn2LearnSource("FGVCAircraft", "FGVC-Aircraft, 10,000 aircraft photos, 100 variants"),
+    "cu_birds32": Learn2LearnSource("CUBirds200", "CUB-200-2011, 11,788 bird photos, 200 species (less ImageNet duplicates)"),
+    "vgg_flowers32": Learn2LearnSource("VGGFlower102", "Oxford VGG Flowers, 8,189 flower photos, 102 species"),
+    "cifar_fs32": Learn2LearnSource("CIFARFS", "CIFAR-FS: CIFAR-100's 60,000 32×32 images, 100 classes"),
+    "mini_imagenet32": Learn2LearnSource("MiniImagenet", "mini-ImageNet, 60,000 84×84 images, 100 classes"),
+}
+
+
+def known() -> list[str]:
+    return sorted({*CATALOG, *LEARN2LEARN})
+
+
+def download(name: str, directory: Path, mirror: str | None = None, verify: bool = True) -> Path:
+    """Fetch ``name``'s files (into a temporary folder), convert them, and write
+    ``directory/<name>.npz`` atomically. Returns that path."""
+    if name not in CATALOG and name not in LEARN2LEARN:
+        raise FedmetaError(f"no download known for {name!r}: choose one of {known()}, "
+                           "or put a canonical .npz or an ImageFolder tree in the data folder")
+    target = directory / f"{name}.npz"
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f".{name}-download-*"):  # left by a download that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=f".{name}-download-") as tmp:
+        if name in LEARN2LEARN:
+            arrays = _through_learn2learn(name, Path(tmp), mirror)
+        else:
+            paths = [_fetch(url, md5 if verify else None, Path(tmp), mirror) for url, md5 in CATALOG[name].files]
+            try:
+                arrays = CATALOG[name].convert(*paths)
+            except (ValueError, KeyError, OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
+                raise FedmetaError(f"the files of {name} are not in the expected format ({exc}): "
+                                   "check the mirror, or download again") from None
+    save_canonical(target, **arrays)
+    return target
+
+
+def _through_learn2learn(name: str, root: Path, mirror: str | None) -> dict[str, np.ndarray]:
+    """learn2learn's data set class downloads into ``root`` (every request with a timeout, and sent
+    to ``mirror`` if given) and reads its files; fedmeta converts what it reads."""
+    from fedmeta.data.meta_dataset import learn2learn_data
+
+    learn2learn_data()  # learn2learn, imported quietly
+    import learn2learn.vision.datasets as l2l_datasets
+
+    source = LEARN2LEARN[name]
+    try:
+        with _requests_to(mirror), contextlib.redirect_stderr(io.StringIO()):  # its progress bars: noise in a log
+            return convert.learn2learn_splits(getattr(l2l_datasets, source.dataset), root, size=32)
+    except Exception as exc:  # noqa: BLE001 — network, archive and layout errors all surface from learn2learn's code
+        raise FedmetaError(f"fetching {name} through learn2learn's {source.dataset} failed "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}): "
+                           "check the network, or pass --mirror URL serving the publisher's files") from None
+
+
+@contextlib.contextmanager
+def _requests_to(mirror: str | None):
+    """While learn2learn downloads: every ``requests`` call gets a timeout and a status check and,
+    with a mirror, goes to the mirror's file of the same name."""
+    import requests
+
+    def redirected(original):
+        def call(*args, **kwargs):
+            args = list(args)
+            url_index = 1 if args and isinstance(args[0], requests.Session) else 0
+            if mirror and len(args) > url_index:
+                args[url_index] = f"{mirror.rstrip('/')}/{args[url_index].split('?', 1)[0].rsplit('/', 1)[1]}"
+            kwargs.setdefault("timeout", TIMEOUT_S)
+            response = original(*args, **kwargs)
+            response.raise_for_status()  # learn2learn would save a 404 page as the archive
+            return response
+        return call
+
+    patched = [(requests, "get"), (requests.Session, "get")]
+    originals = [getattr(owner, attr) for owner, attr in patched]
+    for (owner, attr), original in zip(patched, originals):
+        setattr(owner, attr, redirected(original))
+    try:
+        yield
+    finally:
+        for (owner, attr), original in zip(patched, originals):
+            setattr(owner, attr, original)
+
+
+def _fetch(url: str, md5: str | None, folder: Path, mirror: str | None) -> Path:
+    filename = url.rsplit("/", 1)[1]
+    if mirror:
+        url = f"{mirror.rstrip('/')}/{filename}"
+    try:
+        _with_retries(lambda: download_url(url, str(folder), filename, md5))
+    except RuntimeError:  # torchvision's "File not found or corrupted." after the checksum test
+        raise FedmetaError(f"{filename} from {url} does not match the publisher's MD5 {md5}: the download is "
+                           "corrupt or the mirror serves another file (--no-verify skips the check)") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise FedmetaError(f"downloading {url} failed ({exc}): check the network, or pass --mirror URL") from None
+    except ValueError as exc:  # urllib: "unknown url type"
+        raise FedmetaError(f"{url} is not a URL fedmeta can fetch ({exc}): give --mirror as http(s)://host/folder/") from None
+    return folder / filename
+
+
+TIMEOUT_S, ATTEMPTS = 60, 3  # per connection and read; tries per file
+
+
+def _with_retries(fetch: Callable[[], None]) -> None:
+    """``fetch`` with a socket timeout (a server that accepts and never answers must not hang the
+    download), tried again after 1 s and 2 s on network errors."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(TIMEOUT_S)
+    try:
+        for attempt in range(ATTEMPTS):
+            try:
+                return fetch()
+            except urllib.error.HTTPError:  # the server answered (404, 403): asking again will not help
+                raise
+            except (urllib.error.URLError, TimeoutError, ConnectionError):
+                if attempt == ATTEMPTS - 1:
+                    raise
+                time.sleep(2 ** attempt)
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def save_canonical(target: Path, **arrays: np.ndarray) -> None:
+    """Write a canonical archive atomically (a partial file never takes the real name)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial.npz")
+    np.savez(partial, **arrays)
+    partial.replace(target)

@@ -1,0 +1,193 @@
+"""Clients: index sets into one shared data tensor plus a seed — never model copies.
+
+A client's batches come from a generator seeded by (run seed, client id, round, purpose), so a
+client's work is the same whichever process or order runs it. ``Client.stream`` is the other way
+to read a client's data, the one of a persistent iterator over a shuffled ``drop_last`` loader:
+batch k of an endless sequence of epochs, each epoch shuffled by its own seeded generator, so a
+client that has read k batches continues at k — in any process, after any checkpoint.
+
+A client's draws can also yield *index batches* (``Client.indexed``): the same batches as sample
+indices, which fedmeta.engine stacks for all the clients of a round, moves to the device in one
+copy and gathers from the device-resident data there (``Federation.gather``) — the form a captured
+round replays with new indices each round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from fedmeta.data.datasets import ImageDataset
+from fedmeta.data.partition import partition
+from fedmeta.errors import FedmetaError
+
+TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE, TRAIN_STREAM_PURPOSE, PERSONALIZE_STREAM_PURPOSE = 0, 1, 2, 3, 4
+
+
+class Batch(NamedTuple):
+    """Images ``x`` and labels ``y`` (None where a batch serves only as an unlabelled context).
+    When the clients of a round are stacked into one computation, their batches are padded to one
+    size: ``mask`` marks the real samples (1) of each, and ``active`` says whether the step that
+    reads the batch is real for its client (a client with fewer steps idles through the others)."""
+    x: torch.Tensor
+    y: torch.Tensor | None
+    mask: torch.Tensor | None = None
+    active: torch.Tensor | None = None
+
+
+@dataclass
+class Client:
+    id: int
+    pers: torch.Tensor  # indices of the personalization split D_pers
+    held_out: torch.Tensor  # indices of the held-out split D_eval
+    seed: int
+    data: "Federation" = field(repr=False)
+
+    def __post_init__(self):
+        self._splits = {"pers": self.pers, "held_out": self.held_out, "all": torch.cat([self.pers, self.held_out])}
+        self._indexed: Client | None = None
+
+    def indexed(self) -> Client:
+        """This client with batches of sample indices in place of images and labels (``x`` and ``y``
+        both hold the indices): the same draws, gathered later by ``Federation.gather``."""
+        if self._indexed is None:
+            self._indexed = Client(self.id, self.pers, self.held_out, self.seed, INDICES)
+            self._indexed._splits = self._splits
+        return self._indexed
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pers) + len(self.held_out)
+
+    def generator(self, round_: int, purpose: int = TRAIN_PURPOSE) -> torch.Generator:
+        state = np.random.SeedSequence([self.seed, self.id, round_, purpose]).generate_state(1)[0]
+        return torch.Generator().manual_seed(int(state))
+
+    def indices(self, split: str) -> torch.Tensor:
+        """Sample indices of ``split``: "pers", "held_out" or "all"."""
+        return self._splits[split]
+
+    def batch(self, split: str, size: int | None, generator: torch.Generator | None = None) -> Batch:
+        """A batch drawn without replacement from ``split``; ``size=None`` takes the whole split."""
+        indices = self.indices(split)
+        if size is not None and size < len(indices):
+            indices = indices[torch.randperm(len(indices), generator=generator)[:size]]
+        return Batch(*self.data.take(indices))
+
+    def epoch(self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool = False) -> list[Batch]:
+        """One pass over ``split`` in batches of ``batch_size``, shuffled by ``generator`` (None: in
+        order, as a test loader reads); ``drop_last`` leaves out a last partial batch. A last batch
+        of one sample joins the one before: BatchNorm with batch statistics cannot normalize a
+        single sample."""
+        indices = self.indices(split)
+        if generator is not None:
+            indices = indices[torch.randperm(len(indices), generator=generator)]
+        if drop_last and len(indices) >= batch_size:
+            indices = indices[:len(indices) // batch_size * batch_size]
+        chunks = list(indices.split(batch_size))
+        if len(chunks) > 1 and len(chunks[-1]) == 1:
+            chunks[-2:] = [torch.cat(chunks[-2:])]
+        return [Batch(*self.data.take(chunk)) for chunk in chunks]
+
+    def epochs(self, split: str, batch_size: int, generator: torch.Generator, count: int, drop_last: bool = False) -> list[Batch]:
+        return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator, drop_last)]
+
+    def stream(self, split: str, batch_size: int, start: int, count: int, purpose: int = TRAIN_STREAM_PURPOSE) -> list[Batch]:
+        """Batches ``start`` … ``start + count - 1`` of a persistent iterator over ``split``:
+        consecutive, non-overlapping batches of exactly ``batch_size`` (the last partial batch of
+        each epoch is dropped), a fresh shuffle every epoch, wrapping around without end."""
+        indices = self.indices(split)
+        per_epoch = len(indices) // batch_size
+        if per_epoch == 0:
+            raise FedmetaError(f"client {self.id} has {len(indices)} {split} samples, fewer than one batch of "
+                               f"{batch_size}: lower the batch size or use fewer clients")
+        orders: dict[int, torch.Tensor] = {}
+        batches = []
+        for k in range(start, start + count):
+            epoch, position = divmod(k, per_epoch)
+            if epoch not in orders:
+                orders[epoch] = indices[torch.randperm(len(indices), generator=self.generator(epoch, purpose))]
+            batches.append(Batch(*self.data.take(orders[epoch][position * batch_size:(position + 1) * batch_size])))
+        return batches
+
+
+def map_batches(tree, fn):
+    """``fn`` applied to every batch of a client's data (dicts and lists of batches)."""
+    if isinstance(tree, Batch):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {key: map_batches(value, fn) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [map_batches(item, fn) for item in tree]
+    return tree
+
+
+def gather(x: torch.Tensor, y: torch.Tensor, tree):
+    """The batches of images ``x`` and labels ``y`` that a tree of index batches names."""
+    return map_batches(tree, lambda b: b._replace(x=x[b.x], y=None if b.y is None else y[b.y]))
+
+
+class _Indices:
+    """Stands in for a federation's data: ``take`` returns the indices themselves."""
+
+    @staticmethod
+    def take(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return indices, indices
+
+
+INDICES = _Indices()
+
+
+class Federation:
+    """The data tensors (on the training device) and the clients that index them."""
+
+    def __init__(self, dataset: ImageDataset, parts: list[np.ndarray], num_new_clients: int,
+                 held_out_fraction: float, seed: int, device: torch.device | str = "cpu"):
+        if not 0 < num_new_clients < len(parts):
+            raise FedmetaError(f"num_new_clients must be between 1 and {len(parts) - 1}, got {num_new_clients}")
+        if not 0 < held_out_fraction < 1:
+            raise FedmetaError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
+        self.x = dataset.x.to(device)
+        self.y = dataset.y.to(device)
+        self.num_classes = dataset.num_classes
+        rng = np.random.default_rng([seed, 0x5E11])
+        clients = []
+        for client_id, indices in enumerate(parts):
+            indices = rng.permutation(indices)
+            n_held_out = int(round(len(indices) * held_out_fraction))
+            if n_held_out < 2 or len(indices) - n_held_out < 2:  # BatchNorm's batch statistics need 2 samples
+                raise FedmetaError(f"client {client_id} has {len(indices)} samples, too few for personalization and held-out "
+                                   f"splits of at least 2 each (held_out_fraction {held_out_fraction}): use fewer clients")
+            clients.append(Client(client_id, torch.from_numpy(indices[n_held_out:]), torch.from_numpy(indices[:n_held_out]), seed, self))
+        new_ids = set(rng.choice(len(parts), size=num_new_clients, replace=False).tolist())
+        self.train_clients = [c for c in clients if c.id not in new_ids]
+        self.new_clients = [c for c in clients if c.id in new_ids]
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = indices.to(self.x.device, non_blocking=True)
+        return self.x[indices], self.y[indices]
+
+    def gather(self, tree):
+        """Index batches (``Client.indexed``, stacked or not, on this federation's device) → the
+        batches of images and labels they index; masks and step flags pass through."""
+        return gather(self.x, self.y, tree)
+
+    def sample_round(self, round_: int, clients_per_round: int, seed: int) -> list[Client]:
+        """The M clients of a round, drawn without replacement by a round-seeded generator."""
+        generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, round_, 0xC11E]).generate_state(1)[0]))
+        chosen = torch.randperm(len(self.train_clients), generator=generator)[:clients_per_round]
+        return [self.train_clients[i] for i in chosen.tolist()]
+
+
+def build_federation(dataset: ImageDataset, partition_cfg: dict, num_clients: int, num_new_clients: int,
+                     held_out_fraction: float, seed: int, device="cpu") -> Federation:
+    params = {k: v for k, v in partition_cfg.items() if k != "name"}
+    groups = dataset.groups.numpy() if dataset.groups is not None else None
+    try:
+        parts = partition(partition_cfg["name"], dataset.y.numpy(), groups, num_clients, seed, **params)
+    except TypeError as exc:
+        raise FedmetaError(f"partition {partition_cfg['name']!r} got an unknown option: {exc}") from None
+    return Federation(dataset, parts, num_new_clients, held_out_fraction, seed, device)

@@ -1,0 +1,344 @@
+"""Grids of runs: a preset's (``configs/preset/``: method × setting × seed) or a sweep's (every
+combination of comma-separated values, ``fedmeta sweep method=cafeme,fedavg_ft seed=0,1``), each
+run a plain ``fedmeta train`` in its own process. Runs already finished are skipped and unfinished
+ones continue from their last checkpoint, so an interrupted grid resumes where it stopped. The
+processes run on an executor: a local process pool (``pool``, ``parallel`` at once), or submitit's
+``local`` executor (the same jobs as SLURM would get them, on this machine) or ``slurm`` (an array
+job of at most ``parallel`` tasks at once). When the runs are vectorized
+(``federation.vectorize=true``), the unfinished seeds of a setting × method share one process as
+stacked seeds (``seeds=[…]``), each still writing its own run folder."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, run_name, setting_name
+from fedmeta.errors import FedmetaError
+from fedmeta.runs import read_summary
+
+EXECUTORS = ("pool", "local", "slurm")
+
+
+def load_preset(name: str) -> DictConfig:
+    return load_group("preset", name, CONFIG_DIR)
+
+
+@dataclass(frozen=True)
+class Job:
+    setting: str
+    method: str
+    seed: int
+    overrides: tuple[str, ...]
+    point: str = ""  # a sweep's point: the swept values that the run folder's name does not hold
+
+    @property
+    def label(self) -> str:
+        seeds = next((o.split("=", 1)[1].strip("[]").replace(",", "-") for o in self.overrides if o.startswith("seeds=")), None)
+        return (f"{self.point}/" if self.point else "") + f"{self.setting}/{self.method}/" + (f"seeds{seeds}" if seeds else f"seed{self.seed}")
+
+
+def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] | None = None,
+         methods: list[str] | None = None, seeds: list[int] | None = None, extra: list[str] = ()) -> list[Job]:
+    """The runs of the chosen grids, seed by seed (all methods of seed 0 first, so a grid cut short
+    still compares every method)."""
+    settings = {name: s for name, s in preset.settings.items() if s.grid in grids}
+    check_names(preset, datasets, methods)
+    if datasets:  # data set names (cifar10) or setting names (cifar10-shards)
+        settings = {name: s for name, s in settings.items() if name in datasets or setting_dataset(s) in datasets}
+    jobs = []
+    for label, setting in settings.items():
+        dataset = setting_dataset(setting)
+        rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
+        evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
+        common = [*setting.overrides, f"federation.rounds={rounds}",
+                  f"federation.eval_every={math.ceil(rounds / evaluations)}",
+                  f"output.root={root}", f"output.setting={label}", "output.resume=true", *preset.overrides, *extra]
+        for seed in seeds if seeds is not None else preset.seeds:
+            for method in methods or preset.methods:  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
+                name, _, variant = method.partition("-")
+                picks = (f"method={name}", *([f"variant={variant}"] if variant else []))
+                jobs.append(Job(label, method, int(seed), (*common, *picks, f"seed={seed}")))
+    return jobs
+
+
+def check_names(preset: DictConfig, datasets: list[str] | None = None, methods: list[str] | None = None) -> None:
+    """Every data set or setting name is one of the preset's, every method a method (with an
+    existing variant: ``fedrep-tuned``): a typo is one line before anything runs or is written."""
+    unknown = set(datasets or ()) - {setting_dataset(s) for s in preset.settings.values()} - set(preset.settings)
+    if unknown:
+        raise FedmetaError(f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}")
+    for method in methods or ():
+        name, _, variant = method.partition("-")
+        compose([f"method={name}", *([f"variant={variant}"] if variant else [])])  # unknown: one line with the choices
+
+
+def setting_dataset(setting: DictConfig) -> str:
+    return next(o.split("=", 1)[1] for o in setting.overrides if o.startswith("dataset="))
+
+
+def finished(job: Job, kept: Path | None = None) -> bool:
+    """The run's summary is in its run folder, or among the kept run files (``results/runs/<preset>``,
+    committed: a clone without the runs folder does not run them again)."""
+    cfg = compose(list(job.overrides))
+    return any((folder / run_name(cfg) / "summary.json").exists() for folder in (Path(cfg.output.root), kept) if folder)
+
+
+def vectorized_here(cfg: DictConfig) -> bool:
+    """Whether a run of ``cfg`` started on this machine vmaps its clients (``auto``: where a GPU is)."""
+    import torch
+
+    from fedmeta.capture import resolve
+
+    accelerator = cfg.fabric.accelerator
+    gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    return resolve(cfg.federation.vectorize, cfg.federation.capture, torch.device("cuda" if gpu else "cpu"))[0]
+
+
+def stacked(jobs: list[Job]) -> list[Job]:
+    """Vectorized jobs of one setting and method merged into one job over their seeds."""
+    groups: dict[tuple, list[Job]] = {}
+    for job in jobs:
+        together = vectorized_here(compose(list(job.overrides)))
+        key = (job.point, job.setting, job.method) + (() if together else (job.seed,))
+        groups.setdefault(key, []).append(job)
+    merged = []
+    for group in groups.values():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        seeds = [job.seed for job in group]
+        overrides = tuple(o for o in group[0].overrides if not o.startswith("seed="))
+        merged.append(Job(group[0].setting, group[0].method, seeds[0], (*overrides, f"seeds=[{','.join(map(str, seeds))}]"),
+                          group[0].point))
+    return merged
+
+
+def split_values(value: str) -> list[str]:
+    """``a,b,[1,2]`` → ``a``, ``b``, ``[1,2]``: commas inside brackets belong to a list value."""
+    values, depth, current = [], 0, ""
+    for char in value:
+        depth += (char in "[{(") - (char in "]})")
+        if char == "," and depth == 0:
+            values.append(current)
+            current = ""
+        else:
+            current += char
+    return [*values, current]
+
+
+IDENTITY = {*GROUPS, "seed"}  # keys the run folder's name already holds (setting/method-variant/seed)
+
+
+def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
+    """Every combination of the comma-separated values (``key=a,b``), seed by seed. Points that
+    differ in keys other than the data set, partition, method, variant and seed get a folder of
+    their own under ``root``, named by those values."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise FedmetaError(f"sweep values must be key=value or key=a,b,c, got {bad[0]!r}")
+    if any(o.split("=", 1)[0] == "output.root" for o in overrides):
+        raise FedmetaError("a sweep's runs go under --root (default runs/sweep), not output.root: give --root FOLDER")
+    axes = [(key, split_values(value)) for key, value in (o.split("=", 1) for o in overrides)]
+    if any(not v for _, values in axes for v in values):
+        raise FedmetaError("a sweep value is empty (two commas, or one at an end): write key=a,b,c")
+    jobs = []
+    for combination in itertools.product(*[[(key, v) for v in values] for key, values in axes]):
+        folder = ",".join(f"{k}={v}" for (k, v), (_, values) in zip(combination, axes) if len(values) > 1 and k not in IDENTITY)
+        folder = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", folder)
+        job_root = root / folder if folder else root
+        run_overrides = (*(f"{k}={v}" for k, v in combination), f"output.root={job_root}", "output.resume=true")
+        cfg = compose(list(run_overrides))  # every point is checked before anything runs
+        method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+        jobs.append(Job(setting_name(cfg), method, cfg.seed, run_overrides, folder))
+    return sorted(jobs, key=lambda job: job.seed)  # every point of seed 0 first
+
+
+def sweep_report(jobs: list[Job]) -> str:
+    """Each point's new-client accuracy, mean ± std over the seeds that finished."""
+    import statistics
+
+    points: dict[str, list[float]] = {}
+    for job in jobs:
+        cfg = compose(list(job.overrides))
+        path = Path(cfg.output.root) / run_name(cfg) / "summary.json"
+        summary = read_summary(path) if path.exists() else None
+        if summary:
+            points.setdefault(f"{job.point or '-'} | {job.setting} | {job.method}", []).append(100 * summary["accuracy"])
+    lines = ["| point | setting | method | accuracy (%) | seeds |", "|---|---|---|---|---|"]
+    for point, values in points.items():
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        lines.append(f"| {point} | {statistics.mean(values):.2f} ± {spread:.2f} | {len(values)} |")
+    return "\n".join(lines) + "\n"
+
+
+def default_parallel() -> int:
+    """Processes at once when not asked: all of them on a GPU (the card is shared; one process alone
+    leaves it mostly idle), one on a CPU."""
+    import torch
+
+    return 0 if torch.cuda.is_available() else 1
+
+
+STARTUP_SECONDS = 60  # a unit's process: imports, data to the device, the first recordings
+
+
+def unit_seconds(job: Job, rows: list[dict]) -> float | None:
+    """A process's estimated wall time from bench rows (``fedmeta bench``'s results): its seeds ×
+    (rounds × the fastest measured seconds per seed and round + its evaluations × one evaluation of
+    the new clients), plus start-up; None when no row measured its data set, method and variant."""
+    cfg = compose(list(job.overrides))
+    seeds = len(cfg.seeds) if cfg.seeds else 1
+    fed = cfg.federation
+    match = [r for r in rows if r["dataset"] == cfg.dataset.name and r["method"] == cfg.method.name
+             and r["variant"] == cfg.variant and r["precision"] == str(cfg.fabric.precision)
+             and r.get("matmul_precision", "highest") == cfg.fabric.matmul_precision]
+    if not match:
+        return None
+    per_round = min(r["seconds_per_round"] for r in match)
+    evaluation = min(r["evaluation_seconds"] / r["new_clients"] if "evaluation_seconds" in r
+                     else r["personalize_seconds_per_client"] for r in match) * fed.num_new_clients
+    evaluations = math.ceil(fed.rounds / fed.eval_every) + (fed.rounds % fed.eval_every != 0)
+    return STARTUP_SECONDS + seeds * (fed.rounds * per_round + evaluations * evaluation)
+
+
+def within_budget(todo: list[Job], rows: list[dict], budget: float) -> list[Job]:
+    """The processes to start so that all of them finish in ``budget`` seconds, in the grid's order:
+    estimated one after another (a card shared by processes at once does no more work than their
+    sum, and may do less). Each process left out is said in one line, with its estimate."""
+    chosen, total = [], 0.0
+    for job in todo:
+        seconds = unit_seconds(job, rows)
+        if seconds is not None and total + seconds <= budget:
+            chosen.append(job)
+            total += seconds
+            print(f"starting {job.label}: ~{seconds:.0f} s")
+        else:
+            reason = "no bench row measured it" if seconds is None else f"~{seconds:.0f} s, {budget - total:.0f} s left"
+            print(f"not starting {job.label}: {reason}")
+    print(f"{len(chosen)} of {len(todo)} processes fit {budget:.0f} s (~{total:.0f} s estimated)")
+    return chosen
+
+
+def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None, executor: str = "pool",
+        slurm: list[str] = (), budget: tuple[float, list[dict]] | None = None) -> list[str]:
+    """Run the jobs not yet finished on ``executor``; returns one line per failed run (its log holds the rest).
+    ``budget`` (seconds, bench rows): start only the processes estimated to finish in that time.
+    ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods)."""
+    if executor not in EXECUTORS:
+        raise FedmetaError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    remaining = [job for job in jobs if not finished(job, kept)]
+    todo = stacked(remaining)
+    print(f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
+          f"in {len(todo)} processes, {parallel or 'all'} at a time ({executor})")
+    if budget is not None:
+        todo = within_budget(todo, budget[1], budget[0])
+    parallel = parallel or max(1, len(todo))
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    threads = 1 if parallel > 1 and executor != "slurm" else 0  # OpenMP threads of parallel runs only fight each other
+    if not todo:
+        return []
+    if executor == "pool":
+        return _run_pool(todo, logs, parallel, threads)
+    return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
+
+
+def train_job(overrides: list[str], threads: int = 0) -> int:
+    """One run in this process (a submitit job): ``fedmeta train``'s exit code."""
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+    from fedmeta.cli import main
+
+    return main(["train", *overrides])
+
+
+def _failure(job: Job, code, log: Path) -> str | None:
+    if code == 0:
+        return None
+    text = log.read_text() if log.exists() else ""
+    last = [line for line in text.splitlines() if line.strip()][-1:] or ["(no output)"]
+    return f"{job.label}: exit {code}: {last[0]} (log: {log})"
+
+
+def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[str]:
+    env = dict(os.environ) | ({"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {})
+
+    def execute(job: Job) -> str | None:
+        log = logs / f"{job.label.replace('/', '-')}.log"
+        with open(log, "w") as out:
+            code = subprocess.run([sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
+                                  stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        return _failure(job, code, log)
+
+    failures = []
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = [pool.submit(execute, job) for job in todo]
+        for future in tqdm(as_completed(futures), total=len(futures), desc="runs", unit="run"):
+            if (failure := future.result()) is not None:
+                failures.append(failure)
+                tqdm.write(failure)
+    return failures
+
+
+def _run_submitit(todo: list[Job], folder: Path, parallel: int, threads: int, kind: str, slurm: list[str]) -> list[str]:
+    """The jobs through submitit: on SLURM one array job (``parallel`` tasks at once, ``slurm``:
+    submitit's parameters as key=value, e.g. partition=gpu gpus_per_node=1 timeout_min=600); on
+    this machine its local executor, ``parallel`` jobs at a time."""
+    import submitit
+
+    if kind == "slurm":
+        if shutil.which("sbatch") is None:
+            raise FedmetaError("--executor slurm needs SLURM's sbatch, not found here: run it on the cluster's login "
+                               "node, or use --executor local to run the same jobs on this machine")
+        executor = submitit.AutoExecutor(folder / "%j", cluster="slurm")
+        options = {"slurm_array_parallelism": parallel, "name": "fedmeta"}
+    else:
+        executor, options = submitit.LocalExecutor(folder / "%j"), {}
+    for item in slurm:
+        key, _, value = item.partition("=")
+        if not value:
+            raise FedmetaError(f"--slurm takes key=value (submitit's parameters, e.g. partition=gpu), got {item!r}")
+        options[key] = yaml.safe_load(value)
+    try:
+        executor.update_parameters(**options)
+    except (ValueError, TypeError, NameError) as exc:
+        raise FedmetaError(f"submitit refused the --slurm parameters ({str(exc).splitlines()[0]})") from None
+    waiting, running, failures = list(todo), [], []
+    with tqdm(total=len(todo), desc="runs", unit="run") as bar:
+        if kind == "slurm":  # one array job; SLURM throttles it
+            with executor.batch():
+                submitted = [executor.submit(train_job, list(job.overrides), threads) for job in waiting]
+            running, waiting = list(zip(todo, submitted)), []
+        while waiting or running:
+            while waiting and len(running) < parallel:
+                job = waiting.pop(0)
+                running.append((job, executor.submit(train_job, list(job.overrides), threads)))
+            time.sleep(1)
+            for job, handle in [r for r in running if r[1].done()]:
+                running.remove((job, handle))
+                try:
+                    code = handle.result()
+                except Exception as exc:  # killed, timed out, or failed to start: submitit says why
+                    code = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                if (failure := _failure(job, code, Path(handle.paths.stderr))) is not None:
+                    failures.append(failure)
+                    tqdm.write(failure)
+                bar.update()
+    return failures

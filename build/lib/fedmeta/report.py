@@ -1,0 +1,230 @@
+"""Tables and figures from the finished runs of a preset (``runs/<preset>/<setting>/<method>/seed<s>/``):
+``results/TABLES.md`` in the paper's layout with the paper's numbers beside ours, and the paper's
+figures as PNG files. Only what the runs gave is shown; a missing run leaves a blank, never a guess.
+
+Every finished run's small files (config, metrics, curves, summary, later evaluations: a few KB, no checkpoint) are
+first copied to ``results/runs/<preset>/``, which is committed; the tables and figures are drawn
+from there, so ``fedmeta table --no-run`` rebuilds them from a fresh clone and every number in
+them leads back to the run, its config and its round-by-round metrics."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import statistics
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from fedmeta.config import CONFIG_DIR
+from fedmeta.runs import read_summary
+
+METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "ifca_ft": "IFCA-FT", "ditto": "Ditto",
+                "fedrep": "FedRep", "perfedavg": "Per-FedAvg", "local": "Local", "cafeme": "CAFeMe"}
+
+
+def method_label(method: str) -> str:
+    """A row's name: "FedRep", or with its variant "FedRep (tuned)"."""
+    name, _, variant = method.partition("-")
+    return METHOD_NAMES.get(name, name) + (f" ({variant})" if variant else "")
+
+
+RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl")
+
+
+def archive(runs_root: Path, kept_root: Path) -> int:
+    """Copy the small files of every finished run under ``runs_root`` to the same place under
+    ``kept_root``; returns how many runs were copied."""
+    finished = sorted(runs_root.glob("*/*/seed*/summary.json"))
+    for summary in finished:
+        target = kept_root / summary.parent.relative_to(runs_root)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in RUN_FILES:
+            if (summary.parent / name).exists():
+                shutil.copy2(summary.parent / name, target / name)
+    return len(finished)
+
+
+def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
+    """(setting, method folder) → the summaries of its finished seeds, each with its metrics rows."""
+    runs = defaultdict(list)
+    for path in sorted(root.glob("*/*/seed*/summary.json")):
+        summary = read_summary(path)
+        if summary is None or not (path.parent / "metrics.csv").is_file():
+            continue
+        with open(path.parent / "metrics.csv") as f:
+            summary["metrics"] = [row for row in csv.DictReader(f) if row["eval_accuracy"]]
+        runs[(path.parts[-4], path.parts[-3])].append(summary)
+    return runs
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, command: str) -> str:
+    """The preset's section of TABLES.md — accuracy mean ± std over seeds (paper's number and our
+    difference beside it), then the budget, hardware and wall time of every cell — in place of that
+    preset's earlier section; the other presets' sections stay as they are."""
+    runs, paper = collect(root), OmegaConf.load(CONFIG_DIR / "paper_results.yaml")
+    settings = [name for name, s in preset.settings.items() if s.grid == "table"]
+    methods = list(preset.methods)
+    lines = [f"## Preset `{preset_name}`", "",
+             f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
+             f"the seeds run; beside it the paper's number (5 seeds, full protocol) and ours minus the paper's.",
+             "", f"Command: `{command}`. Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from `{root}/`.", "",
+             "| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for method in methods:
+        cells = []
+        for setting in settings:
+            summaries = runs.get((setting, method), [])
+            if not summaries:
+                cells.append("–")
+                continue
+            mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
+            cell = f"**{mean:.2f} ± {std:.2f}** (n={len(summaries)})"
+            if method in paper.get(setting, {}):
+                paper_mean, paper_std = paper[setting][method]
+                cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
+            cells.append(cell)
+        lines.append(f"| {method_label(method)} | " + " | ".join(cells) + " |")
+    lines += ["", f"### Every cell of `{preset_name}`: budget, hardware, wall time", "",
+              "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |", "|---|---|---|---|---|---|---|"]
+    for setting in settings:
+        for method in methods:
+            summaries = runs.get((setting, method), [])
+            if summaries:
+                lines.append(f"| {setting} | {method} | {','.join(str(s['seed']) for s in summaries)} | "
+                             f"{'/'.join(sorted({str(s['rounds']) for s in summaries}))} | "
+                             f"{statistics.median(s['seconds_per_round'] for s in summaries):.2f} | "
+                             f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
+                             f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |")
+    text = "\n".join(lines) + "\n"
+    replace_section(out, preset_name, text)
+    return text
+
+
+TABLES_TITLE = "# Results\n\nOne section per preset, each written by `fedmeta table --preset <name>`.\n"
+
+
+def replace_section(path: Path, name: str, text: str) -> None:
+    """``path`` with the section of preset ``name`` (between its markers) replaced by ``text``, or
+    added; written to a temporary file and renamed, so a reader never sees half a file."""
+    start, end = f"<!-- preset {name} -->", f"<!-- end of preset {name} -->"
+    old = path.read_text() if path.exists() else TABLES_TITLE
+    if not old.startswith("# Results\n"):  # a file from before sections: every table in it is rebuilt from results/runs/
+        old = TABLES_TITLE
+    block = f"{start}\n{text}{end}\n"
+    if start in old and end in old:
+        new = old[:old.index(start)] + block + old[old.index(end) + len(end) + 1:]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+
+
+def _steps(runs) -> int:
+    return next((len(s["curve"]) - 1 for summaries in runs.values() for s in summaries), 50)
+
+
+def log_report(preset_name: str, preset: DictConfig, root: Path, written: list[Path]) -> None:
+    """The table (as a W&B table) and the files just written (TABLES.md, the figures: as images and
+    as one artifact) to a W&B run of their own, job type "report", offline unless asked otherwise."""
+    mode = os.environ.get("WANDB_MODE", "offline")
+    if mode == "disabled":
+        return
+    import wandb
+
+    runs = collect(root)
+    rows = [[setting, method, *_mean_std([100 * s["accuracy"] for s in runs[(setting, method)]]), len(runs[(setting, method)])]
+            for setting in preset.settings for method in preset.methods if runs.get((setting, method))]
+    Path("runs").mkdir(exist_ok=True)
+    with wandb.init(project="fedmeta", name=f"report-{preset_name}", group="report", job_type="report", mode=mode,
+                    dir=str(Path("runs").resolve()), reinit="create_new", settings=wandb.Settings(silent=True, console="off")) as run:
+        run.log({"table": wandb.Table(columns=["setting", "method", "accuracy", "std", "seeds"], data=rows),
+                 **{f"figures/{path.stem}": wandb.Image(str(path)) for path in written if path.suffix == ".png"}})
+        files = wandb.Artifact(f"report-{preset_name}", type="report")
+        for path in written:
+            files.add_file(str(path))
+        run.log_artifact(files)
+
+
+def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
+    """The paper's figures from whichever runs exist: returns the PNG files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, methods = collect(root), list(preset.methods)
+    table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
+    written = []
+
+    def save(fig, name: str, axes) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        legend(fig, axes)
+        fig.savefig(out_dir / name, dpi=120)
+        plt.close(fig)
+        written.append(out_dir / name)
+
+    def band(ax, xs, samples_per_x, method) -> None:
+        """Mean over seeds with a ±1 std band (none where one seed is all there is); one colour per
+        method in every panel."""
+        means = np.array([100 * np.mean(v) for v in samples_per_x])
+        stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
+        color = f"C{methods.index(method) % 10}"
+        ax.plot(xs, means, marker="o" if len(xs) < 12 else None, ms=4, color=color, label=method_label(method))
+        ax.fill_between(xs, means - stds, means + stds, color=color, alpha=0.15)
+
+    def legend(fig, axes) -> None:
+        """One legend for the figure, with every method drawn in any panel."""
+        handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8)
+        fig.subplots_adjust(right=0.85)
+
+    for figure, xlabel in (("heterogeneity", "heterogeneity of the partition (RMNIST)"),
+                           ("images_per_client", "images per client (Meta-Dataset)")):
+        axis = {k: v for k, v in preset[figure].items() if any((k, m) in runs for m in methods)}
+        if len(axis) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for method in methods:
+            points = [(i if figure == "heterogeneity" else value, [s["accuracy"] for s in runs[(setting, method)]])
+                      for i, (setting, value) in enumerate(axis.items()) if (setting, method) in runs]
+            if points:
+                band(ax, [x for x, _ in points], [v for _, v in points], method)
+        if figure == "heterogeneity":
+            ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
+        ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
+        ax.grid(alpha=0.3)
+        save(fig, f"fig_{figure}.png", [ax])
+
+    series = {  # figure → (x label, y label, a run's (x, y) sequence)
+        "personalization": ("personalization step", "accuracy after k personalization steps (%)",
+                            lambda s: (list(range(len(s["curve"]))), s["curve"])),
+        "convergence": ("communication round", "new-client accuracy (%)",
+                        lambda s: ([int(r["round"]) for r in s["metrics"]], [float(r["eval_accuracy"]) for r in s["metrics"]])),
+    }
+    present = [name for name in table_settings if any((name, m) in runs for m in methods)]
+    for figure, (xlabel, ylabel, xy) in series.items():
+        if not present:
+            continue
+        fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4), squeeze=False)
+        for ax, setting in zip(axes[0], present):
+            for method in methods:
+                curves = [xy(s) for s in runs.get((setting, method), [])]
+                length = min((len(x) for x, _ in curves), default=0)
+                if length:
+                    band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method)
+            ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
+            ax.grid(alpha=0.3)
+        save(fig, f"fig_{figure}.png", axes[0])
+    return written

@@ -1,0 +1,304 @@
+"""Everything a run leaves in runs/<dataset>-<partition>/<method>/seed<seed>/:
+config.yaml (fully resolved), metrics.csv (one row per round), curves.csv (the personalization
+curve at every evaluation), summary.json, checkpoint.ckpt — and what its Fabric loggers write
+(``logger=[tensorboard,wandb]`` by default): tensorboard/, wandb/ (offline by default), csv/."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from lightning.fabric.loggers import TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+from fedmeta.config import setting_name
+from fedmeta.errors import FedmetaError
+
+log = logging.getLogger("fedmeta")
+
+METRIC_FIELDS = ["round", "train_loss", "round_seconds", "clients_dropped", "eval_accuracy", "eval_accuracy_std",
+                 "eval_step0_accuracy"]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_summary(path: Path) -> dict | None:
+    """A finished run's summary.json, or None (said in one line) where the file is not one — cut
+    short, emptied or edited: reports skip that run rather than stop."""
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict) or not isinstance(summary.get("accuracy"), (int, float)):
+            raise ValueError("no accuracy")
+        return summary
+    except (OSError, ValueError) as exc:
+        log.warning(f"skipping {path}: not a finished run's summary ({type(exc).__name__}); delete it and run that run again")
+        return None
+
+
+RUN_ENTRIES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl", "checkpoint.ckpt",
+               "checkpoint.ckpt.tmp", "tensorboard", "wandb", "csv")  # everything a run writes in its folder
+LOG_FOLDERS = ("tensorboard", "wandb", "csv")
+
+
+def clear_run_folder(run_dir: Path) -> None:
+    """Removes what a run writes in ``run_dir`` and nothing else: a file that fedmeta did not write
+    there stays (and a symbolic link is removed, never followed)."""
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
+def check_run_folder(run_dir: Path) -> None:
+    """Each file a run reads or writes in its folder is a plain file (or absent): a symbolic link would
+    send a write elsewhere, a FIFO would block a read forever."""
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_symlink() or (path.exists() and not (path.is_file() or (path.is_dir() and name in LOG_FOLDERS))):
+            kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+            raise FedmetaError(f"{path} is {kind}: a run folder holds only the files fedmeta writes; move it away and run again")
+
+
+def append_text(path: Path, text: str) -> None:
+    """Appends to a file of a run folder without following a symbolic link put there since."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "a", newline="") as f:
+        f.write(text)
+
+
+class RunLock:
+    """An exclusive claim on a run folder: ``<folder>.lock`` beside it holds the owner's pid and
+    host. A second process that wants the folder is refused in one line; a lock whose process is
+    gone (same host) is stale and taken over."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir.with_name(run_dir.name + ".lock")
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        owner = f"{os.getpid()}@{socket.gethostname()}"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self.path.read_text().strip() if self.path.exists() else ""
+                if not self._stale(holder):
+                    raise FedmetaError(f"{self.path.with_suffix('')} is in use by another fedmeta process ({holder}): "
+                                       f"wait for it to finish, or delete {self.path} if that process is gone") from None
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(owner)
+            self.held = True
+            return self
+        raise FedmetaError(f"could not lock {self.path}: another process keeps taking it")
+
+    @staticmethod
+    def _stale(holder: str) -> bool:
+        pid, _, host = holder.partition("@")
+        if host != socket.gethostname() or not pid.isdigit():
+            return not holder  # another machine's lock is trusted; an empty one is debris
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+# a metrics.csv column → its name in the loggers: one namespace per chart section
+LOGGED_AS = {"train_loss": "train/loss", "round_seconds": "train/round_seconds", "clients_dropped": "train/clients_dropped",
+             "eval_accuracy": "eval/accuracy", "eval_accuracy_std": "eval/accuracy_std", "eval_step0_accuracy": "eval/step0_accuracy"}
+
+
+def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | None = None):
+    """Lightning's WandbLogger, offline unless asked otherwise ($WANDB_MODE wins); None if disabled.
+    One W&B run per federation: grouped by setting, its job type the method (and variant), so W&B's
+    mean ± std over a group's job type is over seeds only. A resumed run continues ``run_id``."""
+    mode = os.environ.get("WANDB_MODE", cfg.wandb.mode)
+    if mode == "disabled":
+        return None
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+    # Our own wandb.init: Lightning's would set $WANDB_MODE for the whole process, reuse another
+    # seed's open run, and pass options W&B warns about. reinit="create_new": stacked seeds hold
+    # one W&B run each at the same time in this process.
+    def start(resume_id: str | None):
+        return wandb.init(project=cfg.wandb.project, name=f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}",
+                          group=setting_name(cfg), job_type=method, tags=[t[:64] for t in tags], dir=str(run_dir.resolve()),
+                          mode=mode, reinit="create_new", config=OmegaConf.to_container(cfg),
+                          settings=wandb.Settings(silent=True, console="off"),
+                          **({"id": resume_id, "resume": "allow"} if resume_id else {}))
+
+    try:
+        run = start(run_id)
+    except Exception as exc:  # noqa: BLE001 — W&B refuses to continue a run (a killed process's run still "in use")
+        if not run_id:
+            raise
+        log.warning(f"W&B run {run_id} could not be continued ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}); "
+                    "the resumed rounds go to a new W&B run of the same name and group")
+        run = start(None)
+    run.define_metric("trainer/global_step")
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)  # x axis: the round
+    return WandbLogger(experiment=run)
+
+
+def run_loggers(cfg: DictConfig, run_dir: Path, tags: list[str], history: dict | None) -> tuple[list, list, object]:
+    """The Fabric loggers ``cfg.logger`` names, for the rounds' metrics (step = round) and for the
+    personalization curves (step = personalization step, one series per evaluation), and the W&B
+    logger among them (None without one). A resumed TensorBoard log drops what was logged after
+    the checkpoint (``purge_step``); Fabric's CSVLogger starts its file again and is given the
+    checkpoint's rows."""
+    rounds, curves, wandb_run = [], [], None
+    resumed_at = int(history["metrics"][-1]["round"]) + 1 if history and history["metrics"] else None
+    if "csv" in cfg.logger:
+        from lightning.fabric.loggers import CSVLogger
+
+        csv_logger = CSVLogger(run_dir, name="csv", version="", flush_logs_every_n_steps=1)
+        for row in history["metrics"] if history else []:
+            csv_logger.log_metrics(_logged(row), step=int(row["round"]))
+        rounds.append(csv_logger)
+    if "tensorboard" in cfg.logger:
+        rounds.append(TensorBoardLogger(run_dir, name="tensorboard", version="rounds",
+                                        **({"purge_step": resumed_at} if resumed_at else {})))
+        curves.append(TensorBoardLogger(run_dir, name="tensorboard", version="personalization"))
+    if "wandb" in cfg.logger:
+        wandb_run = wandb_logger(cfg, run_dir, tags, history.get("wandb_id") if history else None)
+        if wandb_run:
+            rounds.append(wandb_run)
+    return rounds, curves, wandb_run
+
+
+def _logged(row: dict) -> dict:
+    return {LOGGED_AS[k]: v for k, v in row.items() if k in LOGGED_AS and v != ""}
+
+
+class RunRecorder:
+    """Writes the run folder (metrics.csv, curves.csv, summary.json: the files every tool reads)
+    and logs the same metrics to the run's Fabric loggers, on the main process only. ``history``
+    (from a checkpoint) continues a run: its rows so far are written back and new ones follow."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, main_process: bool, history: dict | None = None, tags: list[str] = ()):
+        self.dir = run_dir
+        self.main = main_process
+        self.log_model = cfg.wandb.log_model
+        if (run_dir / "summary.json").exists() and not cfg.output.overwrite:
+            raise FedmetaError(f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it")
+        self.rows: list[dict] = list(history["metrics"]) if history else []
+        self.curves: list[list] = list(history["curves"]) if history else []
+        self.loggers, self.curve_loggers, self.wandb = [], [], None
+        if self.main:
+            if run_dir.exists() and history is None:
+                kept = [name for name in ("checkpoint.ckpt", "metrics.csv", "summary.json") if (run_dir / name).exists()]
+                if kept and not (cfg.output.overwrite or cfg.output.resume):  # resume without a checkpoint: nothing to keep
+                    raise FedmetaError(f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
+                                       "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true")
+                clear_run_folder(run_dir)  # empty of results, or replacing them was asked for
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "checkpoint.ckpt.tmp").unlink(missing_ok=True)  # a checkpoint write cut off by a kill
+            atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+            with open(run_dir / "metrics.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, METRIC_FIELDS)
+                writer.writeheader()
+                writer.writerows(self.rows)
+            with open(run_dir / "curves.csv", "w", newline="") as f:
+                csv.writer(f).writerows([["round", "step", "accuracy"],
+                                         *([r, step, acc] for r, curve in self.curves for step, acc in enumerate(curve))])
+            self.loggers, self.curve_loggers, self.wandb = run_loggers(cfg, run_dir, list(tags), history)
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb.experiment.id if self.wandb else None
+
+    def log_round(self, row: dict) -> None:
+        self.rows.append(row)
+        if not self.main:
+            return
+        line = io.StringIO()
+        csv.DictWriter(line, METRIC_FIELDS).writerow(row)
+        append_text(self.dir / "metrics.csv", line.getvalue())
+        for logger in self.loggers:
+            logger.log_metrics(_logged(row), step=row["round"])
+
+    def log_curve(self, round_: int, curve: list[float]) -> None:
+        """The personalization curve of the evaluation at ``round_``: a series of its own in
+        TensorBoard (``personalization/round_<r>``, x = step); in W&B the table of every curve so
+        far and its line plot, one line per evaluation round, so curves at round 100, 500 and 1000
+        overlay."""
+        self.curves.append([round_, curve])
+        if not self.main:
+            return
+        lines = io.StringIO()
+        csv.writer(lines).writerows([round_, step, acc] for step, acc in enumerate(curve))
+        append_text(self.dir / "curves.csv", lines.getvalue())
+        for logger in self.curve_loggers:
+            for step, accuracy in enumerate(curve):
+                logger.log_metrics({f"personalization/round_{round_:05d}": accuracy}, step=step)
+        if self.wandb:
+            import wandb
+
+            table = wandb.Table(columns=["round", "step", "accuracy"],
+                                data=[[r, step, acc] for r, points in self.curves for step, acc in enumerate(points)])
+            self.wandb.experiment.log({"personalization/curves": table, "trainer/global_step": round_,
+                                       "personalization/plot": wandb.plot.line(table, "step", "accuracy", stroke="round",
+                                                                               title="accuracy after k personalization steps")})
+
+    def finish(self, summary: dict, cfg: DictConfig) -> None:
+        if not self.main:
+            return
+        atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2))
+        final = {"final/accuracy": summary["accuracy"], "final/accuracy_std": summary["accuracy_std"],
+                 "final/step0_accuracy": summary["curve"][0]}
+        for logger in self.loggers:  # TensorBoard's HParams tab: every run's settings beside its result
+            if isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(_flat(OmegaConf.to_container(cfg)), metrics=final)
+        if self.wandb:
+            import wandb
+
+            run = self.wandb.experiment
+            run.summary.update({k: v for k, v in summary.items() if k != "curve"} | final)
+            if self.log_model and (self.dir / "checkpoint.ckpt").exists():
+                model = wandb.Artifact(f"model-{run.id}", type="model", metadata={k: v for k, v in summary.items() if k != "curve"})
+                model.add_file(str(self.dir / "checkpoint.ckpt"))
+                run.log_artifact(model)
+        self.close("success")
+
+    def close(self, status: str) -> None:
+        """Flush and close the loggers (``failed``: a run stopped by an error or a pruner)."""
+        for logger in [*self.loggers, *self.curve_loggers]:
+            logger.finalize(status)
+        if self.wandb:
+            self.wandb.experiment.finish(exit_code=0 if status == "success" else 1)  # a later run here starts its own
+        self.loggers, self.curve_loggers, self.wandb = [], [], None
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """A nested config as ``a.b.c`` keys with scalar values (TensorBoard's hyperparameters)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat

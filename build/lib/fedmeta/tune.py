@@ -1,0 +1,169 @@
+"""``fedmeta tune METHOD``: an Optuna study over a method's search space (configs/tune.yaml).
+
+Each trial is a plain ``fedmeta train`` of the method on the tuning setting and the tuning seed,
+with the values TPE proposes; its new-client accuracy at each intermediate evaluation is reported
+to the study, and the median pruner stops trials that fall below the median of the earlier ones at
+the same round. The study lives in a database (SQLite under ``runs/tune/`` by default, or any
+database URL several machines can share), so a study that is interrupted — or run from several
+machines at once — continues where it is. After every finished trial the best settings so far are
+written to ``configs/variant/<method>/tuned.yaml`` (``variant=tuned``) and the study's summary to
+``tuned.study.md`` beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, compose, group_choices, setting_name
+from fedmeta.errors import FedmetaError
+
+MARK = "# written by fedmeta tune:"  # in the header of a tuned.yaml this command may replace
+
+
+def load_spaces(config_dir: Path = CONFIG_DIR) -> DictConfig:
+    return OmegaConf.load(config_dir / "tune.yaml")
+
+
+def preset_seeds(config_dir: Path = CONFIG_DIR) -> set[int]:
+    """Every seed a preset scores: the tuning seed must be none of them."""
+    seeds = set()
+    for name in group_choices("preset", config_dir):
+        seeds |= {int(s) for s in OmegaConf.load(config_dir / "preset" / f"{name}.yaml").get("seeds", [])}
+    return seeds
+
+
+def suggest(trial, space: DictConfig) -> list[str]:
+    """The trial's values for every key of ``space``, as ``key=value`` overrides."""
+    overrides = []
+    for key, kind in space.items():
+        (how, bounds), = kind.items()
+        if how == "log":
+            value = trial.suggest_float(key, *bounds, log=True)
+        elif how == "float":
+            value = trial.suggest_float(key, *bounds)
+        elif how == "int":
+            value = trial.suggest_int(key, *bounds)
+        elif how == "choices":
+            value = trial.suggest_categorical(key, list(bounds))
+        else:
+            raise FedmetaError(f"configs/tune.yaml: {key} has kind {how!r}: use log, float, int or choices")
+        overrides.append(f"{key}={value}")
+    return overrides
+
+
+class Study:
+    """One method's study: its budget, search space, storage and output files."""
+
+    def __init__(self, method: str, overrides: list[str], trials: int | None, rounds: int | None, seed: int | None,
+                 storage: str | None, root: Path = Path("runs/tune"), config_dir: Path = CONFIG_DIR, overwrite: bool = False):
+        tune = load_spaces(config_dir)
+        if method not in tune.spaces:
+            raise FedmetaError(f"no search space for method {method!r} in configs/tune.yaml: choose one of {sorted(tune.spaces)}")
+        budget = tune.budget
+        self.method, self.space, self.config_dir = method, tune.spaces[method], config_dir
+        self.trials = trials if trials is not None else budget.trials
+        self.rounds = rounds if rounds is not None else budget.rounds
+        self.seed = seed if seed is not None else budget.seed
+        if self.trials < 1 or self.rounds < 1:
+            raise FedmetaError(f"--trials and --rounds must be ≥ 1, got {self.trials} and {self.rounds}")
+        scored = preset_seeds(config_dir)
+        if self.seed in scored:
+            raise FedmetaError(f"--seed {self.seed} is a seed the presets score ({sorted(scored)}): tune on another one")
+        evaluations = max(1, min(budget.evaluations, self.rounds))
+        self.base = [*budget.overrides, *overrides, f"method={method}", f"seed={self.seed}",
+                     f"federation.rounds={self.rounds}", f"federation.eval_every={math.ceil(self.rounds / evaluations)}"]
+        cfg = compose(self.base, config_dir)  # bad overrides are refused before a study exists
+        for key in self.space:
+            if OmegaConf.select(cfg, key, default=None) is None:
+                raise FedmetaError(f"configs/tune.yaml: {method} searches {key}, which its config does not have")
+        self.setting = setting_name(cfg)
+        self.name = f"{method}-{self.setting}-{self.rounds}rounds-seed{self.seed}"
+        self.root = root / self.name
+        if storage is not None and not storage.strip():
+            raise FedmetaError("--storage is empty: give a database URL (e.g. sqlite:///studies.db), or leave the option "
+                               "out for the default SQLite file under runs/tune/")
+        self.out = (USER_CONFIG_DIR if config_dir == CONFIG_DIR else config_dir) / "variant" / cfg.method.name / "tuned.yaml"
+        if self.out.exists() and MARK not in self.out.read_text() and not overwrite:
+            raise FedmetaError(f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it")
+        root.mkdir(parents=True, exist_ok=True)  # every input checked: only now is anything created
+        self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
+        self.storage_label = storage or f"SQLite, {root / 'studies.db'}"  # what the summary says: no machine's absolute path
+
+    def run(self, show_progress: bool = True) -> dict:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            study = optuna.create_study(study_name=self.name, storage=self.storage, load_if_exists=True, direction="maximize",
+                                        sampler=optuna.samplers.TPESampler(seed=self.seed),
+                                        pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
+        except Exception as exc:  # a bad URL, an unreachable server, a database of another program
+            raise FedmetaError(f"cannot open the study database {self.storage} ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}): give a database URL, e.g. sqlite:///tune.db") from None
+        done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+        for _ in range(self.trials - len(done)):
+            study.optimize(lambda trial: self._objective(trial, show_progress), n_trials=1, catch=(FedmetaError,))
+            if any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
+                self.write(study)
+        if not any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
+            raise FedmetaError(f"no trial of study {self.name} finished (see {self.root}): check the method's settings")
+        self.write(study)
+        return {"study": self.name, "best_accuracy": study.best_value, "best": study.best_params, "tuned": str(self.out)}
+
+    def _objective(self, trial, show_progress: bool) -> float:
+        import optuna
+
+        from fedmeta.loop import train
+
+        cfg = compose([*self.base, *suggest(trial, self.space), f"output.root={self.root}",
+                       f"output.setting=trial{trial.number}", "output.overwrite=true"], self.config_dir)
+
+        def report(round_: int, accuracy: float) -> None:
+            trial.report(accuracy, round_)
+            if round_ < self.rounds and trial.should_prune():
+                raise optuna.TrialPruned(f"accuracy {accuracy:.4f} at round {round_}: below the median")
+
+        try:
+            summary = train(cfg, show_progress=show_progress, on_evaluation=report)
+        except FedmetaError as exc:  # a diverged trial is a bad point of the space, not the study's end
+            logging.getLogger("fedmeta").warning(f"trial {trial.number} failed: {exc}")
+            raise
+        return summary["accuracy"]
+
+    def write(self, study) -> None:
+        """tuned.yaml (the best trial's values) and tuned.study.md (every trial) from the study."""
+        import optuna
+
+        best, states = study.best_trial, optuna.trial.TrialState
+        finished = [t for t in study.trials if t.state in (states.COMPLETE, states.PRUNED)]
+        tree = OmegaConf.create()
+        for key, value in best.params.items():
+            OmegaConf.update(tree, key, value, force_add=True)
+        head = (f"# The best of {len(finished)} trials of {self.method}'s search space (TPE, median pruning) on "
+                f"{self.setting}, {self.rounds} rounds, tuning seed {self.seed}.\n"
+                f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md beside this file.\n"
+                f"{MARK} {self.name}\n")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(head + OmegaConf.to_yaml(tree))
+        rows = sorted(finished, key=lambda t: -(t.value if t.value is not None else
+                                                 max(t.intermediate_values.values(), default=-1)))
+        lines = [f"# Tuning study `{self.name}`", "",
+                 f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `fedmeta tune {self.method}` "
+                 f"(storage: {self.storage_label}). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.seed}), median "
+                 f"pruner on the new-client accuracy at each intermediate evaluation.", "",
+                 "Search space (configs/tune.yaml): " + ", ".join(f"`{k}` {dict(v)}" for k, v in self.space.items()), "",
+                 f"Best: trial {best.number}, {100 * best.value:.2f} % → `{self.out.name}`.", "",
+                 "| trial | state | accuracy (%) | last round | " + " | ".join(self.space) + " |",
+                 "|---|---|---|---|" + "---|" * len(self.space)]
+        for t in rows:
+            last = max(t.intermediate_values, default=None)
+            score = t.value if t.value is not None else t.intermediate_values.get(last)
+            lines.append(f"| {t.number} | {t.state.name.lower()} | {'' if score is None else f'{100 * score:.2f}'} | "
+                         f"{last if last is not None else ''} | " + " | ".join(f"{t.params.get(k, ''):.4g}" if isinstance(
+                             t.params.get(k), float) else str(t.params.get(k, '')) for k in self.space) + " |")
+        self.out.with_name("tuned.study.md").write_text("\n".join(lines) + "\n")
