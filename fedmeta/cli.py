@@ -43,7 +43,7 @@ class Seeds(Names):
     type_of = int
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Parser:
     parser = Parser(prog="fedmeta", description="Personalized federated learning with meta-learning.")
     commands = parser.add_subparsers(dest="command", required=True)
     from fedmeta.config import catalog
@@ -142,14 +142,34 @@ def main(argv: list[str] | None = None) -> int:
                           "one URL shared by several machines runs one study")
     tune_cmd.add_argument("--overwrite", action="store_true", help="replace a tuned.yaml that was written by hand")
     tune_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every trial, e.g. partition=dirichlet")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a usage error, said in one line (2)
-        return int(exit_.code or 0)
+    return parser
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as the commands take it: overrides that followed a list option joined to
+    the others, --slurm's comma lists split. SystemExit for --help (0) and usage errors (2)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value words after an option (fedmeta tune ditto --trials 30 partition=dirichlet) are
+    # overrides too: argparse fills a positional list once, before the options
+    stray = [word for word in extra if "=" not in word or word.startswith("-")]
+    if stray or (extra and not hasattr(args, "overrides") and not hasattr(args, "values")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        target = "overrides" if hasattr(args, "overrides") else "values"
+        setattr(args, target, [*getattr(args, target), *extra])
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *getattr(args, "moved_overrides", [])]
     if hasattr(args, "slurm"):
         args.slurm = [item for value in args.slurm for item in value.split(",") if item]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error, said in one line (2)
+        return int(exit_.code or 0)
 
     try:
         from omegaconf import OmegaConf

@@ -267,8 +267,10 @@ def validate(cfg: DictConfig) -> None:
                  "IFCA trains with SGD epochs: method.local_optimizer and method.local_batches are FedAvg's "
                  "(its authors' Ditto), not IFCA's; leave them at sgd and 0")
     if "clusters" in method:
-        _require(method.clusters is None and cfg.dataset.name == "meta_dataset" or isinstance(method.clusters, int) and method.clusters >= 1,
-                 f"method.clusters must be an integer ≥ 1 (null, one per source, only for dataset=meta_dataset), got {method.clusters}")
+        _require(method.clusters is None and cfg.dataset.name == "meta_dataset"
+                 or isinstance(method.clusters, int) and 1 <= method.clusters <= train_clients,
+                 f"method.clusters must be an integer from 1 to the {train_clients} training clients (null: "
+                 f"one per source, only for dataset=meta_dataset), got {method.clusters}")
     if cfg.method.algorithm == "cafeme":
         _require(cfg.method.modulation in ("c0", "c1", "c2"), f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}")
         _require(cfg.method.context in ("labelled", "transductive"),

@@ -1,0 +1,165 @@
+"""Every command shown in README.md and docs/ does what its text says, checked without running it:
+``make`` targets through ``make -n`` (the fedmeta command they would run), fedmeta commands
+through their parser and the same validation the command does first (``--print-config`` for
+train), scripts through ``bash -n`` and their arguments. Each ``key=value`` of a command must
+reach the config it was written for — not be swallowed by a list option."""
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from fedmeta import bench, grid
+from fedmeta.cli import _bench_rows, parse
+from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_mapping
+from fedmeta.data.download import CATALOG, LEARN2LEARN
+from fedmeta.loop import TEST_TIME_KEYS
+from fedmeta.tune import Study
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# placeholders in the prose's commands → an example value of their kind
+EXAMPLES = {"<rows>": "configs/bench.yaml", "NAME=...": "NAME=femnist", "data download NAME": "data download femnist",
+            "SETTING": "rmnist-shards", "SECONDS": "480", "BENCH_JSON": "results/bench.json", "tune METHOD": "tune fedrep",
+            "client_failure_rate=p": "client_failure_rate=0.1"}
+OTHER_PROGRAMS = {"pip", "tar", "wandb", "tensorboard"}  # not ours: shown for context, not checked here
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command line of the code blocks and every `fedmeta …`/`make …`
+    span of the prose; elided ones (with …) are fragments of a command shown whole elsewhere."""
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line and not line.startswith("#"):
+                    found.append((path.name, line))
+        found += [(path.name, " ".join(span.split())) for span in re.findall(r"`((?:fedmeta|make) [^`]+)`", text)]
+    commands = []
+    for where, command in found:
+        for placeholder, example in EXAMPLES.items():
+            command = command.replace(placeholder, example)
+        if "…" not in command and (where, command) not in commands:
+            commands.append((where, command))
+    return commands
+
+
+COMMANDS = documented_commands()
+
+
+def make_runs(command: str) -> list[list[str]]:
+    """The fedmeta command lines ``make`` would run for a documented make command."""
+    dry = subprocess.run(["make", "-n", "-o", ".venv/.ready", *shlex.split(command)[1:]], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    lines = [shlex.split(line) for line in dry.stdout.replace("\\\n", " ").splitlines() if line.strip()]
+    return [line[1:] for line in lines if line and line[0].endswith("bin/fedmeta")]
+
+
+def overrides_in(argv: list[str]) -> list[str]:
+    """The key=value words of a command line that are config overrides (not --slurm's parameters)."""
+    return [word for previous, word in zip(["", *argv], argv) if "=" in word and previous != "--slurm"
+            and not word.startswith("-")]
+
+
+def check_config(cfg, overrides: list[str]) -> None:
+    for override in overrides:
+        key, value = override.split("=", 1)
+        if key in GROUPS:
+            assert (cfg.variant if key == "variant" else cfg[key].name) == value, override
+        else:
+            expected = OmegaConf.create({"v": OmegaConf.from_dotlist([f"v={value}"]).v}).v
+            got = OmegaConf.select(cfg, key)
+            assert (list(got) if OmegaConf.is_list(got) else got) == \
+                (list(expected) if OmegaConf.is_list(expected) else expected) or [got] == [expected] or \
+                (OmegaConf.is_list(got) and list(got) == [expected]), f"{override}: the config has {got}"
+
+
+def dry_run(argv: list[str], tmp_path: Path) -> None:
+    """What the command checks before it starts anything, and where its overrides go."""
+    args = parse(argv)
+    written = overrides_in(argv)
+    if args.command == "sweep":
+        assert set(written) <= set(args.values), written
+        grid.sweep_plan(args.values, tmp_path / "sweep")
+        return
+    assert sorted(written) == sorted(getattr(args, "overrides", [])), f"overrides misrouted: {args}"
+    if args.command == "train":
+        check_config(compose(args.overrides), args.overrides)
+    elif args.command == "evaluate":
+        assert all(o.startswith("personalization.") or o.split("=")[0] in TEST_TIME_KEYS for o in args.overrides)
+        check_config(compose(args.overrides), args.overrides)
+    elif args.command in ("table", "figures"):
+        preset = grid.load_preset(args.preset)
+        grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
+        jobs = grid.plan(preset, tmp_path / "runs", grids, args.datasets, args.methods, args.seeds, args.overrides)
+        assert jobs or args.command == "figures"
+        for job in jobs[:3]:
+            check_config(compose(list(job.overrides)), args.overrides)
+        if getattr(args, "estimate", None):
+            assert _bench_rows(ROOT / args.estimate)
+    elif args.command == "bench":
+        config = load_mapping(ROOT / args.config if args.config else bench.CONFIG_DIR / "bench.yaml", "a bench config")
+        assert set(args.datasets or ()) <= set(config.datasets)
+        compose(args.overrides)
+        if args.project:
+            grid.load_preset(args.project)
+    elif args.command == "tune":
+        Study(args.method, args.overrides, args.trials, args.rounds, args.seed, args.storage, root=tmp_path / "tune")
+    elif args.command == "flower":
+        check_config(compose(args.overrides), args.overrides)
+    elif args.command == "data":
+        if args.data_command == "download":
+            assert args.name in CATALOG or args.name in LEARN2LEARN
+        else:
+            compose([f"dataset={args.dataset}", *([f"partition={args.partition}"] if args.partition else []), *args.overrides])
+
+
+def test_the_docs_show_commands_of_every_kind():
+    programs = {shlex.split(c)[0].split("/")[-1] for _, c in COMMANDS}
+    assert {"make", "fedmeta", "gpu_table.sh", "gpu_check.sh"} <= programs
+    assert len(COMMANDS) > 80
+
+
+@pytest.mark.parametrize("where,command", COMMANDS, ids=[f"{w}:{c[:60]}" for w, c in COMMANDS])
+def test_every_documented_command_parses_to_what_it_says(where, command, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    words = shlex.split(command)
+    program = words[0].split("/")[-1]
+    if program in OTHER_PROGRAMS:
+        pytest.skip(f"{program} is not fedmeta's")
+    if program == "make":
+        runs = make_runs(command)
+        target = words[1] if len(words) > 1 and "=" not in words[1] else "train"
+        if target in ("train", "config", "table", "figures", "bench", "describe", "download"):
+            assert len(runs) == 1, f"make -n ran {runs}"
+            written = [w for w in words if "=" in w and w.split("=")[0] == "ARGS"]
+            args_overrides = shlex.split(written[0].split("=", 1)[1]) if written else []
+            assert all(o in runs[0] for o in args_overrides), f"ARGS not passed on: {runs[0]}"
+            for argv in runs:
+                dry_run(argv, tmp_path)
+        return
+    if program.endswith(".sh"):
+        assert subprocess.run(["bash", "-n", ROOT / "scripts" / program]).returncode == 0
+        settings = grid.load_preset("paper").settings
+        assert all(w in settings for w in words[1:] if not w.isdigit()), f"{words[1:]}: not settings of the paper preset"
+        return
+    assert program == "fedmeta", command
+    if all(w.isalpha() for w in words[1:]) and len(words) <= 3 and words[1] != "bench":  # a command's name in the prose
+        with pytest.raises(SystemExit) as shown:
+            parse([*words[1:], "--help"])
+        assert shown.value.code == 0
+        return
+    dry_run(words[1:], tmp_path)
+
+
+def test_a_swallowed_override_would_be_caught(tmp_path):
+    """The check above fails where an override does not reach the config it was written for."""
+    with pytest.raises(AssertionError, match="the config has"):
+        check_config(compose(["federation.rounds=7"]), ["federation.rounds=8"])
+    assert CONFIG_DIR.is_dir()
