@@ -1,0 +1,197 @@
+"""Property tests of bad input: generated command lines for every subcommand, and generated run
+folders (files missing, cut short, not mappings, links out of the folder, pipes, folders in a
+file's place). Each ends in exit 0, or 2 with one line — never a traceback, a hang, or a write
+outside the folders it was given. Where a command would start real work (a grid, a bench, a study,
+a download, a Flower run), that work is replaced by a marker once its inputs have been checked."""
+
+import contextlib
+import io
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from fedmeta.cli import main
+from fedmeta.runs import RUN_ENTRIES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class WouldRun(Exception):
+    """Raised where the command would start its work: its inputs were all accepted."""
+
+
+def would_run(*args, **kwargs):
+    raise WouldRun
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every command's work replaced by WouldRun; after its checks, nothing heavy runs."""
+    from fedmeta import bench, grid, tune
+    from fedmeta.data import download
+
+    monkeypatch.setattr(grid, "run", would_run)
+    monkeypatch.setattr(bench, "device_peaks", would_run)
+    monkeypatch.setattr(tune.Study, "run", would_run)
+    monkeypatch.setattr(download, "_fetch", would_run)
+    monkeypatch.setattr(download, "_through_learn2learn", would_run)
+    monkeypatch.setattr("fedmeta.describe.describe", would_run)
+    monkeypatch.setattr("fedmeta.loop.train", would_run)
+    with contextlib.suppress(ImportError):
+        from fedmeta import flower
+
+        monkeypatch.setattr(flower, "simulate", would_run)
+        monkeypatch.setattr(flower, "deploy", would_run)
+
+
+def run_main(argv: list[str], seconds: int = 120) -> tuple[object, str]:
+    """(exit code or "ran", stderr) of fedmeta in this process; a hang fails after ``seconds``."""
+    def hung(*_):
+        raise TimeoutError(f"fedmeta {' '.join(argv)} ran over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+    except WouldRun:
+        code = "ran"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return code, err.getvalue()
+
+
+def assert_exit_0_or_one_line(code, err: str) -> None:
+    assert code in (0, 2, "ran"), (code, err)
+    assert "Traceback" not in err
+    if code == 2:
+        errors = [line for line in err.splitlines() if line.startswith("fedmeta: error: ")]
+        assert len(errors) == 1 and err.rstrip().endswith(errors[0][-40:]), err
+
+
+def snapshot(*folders: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for folder in folders if folder.exists() for p in folder.rglob("*")}
+
+
+# --- command lines -------------------------------------------------------------------------------------------
+
+JUNK = st.text("ab/.-_0129[],x=${} ", max_size=10)
+NAMES = st.sampled_from(["rmnist", "cifar10", "rmnist-shards", "cafeme", "fedavg_ft", "fedrep-tuned", "fedrep-nope",
+                         "bogus", "../x", "a,b", "0", "-1", "quick", "paper", "x=1", "folder"]) | JUNK
+NUMBERS = st.sampled_from(["0", "1", "2", "-3", "1e9", "nan", "inf", "abc", "", "1.5"])
+OVERRIDES = st.tuples(st.sampled_from(["federation.rounds", "seed", "method", "dataset", "partition", "variant",
+                                       "fabric.accelerator", "personalization.lr", "output.root", "no.such", "logger",
+                                       "federation.vectorize", "output.setting"]),
+                      st.sampled_from(["1", "0", "-1", "cafeme", "rmnist", "dirichlet", "authors", "cpu", "cuda", "[]",
+                                       "x/../../y", "${oc.env:HOME}", "true", "auto", "[csv]", "2.5", ""]) | JUNK
+                      ).map(lambda kv: f"{kv[0]}={kv[1]}")
+GRID_OPTIONS = {"--preset": NAMES, "--datasets": NAMES, "--methods": NAMES, "--seeds": NUMBERS, "--parallel": NUMBERS,
+                "--executor": st.sampled_from(["pool", "local", "slurm", "ray"]), "--slurm": JUNK}
+COMMANDS = {
+    ("table",): ({**GRID_OPTIONS, "--no-run": None, "--budget": NUMBERS,
+                  "--estimate": st.sampled_from(["bench.json", "nope.json", ""]), "--out": JUNK}, []),
+    ("figures",): ({**GRID_OPTIONS, "--run": None, "--out-dir": JUNK}, []),
+    ("sweep",): ({"--root": JUNK, "--parallel": NUMBERS, "--executor": GRID_OPTIONS["--executor"]}, [OVERRIDES]),
+    ("tune",): ({"--trials": NUMBERS, "--rounds": NUMBERS, "--seed": NUMBERS, "--storage": JUNK, "--overwrite": None},
+                [NAMES]),
+    ("bench",): ({"--datasets": NAMES, "--methods": NAMES, "--no-memory": None, "--profile": None, "--project": NAMES,
+                  "--out": JUNK, "--config": st.sampled_from([str(ROOT / "configs/bench.yaml"), "nope.yaml", "bench.json"])},
+                 []),
+    ("data", "describe"): ({}, [NAMES, NAMES]),
+    ("data", "download"): ({"--dir": JUNK, "--mirror": JUNK, "--no-verify": None}, [NAMES]),
+    ("flower", "sim"): ({"--nodes": NUMBERS, "--timeout": NUMBERS, "--dp": st.lists(NUMBERS, min_size=4, max_size=4)
+                         .map(" ".join)}, []),
+    ("flower", "deploy"): ({"--nodes": NUMBERS, "--port": NUMBERS, "--print": None, "--folder": JUNK}, []),
+    ("evaluate",): ({"--unfinished": None}, [JUNK]),
+    ("train",): ({"--print-config": None}, []),
+}
+
+
+@st.composite
+def command_lines(draw) -> list[str]:
+    words = draw(st.sampled_from(sorted(COMMANDS)))
+    options, positionals = COMMANDS[words]
+    argv = list(words) + [draw(p) for p in positionals[:draw(st.integers(0, len(positionals)))]]
+    for option in draw(st.lists(st.sampled_from(sorted(options) or [""]), max_size=3, unique=True)):
+        if option:
+            value = options[option]
+            argv += [option] + ([] if value is None else draw(value).split(" ") if option == "--dp" else [draw(value)])
+    return argv + draw(st.lists(OVERRIDES, max_size=3))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(command_lines())
+def test_generated_command_lines_exit_0_or_2_in_one_line(tmp_path, monkeypatch, no_work, argv):
+    work = tmp_path / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    (work / "bench.json").write_text('{"rows": []}')
+    monkeypatch.chdir(work)
+    before = snapshot(ROOT / "results", ROOT / "configs")
+    code, err = run_main(argv)
+    event(f"{argv[0]}: {code}")
+    assert_exit_0_or_one_line(code, err)
+    assert snapshot(ROOT / "results", ROOT / "configs") == before  # the checkout's results and configs untouched
+
+
+# --- run folders ---------------------------------------------------------------------------------------------
+
+RUN = ["method=local", "federation.rounds=2", "federation.eval_every=2", "federation.num_new_clients=2",
+       "federation.num_clients=12", "federation.clients_per_round=3", "personalization.steps=1", "logger=[csv]"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, mnist_dir) -> tuple[Path, list[str]]:
+    root = tmp_path_factory.mktemp("finished")
+    args = [*RUN, f"dataset.dir={mnist_dir}", f"output.root={root}"]
+    assert main(["train", *args]) == 0
+    return root, args
+
+
+DAMAGE = st.sampled_from(["missing", "empty", "cut", "list", "garbage", "link", "folder", "fifo"])
+
+
+@pytest.mark.slow
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(["config.yaml", "checkpoint.ckpt", "summary.json", "metrics.csv", "curves.csv",
+                                        "evaluations.jsonl"]), DAMAGE, min_size=1, max_size=3),
+       st.sampled_from(["evaluate", "evaluate --unfinished", "resume", "overwrite"]))
+def test_generated_run_folders_are_used_or_refused_in_one_line(tmp_path, finished_run, damage, command):
+    source, args = finished_run
+    root = tmp_path / "root"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(source, root, symlinks=True)
+    run = next(root.glob("*/*/seed0"))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone else's file\n")
+    for name, how in damage.items():
+        path = run / name
+        data = path.read_bytes() if path.is_file() else b""
+        if path.exists() or path.is_symlink():
+            path.unlink()
+        if how == "missing":
+            continue
+        if how == "link":
+            path.symlink_to(outside)
+        elif how == "folder":
+            path.mkdir()
+        elif how == "fifo":
+            os.mkfifo(path)
+        else:
+            path.write_bytes({"empty": b"", "cut": data[:len(data) // 2], "list": b"- a\n- b\n",
+                              "garbage": b"\x00\xff{[: not this"}[how])
+    argv = {"evaluate": ["evaluate", str(run)], "evaluate --unfinished": ["evaluate", str(run), "--unfinished"],
+            "resume": ["train", *args[:-1], f"output.root={root}", "output.resume=true"],
+            "overwrite": ["train", *args[:-1], f"output.root={root}", "output.overwrite=true"]}[command]
+    code, err = run_main(argv, seconds=180)
+    event(f"{command}: {code}")
+    assert_exit_0_or_one_line(code, err)
+    assert outside.read_text() == "someone else's file\n"  # never written through a link
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "root"]  # nothing beside the roots
