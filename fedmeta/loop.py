@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -56,11 +57,19 @@ def quiet_tensor_core_advice() -> None:
         logger.addFilter(_TensorCoreAdvice())
 
 
+# what Fabric's cluster environments read (torchrun, SLURM, LSF, Kubeflow, its own): a node among others
+CLUSTER_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID", "KUBERNETES_PORT", "NODE_RANK", "MASTER_ADDR")
+
+
 def make_fabric(cfg: DictConfig) -> Fabric:
     f = cfg.fabric
     on_cpu = f.accelerator == "cpu" or (f.accelerator == "auto" and not torch.cuda.is_available())
     if on_cpu and str(f.precision) == "16-mixed":  # Fabric would run bf16 while the config says 16
         raise FedmetaError("fabric.precision=16-mixed needs a GPU; on the CPU use bf16-mixed")
+    if f.num_nodes > 1 and not any(os.environ.get(v) for v in CLUSTER_VARIABLES):
+        raise FedmetaError(f"fabric.num_nodes={f.num_nodes} needs every node started by a launcher (torchrun, SLURM's "
+                           "srun, or NODE_RANK/MASTER_ADDR/MASTER_PORT set): alone, this process would wait for the "
+                           "other nodes forever; see docs/scaling.md")
     torch.set_float32_matmul_precision(f.matmul_precision)
     quiet_tensor_core_advice()
     try:

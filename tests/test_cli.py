@@ -97,6 +97,7 @@ BAD = [
     (["seed=-1"], "seed must be in [0, 2^32)"),
     ([f"seed={2**32}"], "seed must be in [0, 2^32)"),
     (["fabric.num_nodes=0"], "fabric.num_nodes must be ≥ 1"),
+    (["fabric.num_nodes=2"], "fabric.num_nodes=2 needs every node started by a launcher"),
     (["model.dense_units=[0]"], "model.dense_units must list integers ≥ 1"),
     (["model.modulator.after_mean=[a]"], "model.modulator.after_mean must list integers ≥ 1"),
 ]
