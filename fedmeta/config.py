@@ -166,6 +166,7 @@ CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.cap
 
 # keys where null means something, and an example of their other values (its type is theirs)
 NULLABLE = {"personalization.held_out_batch_size": 30, "method.clusters": 4, "seeds": [0, 1, 2], "output.setting": "my-setting"}
+OWN_CHECK = {"model.padding"}  # an integer or a word ("same"): validate() checks it
 # keys that say which config file was chosen: changing one alone would mislabel the run (or name a folder)
 CHOSEN = {"dataset.name": "dataset", "partition.name": "partition", "method.algorithm": "method"}
 
@@ -175,7 +176,7 @@ def _check_type(key: str, default, value) -> None:
     (an int where an int is configured; finite), true/false for flags, lists for lists. Keys whose
     configured value is null or a string take any value (paths, names); keys where null means
     something (NULLABLE) may be set back to it."""
-    if value is None and key in NULLABLE:
+    if (value is None and key in NULLABLE) or key in OWN_CHECK:
         return
     if default is None:
         if key not in NULLABLE:
@@ -240,8 +241,8 @@ def validate(cfg: DictConfig) -> None:
     _require(0 <= fed.client_failure_rate < 1, f"federation.client_failure_rate must be in [0, 1), got {fed.client_failure_rate}")
     _require(fed.checkpoint_every >= 0, f"federation.checkpoint_every must be ≥ 0 (0: only at the end), got {fed.checkpoint_every}")
     _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
-    _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 1,
-             "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 1")
+    _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 2,
+             "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 2 (BatchNorm's batch statistics need 2 samples)")
     _require(isinstance(pers.decay_every, int) and pers.decay_every >= 1,
              f"personalization.decay_every must be an integer ≥ 1 (steps between decays), got {pers.decay_every!r}")
     _require(pers.batches in ("independent", "stream"), f"personalization.batches must be independent or stream, got {pers.batches!r}")
@@ -259,6 +260,10 @@ def validate(cfg: DictConfig) -> None:
                          ("local_optimizer", ("sgd", "adam_kept")), ("batches", ("independent", "stream"))):
         if key in method:
             _require(method[key] in allowed, f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}")
+    for key in ("batch_size", "eval_batch_size"):
+        if key in method:
+            _require(isinstance(method[key], int) and method[key] >= 2,
+                     f"method.{key} must be an integer ≥ 2 (BatchNorm's batch statistics need 2 samples), got {method[key]}")
     for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
         if key in method:
             _require(isinstance(method[key], int) and method[key] >= 0, f"method.{key} must be an integer ≥ 0, got {method[key]}")
@@ -286,6 +291,9 @@ def validate(cfg: DictConfig) -> None:
         _require(all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
                  f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}")
     _require(cfg.model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {cfg.model.kernel_size}")
+    padding = cfg.model.padding
+    _require(isinstance(padding, int) and not isinstance(padding, bool) and padding >= 0 or padding in ("same", "valid"),
+             f"model.padding must be an integer ≥ 0, same or valid, got {padding!r}")
     setting = cfg.output.setting
     _require(setting is None or _plain(setting),
              f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")

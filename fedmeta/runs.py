@@ -194,6 +194,13 @@ def _logged(row: dict) -> dict:
     return {LOGGED_AS[k]: v for k, v in row.items() if k in LOGGED_AS and v != ""}
 
 
+def _logged_rounds(path: Path) -> int:
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        return sum(1 for _ in csv.DictReader(f))
+
+
 class RunRecorder:
     """Writes the run folder (metrics.csv, curves.csv, summary.json: the files every tool reads)
     and logs the same metrics to the run's Fabric loggers, on the main process only. ``history``
@@ -210,7 +217,9 @@ class RunRecorder:
         self.loggers, self.curve_loggers, self.wandb = [], [], None
         if self.main:
             if run_dir.exists() and history is None:
-                kept = [name for name in ("checkpoint.ckpt", "metrics.csv", "summary.json") if (run_dir / name).exists()]
+                # a run that failed in its first round left headers only: nothing there blocks the corrected rerun
+                kept = [name for name in ("checkpoint.ckpt", "summary.json") if (run_dir / name).exists()]
+                kept += ["metrics.csv"] if _logged_rounds(run_dir / "metrics.csv") else []
                 if kept and not (cfg.output.overwrite or cfg.output.resume):  # resume without a checkpoint: nothing to keep
                     raise FedmetaError(f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
                                        "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true")

@@ -99,6 +99,9 @@ BAD = [
     (["fabric.num_nodes=0"], "fabric.num_nodes must be ≥ 1"),
     (["fabric.num_nodes=2"], "fabric.num_nodes=2 needs every node started by a launcher"),
     (["model.dense_units=[0]"], "model.dense_units must list integers ≥ 1"),
+    (["method=perfedavg", "method.batch_size=1"], "method.batch_size must be an integer ≥ 2"),
+    (["personalization.batch_size=1"], "batch_size ≥ 2"),
+    (["model.padding=[1]"], "model.padding must be an integer ≥ 0, same or valid"),
     (["model.modulator.after_mean=[a]"], "model.modulator.after_mean must list integers ≥ 1"),
 ]
 

@@ -293,3 +293,10 @@ def test_an_image_claiming_ten_billion_pixels_is_one_line(tmp_path):
         _converted_tree(tmp_path / "tree", tmp_path / "cache.npz")
     assert "bomb.png is not an image PIL can decode within its size limit" in str(refused.value)
     assert "\n" not in str(refused.value) and not (tmp_path / "cache.npz").exists()
+
+
+def test_a_run_that_fails_in_its_first_round_does_not_block_the_corrected_one(tmp_path, mnist_dir, capsys):
+    diverging = run_args(tmp_path, mnist_dir, "method=fedavg", "method.local_lr=1e30", "logger=[]")
+    assert main(diverging) == 2
+    assert "round 1: client" in capsys.readouterr().err
+    assert main(run_args(tmp_path, mnist_dir, "method=fedavg", "logger=[]")) == 0  # no "holds an unfinished run"
