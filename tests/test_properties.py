@@ -126,7 +126,7 @@ def command_lines(draw) -> list[str]:
     return argv + draw(st.lists(OVERRIDES, max_size=3))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(command_lines())
 def test_generated_command_lines_exit_0_or_2_in_one_line(tmp_path, monkeypatch, no_work, argv):
     work = tmp_path / "work"
