@@ -309,3 +309,27 @@ def test_overrides_may_follow_options():
     assert parse(["sweep", "seed=0,1", "--parallel", "2", "method=cafeme"]).values == ["seed=0,1", "method=cafeme"]
     assert main(["tune", "ditto", "--trials", "30", "--bogus"]) == 2
     assert main(["data", "download", "mnist", "seed=1"]) == 2
+
+
+def test_every_key_a_method_accepts_is_read_by_that_method():
+    """A method's config keys (its own file and those it inherits) are read by its algorithm or its
+    model, or refused when set: IFCA inherits FedAvg's keys, and the two it does not use are refused."""
+    import inspect
+    import re
+
+    import fedmeta.algorithms as algorithms
+    from fedmeta.config import compose, group_choices
+    from fedmeta.errors import FedmetaError
+
+    refused = {"ifca": {"local_optimizer": "adam_kept", "local_batches": 3}}
+    for method in group_choices("method"):
+        cfg = compose([f"method={method}"])
+        cls = algorithms.ALGORITHMS[cfg.method.algorithm]
+        source = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("fedmeta"))
+        source += inspect.getsource(algorithms)  # the model builder
+        read = set(re.findall(r"cfg(?:\.method)?\.(\w+)", source)) | set(re.findall(r"""cfg\.get\(["'](\w+)""", source))
+        unread = {k for k in cfg.method if k not in read} - {"name", "algorithm"}
+        assert unread == set(refused.get(cfg.method.algorithm, {})), (method, unread)
+        for key, value in refused.get(cfg.method.algorithm, {}).items():
+            with pytest.raises(FedmetaError, match="IFCA trains with SGD epochs"):
+                compose([f"method={method}", f"method.{key}={value}"])
