@@ -124,6 +124,14 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
         if variant not in available:
             raise FedmetaError(f"method {name!r} has no variant {variant!r}: choose one of {available}")
         layers.append(load_group("variant", f"{name}/{variant}", config_dir))
+    picked = {"dataset": dataset.dataset.name, "partition": partition.partition.name}
+    for layer in list(layers):  # ``when: {dataset=rmnist: {...}}``: settings for one data set or partition only
+        for condition, conditional in (layer.pop("when", None) or {}).items():
+            group, _, name = condition.partition("=")
+            if group not in picked:
+                raise FedmetaError(f"a config's when: takes dataset=<name> or partition=<name>, got {condition!r}")
+            if picked[group] == name:
+                layers.append(conditional)
     cfg = OmegaConf.merge(*layers)
     cfg.variant = variant
     del cfg["defaults"]
@@ -163,6 +171,8 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
 
 
 CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.capture (fedmeta.capture)
+# a client's batches: drawn afresh | a persistent iterator reshuffled every epoch | shuffled once (fedmeta.data.federation)
+BATCHES = ("independent", "stream", "stream_fixed")
 
 # keys where null means something, and an example of their other values (its type is theirs)
 NULLABLE = {"personalization.held_out_batch_size": 30, "method.clusters": 4, "seeds": [0, 1, 2], "output.setting": "my-setting"}
@@ -245,7 +255,7 @@ def validate(cfg: DictConfig) -> None:
              "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 2 (BatchNorm's batch statistics need 2 samples)")
     _require(isinstance(pers.decay_every, int) and pers.decay_every >= 1,
              f"personalization.decay_every must be an integer ≥ 1 (steps between decays), got {pers.decay_every!r}")
-    _require(pers.batches in ("independent", "stream"), f"personalization.batches must be independent or stream, got {pers.batches!r}")
+    _require(pers.batches in BATCHES, f"personalization.batches must be one of {', '.join(BATCHES)}, got {pers.batches!r}")
     _require(pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
              f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}")
     if cfg.partition.name == "shards":
@@ -257,7 +267,7 @@ def validate(cfg: DictConfig) -> None:
             _require(cfg.method[key] > 0, f"method.{key} must be > 0, got {cfg.method[key]}")
     method = cfg.method
     for key, allowed in (("train_split", ("all", "pers")), ("averaging", ("samples", "uniform")),
-                         ("local_optimizer", ("sgd", "adam_kept")), ("batches", ("independent", "stream"))):
+                         ("local_optimizer", ("sgd", "adam_kept")), ("batches", BATCHES)):
         if key in method:
             _require(method[key] in allowed, f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}")
     for key in ("batch_size", "eval_batch_size"):
@@ -290,6 +300,9 @@ def validate(cfg: DictConfig) -> None:
     for key, units in layers.items():
         _require(all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
                  f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}")
+    if cfg.dataset.name == "rmnist":
+        _require(cfg.dataset.options.interpolation in ("bilinear", "nearest"),
+                 f"dataset.options.interpolation must be bilinear or nearest, got {cfg.dataset.options.interpolation!r}")
     _require(cfg.model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {cfg.model.kernel_size}")
     padding = cfg.model.padding
     _require(isinstance(padding, int) and not isinstance(padding, bool) and padding >= 0 or padding in ("same", "valid"),

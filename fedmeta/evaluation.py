@@ -20,7 +20,7 @@ import torch
 
 from fedmeta.algorithms import Algorithm
 from fedmeta.algorithms.base import ClientData, step_weight
-from fedmeta.data.federation import PERSONALIZE_PURPOSE, PERSONALIZE_STREAM_PURPOSE, Batch, Client
+from fedmeta.data.federation import PERSONALIZE_PURPOSE, PERSONALIZE_STREAM_PURPOSE, STREAMS, Batch, Client
 from fedmeta.errors import FedmetaError
 from fedmeta.functional import Params, grad_and_value, masked_mean, sgd
 
@@ -52,8 +52,9 @@ def draw_personalization(algorithm: Algorithm, client: Client, cfg) -> ClientDat
     held_out = client.batch("held_out", None, generator)
     if cfg.held_out_batch_size:
         held_out = client.epoch("held_out", cfg.held_out_batch_size, None)
-    if cfg.batches == "stream":  # the first batch is also the context of the step-0 accuracy
-        steps = client.stream("pers", cfg.batch_size, 0, max(cfg.steps, 1), PERSONALIZE_STREAM_PURPOSE)
+    if cfg.batches in STREAMS:  # the first batch is also the context of the step-0 accuracy
+        steps = client.stream("pers", cfg.batch_size, 0, max(cfg.steps, 1), PERSONALIZE_STREAM_PURPOSE,
+                              reshuffle=cfg.batches == "stream")
         context, steps = steps[0], steps[:cfg.steps]
     else:
         context = client.batch("pers", cfg.batch_size, generator)

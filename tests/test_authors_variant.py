@@ -40,6 +40,16 @@ def test_stream_reads_consecutive_drop_last_batches_and_reshuffles_every_epoch()
     assert all(torch.equal(a.x, b.x) for a, b in zip(again, first + second))
 
 
+def test_stream_fixed_reads_the_same_batches_in_the_same_order_every_epoch():
+    """FedLab's SubsetSampler shuffles once, at construction: every epoch repeats the first."""
+    client = tiny_client()
+    first, second = client.stream("pers", 6, 0, 5, reshuffle=False), client.stream("pers", 6, 5, 5, reshuffle=False)
+    assert all(torch.equal(a.x, b.x) for a, b in zip(first, second))
+    assert len(set().union(*(rows(b) for b in first))) == 30  # still a shuffled drop_last pass
+    assert [rows(b) for b in first] == [rows(b) for b in client.stream("pers", 6, 0, 5)]  # epoch 0 as the reshuffled one
+    assert not all(torch.equal(a.x, b.x) for a, b in zip(second, client.stream("pers", 6, 5, 5)))
+
+
 def test_authors_cafeme_reads_its_rounds_from_one_iterator_over_the_80_percent():
     algorithm, client = tiny_cafeme(batches="stream", eval_batch_size=12), tiny_client()
     held_out = rows(client.batch("held_out", None))
@@ -109,8 +119,13 @@ def test_authors_personalization_steps_read_a_persistent_iterator():
 def test_authors_variant_config_names_each_behaviour(dataset, batch):
     cfg = compose([f"dataset={dataset}", "method=cafeme", "variant=authors"])
     assert (cfg.method.outer_optimizer, cfg.method.batches, cfg.method.context, cfg.method.first_order) == \
-        ("adam_kept", "stream", "transductive", True)
-    assert cfg.personalization.batches == "stream" and cfg.personalization.held_out_batch_size == batch
+        ("adam_kept", "stream_fixed", "transductive", True)
+    assert cfg.personalization.batches == "stream_fixed" and cfg.personalization.held_out_batch_size == batch
+    # the authors' data pipeline, for the data set and partition it applies to
+    options = cfg.dataset.get("options", {})
+    assert (options.get("interpolation"), options.get("standardize")) == (("nearest", False) if dataset == "rmnist" else (None, None))
+    assert compose([f"dataset={dataset}", "partition=dirichlet", "method=cafeme", "variant=authors"]).partition.balance
+    assert not compose([f"dataset={dataset}", "partition=dirichlet", "method=cafeme"]).partition.balance
     assert cfg.method.eval_batch_size == 6 * batch
     one_pass = compose([f"dataset={dataset}", "method=cafeme", "variant=authors", "personalization.held_out_batch_size=null"])
     assert one_pass.personalization.held_out_batch_size is None  # null (one pass) can be asked back
@@ -167,7 +182,7 @@ def test_authors_fedrep_averages_the_head_and_keeps_two_adams():
 def test_authors_perfedavg_reads_four_batches_a_local_step_from_the_iterator():
     perfedavg, client = baseline("perfedavg"), tiny_client(28)
     data = perfedavg.draw(client, 1)
-    read = client.stream("pers", 6, 0, 20)
+    read = client.stream("pers", 6, 0, 20, reshuffle=False)  # FedLab's loader: shuffled once
     assert [len(step) for step in data["steps"]] == [3] * 5
     assert torch.equal(data["steps"][1][0].x, read[4].x) and torch.equal(data["loss"].x, read[19].x)
     perfedavg.aggregate([perfedavg.run_client(client, 1)])

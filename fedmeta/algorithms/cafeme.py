@@ -25,7 +25,7 @@ import torch
 import logging
 
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
-from fedmeta.data.federation import Batch, Client
+from fedmeta.data.federation import STREAMS, Batch, Client
 from fedmeta.functional import Params, adam, adam_state, grad_and_value, sgd
 from fedmeta.models import ModulatedNet
 
@@ -56,8 +56,9 @@ class CAFeMe(Algorithm):
 
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
-        if cfg.batches == "stream":
-            batches = client.stream("pers", cfg.batch_size, self.batches_read(client.id), cfg.inner_steps + self.outer_batches())
+        if cfg.batches in STREAMS:
+            batches = client.stream("pers", cfg.batch_size, self.batches_read(client.id), cfg.inner_steps + self.outer_batches(),
+                                    reshuffle=cfg.batches == "stream")
             outer = batches[cfg.inner_steps:]
             return {"inner": batches[:cfg.inner_steps],
                     "outer": Batch(torch.cat([b.x for b in outer]), torch.cat([b.y for b in outer]))}
@@ -102,7 +103,7 @@ class CAFeMe(Algorithm):
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result)
         kept = {"adam": self.compact_adam(result.state)} if self.keeps_adam else {}
-        if self.cfg.batches == "stream":
+        if self.cfg.batches in STREAMS:
             kept["batches_read"] = self.batches_read(client.id) + self.cfg.inner_steps + self.outer_batches()
         update.state = kept or None
         return update

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalResult
-from fedmeta.data.federation import Batch, Client
+from fedmeta.data.federation import STREAMS, Batch, Client
 from fedmeta.functional import Params, grad_and_value
 
 
@@ -41,8 +41,9 @@ class PerFedAvg(Algorithm):
 
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
-        if cfg.batches == "stream":
-            read = client.stream(cfg.train_split, cfg.batch_size, self.batches_read(client.id), 4 * cfg.local_steps)
+        if cfg.batches in STREAMS:
+            read = client.stream(cfg.train_split, cfg.batch_size, self.batches_read(client.id), 4 * cfg.local_steps,
+                                 reshuffle=cfg.batches == "stream")
             return {"steps": [read[4 * i:4 * i + 3] for i in range(cfg.local_steps)], "loss": read[-1]}
         generator = client.generator(round_)
         steps = [[client.batch(cfg.train_split, cfg.batch_size, generator) for _ in range(3)] for _ in range(cfg.local_steps)]
@@ -50,7 +51,7 @@ class PerFedAvg(Algorithm):
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result)
-        if self.cfg.batches == "stream":
+        if self.cfg.batches in STREAMS:
             update.state = {"batches_read": self.batches_read(client.id) + 4 * self.cfg.local_steps}
         return update
 

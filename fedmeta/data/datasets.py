@@ -31,11 +31,16 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: int = 10,
-                 degrees_per_group: float = 20.0) -> ImageDataset:
+                 degrees_per_group: float = 20.0, interpolation: str = "bilinear", standardize: bool = True) -> ImageDataset:
     """Rotated MNIST: MNIST-train cut into equal random groups, group g rotated g·20°.
 
-    Every image is rotated once here, not per sample per epoch.
+    Every image is rotated once here, not per sample per epoch, with ``interpolation`` (torchvision's
+    "bilinear" or "nearest", its default: the CAFeMe authors') on pixels in [0, 1]; then, with
+    ``standardize``, shifted and scaled by MNIST's mean and deviation (the authors' code does not).
     """
+    modes = {"bilinear": TF.InterpolationMode.BILINEAR, "nearest": TF.InterpolationMode.NEAREST}
+    if interpolation not in modes:
+        raise FedmetaError(f"dataset.options.interpolation must be bilinear or nearest, got {interpolation!r}")
     arrays = load_npz("mnist", directory, download)
     train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
     images = images_to_tensor(arrays["x"][train])
@@ -44,8 +49,9 @@ def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: 
     groups = torch.empty(len(labels), dtype=torch.long)
     for g, members in enumerate(order.tensor_split(num_groups)):
         groups[members] = g
-        images[members] = TF.rotate(images[members], angle=g * degrees_per_group, interpolation=TF.InterpolationMode.BILINEAR)
-    images.sub_(MNIST_MEAN).div_(MNIST_STD)
+        images[members] = TF.rotate(images[members], angle=g * degrees_per_group, interpolation=modes[interpolation])
+    if standardize:
+        images.sub_(MNIST_MEAN).div_(MNIST_STD)
     return ImageDataset(x=images, y=labels, num_classes=10, groups=groups)
 
 

@@ -95,10 +95,13 @@ class Client:
     def epochs(self, split: str, batch_size: int, generator: torch.Generator, count: int, drop_last: bool = False) -> list[Batch]:
         return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator, drop_last)]
 
-    def stream(self, split: str, batch_size: int, start: int, count: int, purpose: int = TRAIN_STREAM_PURPOSE) -> list[Batch]:
+    def stream(self, split: str, batch_size: int, start: int, count: int, purpose: int = TRAIN_STREAM_PURPOSE,
+               reshuffle: bool = True) -> list[Batch]:
         """Batches ``start`` … ``start + count - 1`` of a persistent iterator over ``split``:
         consecutive, non-overlapping batches of exactly ``batch_size`` (the last partial batch of
-        each epoch is dropped), a fresh shuffle every epoch, wrapping around without end."""
+        each epoch is dropped), a fresh shuffle every epoch — or, without ``reshuffle``, the first
+        epoch's order in every epoch (a sampler shuffled once, at construction: FedLab's
+        SubsetSampler in the CAFeMe authors' code) — wrapping around without end."""
         indices = self.indices(split)
         per_epoch = len(indices) // batch_size
         if per_epoch == 0:
@@ -109,9 +112,13 @@ class Client:
         for k in range(start, start + count):
             epoch, position = divmod(k, per_epoch)
             if epoch not in orders:
-                orders[epoch] = indices[torch.randperm(len(indices), generator=self.generator(epoch, purpose))]
+                order = torch.randperm(len(indices), generator=self.generator(epoch if reshuffle else 0, purpose))
+                orders[epoch] = indices[order]
             batches.append(Batch(*self.data.take(orders[epoch][position * batch_size:(position + 1) * batch_size])))
         return batches
+
+
+STREAMS = ("stream", "stream_fixed")  # a ``batches`` setting that reads the persistent iterator (Client.stream)
 
 
 def map_batches(tree, fn):
