@@ -8,6 +8,7 @@ file, then a rename), so a run killed at any moment leaves the last complete che
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -101,3 +102,45 @@ def _differences(saved, ours, prefix: str = "") -> list[str]:
         return [d for key in sorted(set(saved) | set(ours))
                 for d in _differences(saved.get(key), ours.get(key), f"{prefix}{key}.")]
     return [] if saved == ours else [f"{prefix[:-1]}: {saved!r} there, {ours!r} here"]
+
+
+def _base_net(model: dict) -> dict:
+    """The base network's parameters of a saved model: the model itself, CAFeMe's ``base.``, or
+    IFCA's first model (``nets.0.``; the authors' IFCA holds one model under k names)."""
+    for prefix in ("nets.0.", "base."):
+        if any(key.startswith(prefix) for key in model):
+            return {key[len(prefix):]: value for key, value in model.items() if key.startswith(prefix)}
+    return model
+
+
+def warm_start(algorithm: Algorithm, cfg: DictConfig) -> dict | None:
+    """``model.init_from``: this run starts from another finished run's final global model — its base
+    network placed in every IFCA model, or in CAFeMe's base (the modulator starts fresh); nothing of
+    its clients' state. ``{seed}`` in the path is this run's seed. Returns what the summary records."""
+    if not cfg.model.init_from:
+        return None
+    source = Path(str(cfg.model.init_from).replace("{seed}", str(cfg.seed)))
+    path = source / "checkpoint.ckpt"
+    if not (source / "summary.json").is_file() or not path.is_file():
+        raise FedmetaError(f"model.init_from={source}: not a finished run's folder (summary.json and checkpoint.ckpt): "
+                           "give the run folder of a finished run, e.g. runs/rmnist-shards/fedavg/seed0")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        model, summary = saved["federation"]["model"], json.loads((source / "summary.json").read_text())
+    except Exception as exc:  # noqa: BLE001 — whatever a corrupt file raises
+        raise FedmetaError(f"model.init_from: {path} cannot be read ({type(exc).__name__}): it is corrupt or not a "
+                           "fedmeta checkpoint") from None
+    base, target = _base_net(model), algorithm.model.state_dict()
+    prefixes = sorted({key[:key.index(".", 5) + 1] for key in target if key.startswith("nets.")}) or \
+        (["base."] if any(key.startswith("base.") for key in target) else [""])
+    for prefix in prefixes:
+        ours = {key[len(prefix):]: value for key, value in target.items() if key.startswith(prefix)}
+        differs = [key for key in ours.keys() | base.keys() if key not in ours or key not in base
+                   or ours[key].shape != base[key].shape]
+        if differs:
+            raise FedmetaError(f"model.init_from={source}: its model does not fit this one (first difference: "
+                               f"{sorted(differs)[0]}): start from a run of the same data set and model.* settings")
+        target.update({prefix + key: value.to(target[prefix + key].dtype) for key, value in base.items()})
+    algorithm.model.load_state_dict(target)
+    return {"run": str(source), "method": summary.get("method"), "variant": summary.get("variant"),
+            "rounds": summary.get("rounds"), "accuracy": summary.get("accuracy"), "init_from": summary.get("init_from")}

@@ -175,7 +175,8 @@ CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.cap
 BATCHES = ("independent", "stream", "stream_fixed")
 
 # keys where null means something, and an example of their other values (its type is theirs)
-NULLABLE = {"personalization.held_out_batch_size": 30, "method.clusters": 4, "seeds": [0, 1, 2], "output.setting": "my-setting"}
+NULLABLE = {"personalization.held_out_batch_size": 30, "method.clusters": 4, "seeds": [0, 1, 2], "output.setting": "my-setting",
+            "model.init_from": "runs/rmnist-shards/fedavg/seed{seed}"}
 OWN_CHECK = {"model.padding"}  # an integer or a word ("same"): validate() checks it
 # keys that say which config file was chosen: changing one alone would mislabel the run (or name a folder)
 CHOSEN = {"dataset.name": "dataset", "partition.name": "partition", "method.algorithm": "method"}

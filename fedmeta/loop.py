@@ -347,6 +347,8 @@ class Run:
         self.started = time.perf_counter()
         self.dir = Path(cfg.output.root) / run_name(cfg)
         self.federation, self.algorithm = build(fabric, cfg)  # bad data or settings: refused before anything is on disk
+        resuming = cfg.output.resume and (self.dir / "checkpoint.ckpt").exists() and not (self.dir / "summary.json").exists()
+        self.warm_start = None if resuming else checkpoint.warm_start(self.algorithm, cfg)  # a resume has its own model
         rehearse(self.algorithm, self.federation, cfg)
         self.lock = RunLock(self.dir)
         if fabric.is_global_zero:
@@ -369,6 +371,7 @@ class Run:
             elif fabric.is_global_zero:
                 print(f"fedmeta: no checkpoint in {self.dir}: starting at round 1", file=sys.stderr)
         self.history = state["history"] if state else {}
+        self.warm_start = self.history.get("warm_start", self.warm_start)
         tags = [cfg.dataset.name, cfg.partition.name, cfg.method.name, cfg.variant, str(cfg.fabric.precision),
                 hardware_name(fabric.device)]
         self.recorder = RunRecorder(self.dir, cfg, fabric.is_global_zero, self.history or None, tags)
@@ -388,6 +391,7 @@ class Run:
         checkpoint.save(self.fabric, self.checkpoint_path, self.algorithm, self.cfg, round_, {
             "metrics": self.recorder.rows, "curves": self.recorder.curves, "round_seconds": self.round_seconds,
             "last_curves": None if self.result is None else self.result.curves, "wandb_id": self.recorder.wandb_id,
+            "warm_start": self.warm_start,
             "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started})
         self.saved_round = round_
 
@@ -406,6 +410,7 @@ class Run:
             "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None, "resumed_at_round": self.resumed_at,
             "new_clients": len(self.result.curves), "device": str(fabric.device), "world_size": fabric.world_size,
             "seeds_stacked": self.stacked, "hardware": hardware_name(fabric.device),
+            "init_from": self.warm_start,  # the run whose final model this one started from (model.init_from)
         }
 
 
