@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import statistics
 from collections import defaultdict
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.config import CONFIG_DIR
+from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR
 from fedmeta.runs import read_summary
 
 METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "ifca_ft": "IFCA-FT", "ditto": "Ditto",
@@ -29,9 +30,24 @@ METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "i
 
 
 def method_label(method: str) -> str:
-    """A row's name: "FedRep", or with its variant "FedRep (tuned)"."""
+    """A row's name: "FedRep", or with its variant "FedRep (authors)"; a tuned variant says how many
+    trials it is the best of, and which: "FedRep (tuned: trial 12 of 20)"."""
     name, _, variant = method.partition("-")
+    if variant == "tuned":
+        variant += _tuning_record(name)
     return METHOD_NAMES.get(name, name) + (f" ({variant})" if variant else "")
+
+
+def _tuning_record(method: str) -> str:
+    """": trial k of n" from the header fedmeta tune wrote into the method's tuned.yaml."""
+    path = next((d / "variant" / method / "tuned.yaml" for d in (USER_CONFIG_DIR, CONFIG_DIR)
+                 if (d / "variant" / method / "tuned.yaml").is_file()), None)
+    header = path.read_text()[:1000] if path else ""
+    picked = re.search(r"\(trial (\d+) of (\d+)\)", header)
+    if picked:
+        return f": trial {picked[1]} of {picked[2]}"
+    counted = re.search(r"The best of (\d+) trials", header)  # written before the trial was recorded
+    return f": best of {counted[1]} trials" if counted else ""
 
 
 RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -74,6 +75,10 @@ class Study:
         scored = preset_seeds(config_dir)
         if self.seed in scored:
             raise FedmetaError(f"--seed {self.seed} is a seed the presets score ({sorted(scored)}): tune on another one")
+        # Each method's sampler its own seed (one seed for all drew the same values for every study),
+        # and TPE's random start-up at most half the trials, so the rest are proposed by the model.
+        self.sampler_seed = zlib.crc32(f"{method}/{self.seed}".encode())
+        self.startup_trials = max(1, min(10, self.trials // 2))
         evaluations = max(1, min(budget.evaluations, self.rounds))
         self.base = [*budget.overrides, *overrides, f"method={method}", f"seed={self.seed}",
                      f"federation.rounds={self.rounds}", f"federation.eval_every={math.ceil(self.rounds / evaluations)}"]
@@ -100,7 +105,8 @@ class Study:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
             study = optuna.create_study(study_name=self.name, storage=self.storage, load_if_exists=True, direction="maximize",
-                                        sampler=optuna.samplers.TPESampler(seed=self.seed),
+                                        sampler=optuna.samplers.TPESampler(seed=self.sampler_seed,
+                                                                           n_startup_trials=self.startup_trials),
                                         pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
         except Exception as exc:  # a bad URL, an unreachable server, a database of another program
             raise FedmetaError(f"cannot open the study database {self.storage} ({type(exc).__name__}: "
@@ -147,15 +153,16 @@ class Study:
         head = (f"# The best of {len(finished)} trials of {self.method}'s search space (TPE, median pruning) on "
                 f"{self.setting}, {self.rounds} rounds, tuning seed {self.seed}.\n"
                 f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md beside this file.\n"
-                f"{MARK} {self.name}\n")
+                f"{MARK} {self.name} (trial {best.number} of {len(finished)})\n")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(head + OmegaConf.to_yaml(tree))
         rows = sorted(finished, key=lambda t: -(t.value if t.value is not None else
                                                  max(t.intermediate_values.values(), default=-1)))
         lines = [f"# Tuning study `{self.name}`", "",
                  f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `fedmeta tune {self.method}` "
-                 f"(storage: {self.storage_label}). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.seed}), median "
-                 f"pruner on the new-client accuracy at each intermediate evaluation.", "",
+                 f"(storage: {self.storage_label}). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.sampler_seed}, "
+                 f"{self.startup_trials} random start-up trials), median pruner on the new-client accuracy at each "
+                 "intermediate evaluation.", "",
                  "Search space (configs/tune.yaml): " + ", ".join(f"`{k}` {dict(v)}" for k, v in self.space.items()), "",
                  f"Best: trial {best.number}, {100 * best.value:.2f} % → `{self.out.name}`.", "",
                  "| trial | state | accuracy (%) | last round | " + " | ".join(self.space) + " |",

@@ -43,3 +43,28 @@ def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, 
     assert len(list((tmp_path / "runs").glob("*/trial*"))) == 3
     study(4).run(show_progress=False)  # one more
     assert len(list((tmp_path / "runs").glob("*/trial*"))) == 4
+
+
+def test_each_study_draws_its_own_values_and_the_model_proposes_half_of_them(tmp_path, monkeypatch):
+    """One sampler seed for every study drew the same start-up values for every method; now each
+    method's sampler has its own seed, and TPE's random start-up is at most half the trials."""
+    import optuna
+
+    from fedmeta import report
+
+    studies = {m: Study(m, [], 20, 10, None, None, root=tmp_path / "runs") for m in ("fedrep", "ditto", "fedavg_ft")}
+    assert len({s.sampler_seed for s in studies.values()}) == 3
+    assert all(s.startup_trials == 10 < s.trials for s in studies.values())
+    assert Study("fedrep", [], 6, 10, None, None, root=tmp_path / "runs").startup_trials == 3
+
+    def first_draw(study: Study) -> float:
+        sampler = optuna.samplers.TPESampler(seed=study.sampler_seed, n_startup_trials=study.startup_trials)
+        return optuna.create_study(sampler=sampler).ask().suggest_float("personalization.lr", 5e-4, 0.1, log=True)
+
+    assert len({first_draw(s) for s in studies.values()}) == 3
+
+    tuned = tmp_path / "variant" / "fedrep" / "tuned.yaml"  # a tuned row names its trial and the study's size
+    tuned.parent.mkdir(parents=True)
+    tuned.write_text(f"# The best of 20 trials …\n{MARK} fedrep-rmnist-shards-10rounds-seed100 (trial 13 of 20)\n")
+    monkeypatch.setattr(report, "USER_CONFIG_DIR", tmp_path)
+    assert report.method_label("fedrep-tuned") == "FedRep (tuned: trial 13 of 20)"
