@@ -268,7 +268,7 @@ def validate(cfg: DictConfig) -> None:
             _require(cfg.method[key] > 0, f"method.{key} must be > 0, got {cfg.method[key]}")
     method = cfg.method
     for key, allowed in (("train_split", ("all", "pers")), ("averaging", ("samples", "uniform")),
-                         ("local_optimizer", ("sgd", "adam_kept")), ("batches", BATCHES)):
+                         ("local_optimizer", ("sgd", "adam_kept")), ("batches", BATCHES), ("head", ("classifier", "fc_block"))):
         if key in method:
             _require(method[key] in allowed, f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}")
     for key in ("batch_size", "eval_batch_size"):

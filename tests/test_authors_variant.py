@@ -176,6 +176,10 @@ def test_authors_fedrep_averages_the_head_and_keeps_two_adams():
     assert all(not torch.equal(before[n], after[n]) for n in fedrep.head_names)  # the head is averaged
     assert (int(kept["head_adam"]["step"]), int(kept["body_adam"]["step"]), kept["batches_read"]) == (5, 1, 6)
     assert not any(n in kept for n in fedrep.head_names)  # no private head: the averaged one is used
+    # the head is their model's whole fc block: the dense layers with the classifier; the body the convolutions
+    assert {n.split(".")[0] for n in fedrep.head_names} == {"dense", "head"}
+    assert {n.split(".")[0] for n in fedrep.body_names} == {"features"}
+    assert {n.split(".")[0] for n in baseline("fedrep", "variant=paper").head_names} == {"head"}
     assert fedrep.adapted_names(0) is None  # new clients fine-tune every layer from the first step
 
 

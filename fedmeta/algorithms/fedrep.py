@@ -2,8 +2,8 @@
 each client's head stays local. Every round a client first trains its head with the body frozen,
 then the body with the head frozen, and sends the body only.
 
-Heads are the one piece of per-client state here (the last linear layer: 5,130 numbers on
-RMNIST); a client that has not taken part yet starts from the global head, which the server
+Heads are the one piece of per-client state here (``method.head``: the last linear layer, 5,130
+numbers on RMNIST, or the authors' whole fully connected block); a client that has not taken part yet starts from the global head, which the server
 never changes — so it stays at its initialization. A new client at test time starts from that
 head too, and — FedRep's own procedure for new clients — trains the head alone on the frozen body
 for its first ``test_head_steps`` personalization steps, then all layers for the rest of the
@@ -21,15 +21,17 @@ from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalRe
 from fedmeta.data.federation import Client
 from fedmeta.functional import Params
 
-HEAD_PREFIX = "head."
+# method.head: the last Linear (FedRep's paper), or the whole fully connected block — the dense layers
+# and the classifier, as the CAFeMe authors' code moves the model's ``fc`` into FedRep's head
+HEADS = {"classifier": ("head.",), "fc_block": ("dense.", "head.")}
 
 
 class FedRep(Algorithm):
     def __init__(self, model, cfg):
         super().__init__(model, cfg)
         names = [name for name, _ in model.named_parameters()]
-        self.head_names = [n for n in names if n.startswith(HEAD_PREFIX)]
-        self.body_names = [n for n in names if not n.startswith(HEAD_PREFIX)]
+        self.head_names = [n for n in names if n.startswith(HEADS[cfg.head])]
+        self.body_names = [n for n in names if not n.startswith(HEADS[cfg.head])]
 
     def streamed(self) -> int:
         return self.cfg.head_batches + self.cfg.body_batches
