@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")}))
         print(f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
               f"{100 * one['accuracy']:.2f} ± {100 * one['accuracy_std']:.2f} % "
-              f"(step 0: {100 * one['curve'][0]:.2f} %), {one['seconds_per_round']:.3f} s/round"
+              f"(step 0: {100 * one['curve'][0]:.2f} %), "
+              + (f"{one['seconds_per_round']:.3f} s/round" if one["seconds_per_round"] is not None else "no rounds trained")
               + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else ""))
     return 0
 

@@ -236,7 +236,8 @@ def validate(cfg: DictConfig) -> None:
     train_clients = fed.num_clients - fed.num_new_clients
     _require(1 <= fed.clients_per_round <= train_clients,
              f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}")
-    _require(fed.rounds >= 1, f"federation.rounds must be ≥ 1, got {fed.rounds}")
+    _require(fed.rounds >= 1 or (fed.rounds == 0 and cfg.model.init_from),
+             f"federation.rounds must be ≥ 1 (0 only with model.init_from: the starting model evaluated), got {fed.rounds}")
     _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
     _require(0 <= cfg.seed < 2**32, f"seed must be in [0, 2^32) (NumPy's seeds), got {cfg.seed}")
     if cfg.seeds is not None:

@@ -44,6 +44,7 @@ class Job:
     seed: int
     overrides: tuple[str, ...]
     point: str = ""  # a sweep's point: the swept values that the run folder's name does not hold
+    stage: int = 0  # a preset's chain: runs of stage k start after every run of stage k − 1 has ended
 
     @property
     def label(self) -> str:
@@ -57,6 +58,11 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
     still compares every method)."""
     settings = {name: s for name, s in preset.settings.items() if s.grid in grids}
     check_names(preset, datasets, methods)
+    chain, stages = chain_stages(preset)
+    if chain and methods:  # a chained method needs the methods its model comes from
+        needed = {link["from"] for method, link in chain.items() if method in methods} - set(methods)
+        if needed:
+            raise FedmetaError(f"--methods: the preset's chain starts them from {sorted(needed)}: add those too")
     if datasets:  # data set names (cifar10) or setting names (cifar10-shards)
         settings = {name: s for name, s in settings.items() if name in datasets or setting_dataset(s) in datasets}
     jobs = []
@@ -71,8 +77,31 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
             for method in methods or preset.methods:  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
                 name, _, variant = method.partition("-")
                 picks = (f"method={name}", *([f"variant={variant}"] if variant else []))
-                jobs.append(Job(label, method, int(seed), (*common, *picks, f"seed={seed}")))
+                link = chain.get(method)
+                handed = (f"model.init_from={root / label / link['from']}/seed{{seed}}", *link.get("overrides", [])) if link else ()
+                jobs.append(Job(label, method, int(seed), (*common, *picks, f"seed={seed}", *handed), stage=stages[method]))
     return jobs
+
+
+def chain_stages(preset: DictConfig) -> tuple[dict, dict[str, int]]:
+    """A preset's ``chain`` (method → the method whose final model it starts from, and its own
+    overrides) and each method's stage: 0 for a fresh start, one more than its source's otherwise."""
+    chain = {method: dict(link) for method, link in (preset.get("chain") or {}).items()}
+    stages: dict[str, int] = {}
+
+    def stage(method: str, seen: tuple = ()) -> int:
+        if method in seen:
+            raise FedmetaError(f"the preset's chain goes round in a circle: {' → '.join((*seen, method))}")
+        if method not in stages:
+            source = chain.get(method, {}).get("from")
+            if source is not None and source not in preset.methods:
+                raise FedmetaError(f"the preset's chain starts {method} from {source}, which is not one of its methods")
+            stages[method] = 0 if source is None else stage(source, (*seen, method)) + 1
+        return stages[method]
+
+    for method in preset.methods:
+        stage(method)
+    return chain, stages
 
 
 def check_names(preset: DictConfig, datasets: list[str] | None = None, methods: list[str] | None = None) -> None:
@@ -123,7 +152,7 @@ def stacked(jobs: list[Job]) -> list[Job]:
         seeds = [job.seed for job in group]
         overrides = tuple(o for o in group[0].overrides if not o.startswith("seed="))
         merged.append(Job(group[0].setting, group[0].method, seeds[0], (*overrides, f"seeds=[{','.join(map(str, seeds))}]"),
-                          group[0].point))
+                          group[0].point, group[0].stage))
     return merged
 
 
@@ -250,11 +279,12 @@ def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     threads = 1 if parallel > 1 and executor != "slurm" else 0  # OpenMP threads of parallel runs only fight each other
-    if not todo:
-        return []
-    if executor == "pool":
-        return _run_pool(todo, logs, parallel, threads)
-    return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
+    failures = []
+    for stage in sorted({job.stage for job in todo}):  # a chain's stages one after another, each in parallel
+        wave = [job for job in todo if job.stage == stage]
+        failures += _run_pool(wave, logs, parallel, threads) if executor == "pool" else \
+            _run_submitit(wave, logs / "submitit", parallel, threads, executor, slurm)
+    return failures
 
 
 def train_job(overrides: list[str], threads: int = 0) -> int:

@@ -490,6 +490,8 @@ def _train(fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool
         for run, result in zip(final, evaluate_on_ranks(fabric, [r.federated for r in final], cfg.personalization, engine)):
             run.result = result
             run.recorder.log_curve(fed.rounds, result.curve)
+            if fed.rounds == 0:  # a warm start evaluated as it is: its model is this run's, for evaluate and later runs
+                run.save_checkpoint(0)
     summaries = []
     for run in runs:
         if run.error is None:

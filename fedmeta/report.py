@@ -114,10 +114,11 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
     for setting in settings:
         for method in methods:
             summaries = runs.get((setting, method), [])
-            if summaries:
+            per_round = [s["seconds_per_round"] for s in summaries if s.get("seconds_per_round") is not None]
+            if summaries:  # a chain's scoring stage trains no rounds: no time per round
                 lines.append(f"| {setting} | {method} | {','.join(str(s['seed']) for s in summaries)} | "
                              f"{'/'.join(sorted({str(s['rounds']) for s in summaries}))} | "
-                             f"{statistics.median(s['seconds_per_round'] for s in summaries):.2f} | "
+                             f"{f'{statistics.median(per_round):.2f}' if per_round else '-'} | "
                              f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
                              f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |")
     text = "\n".join(lines) + "\n"

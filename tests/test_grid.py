@@ -148,3 +148,50 @@ def test_a_lease_budget_starts_only_the_units_that_fit_and_tables_keep_each_pres
     assert section in both  # the quick section untouched by the paper one
     assert main(["table", "--no-run", "--budget", "10"]) == 2
     assert "--budget SECONDS and --estimate BENCH_JSON go together" in capsys.readouterr().err
+
+
+def test_the_published_chain_hands_each_model_to_the_next_method_in_the_authors_order():
+    """The authors' main.py trains one model object through every baseline in turn: each stage of
+    the published preset starts from the final model of the one before, in their order."""
+    preset = load_preset("published")
+    jobs = plan(preset, root=Path("runs/published"), grids=["table"], datasets=["rmnist-shards"], seeds=[0])
+    source = {j.method: next((o.split("/")[-2] for o in j.overrides if o.startswith("model.init_from=")), None) for j in jobs}
+    assert source == {"cafeme-authors": None, "perfedavg-authors": None, "fedavg-authors": "perfedavg-authors",
+                      "fedavg_ft-authors": "fedavg-authors", "ifca-published": "fedavg-authors",
+                      "ifca_ft-published": "ifca-published", "ifca-published_sharing": "ifca-published",
+                      "ditto-authors": "ifca-published_sharing", "fedrep-authors": "ditto-authors"}
+    stage = {j.method: j.stage for j in jobs}
+    assert all(stage[m] == stage[s] + 1 for m, s in source.items() if s) and stage["fedrep-authors"] == 5
+    init = next(o for j in jobs if j.method == "fedrep-authors" for o in j.overrides if o.startswith("model.init_from="))
+    assert init == "model.init_from=runs/published/rmnist-shards/ditto-authors/seed{seed}"  # the same seed's model
+    scored_only = [j.method for j in jobs if j.overrides[-1] == "federation.rounds=0"]
+    assert scored_only == ["fedavg_ft-authors", "ifca_ft-published"]  # FT scored on their source's model
+    from fedmeta.config import compose
+
+    ifca = compose(["method=ifca", "variant=published"])
+    assert (ifca.method.clusters, ifca.method.share_body) == (1, False)  # their k references to one model
+    with pytest.raises(FedmetaError, match="add those too"):
+        plan(preset, root=Path("runs/published"), grids=["table"], datasets=["rmnist-shards"], methods=["fedrep-authors"])
+
+
+@pytest.mark.slow
+def test_the_published_chain_runs_stage_after_stage(tmp_path, monkeypatch, mnist_dir, capsys):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    tiny = [*TINY, "federation.num_new_clients=2", "federation.clients_per_round=2", "method.batch_size=10",
+            "personalization.batch_size=10", "logger=[]", f"dataset.dir={mnist_dir}"]
+    assert main(["table", "--preset", "published", "--datasets", "rmnist-shards", "--seeds", "0", "--parallel", "2",
+                 *tiny]) == 0
+    runs = tmp_path / "runs" / "published" / "rmnist-shards"
+    summaries = {p.parent.parent.name: json.loads(p.read_text()) for p in runs.glob("*/seed0/summary.json")}
+    assert len(summaries) == 9
+    hops, method = [], "fedrep-authors"
+    while summaries[method]["init_from"]:
+        method = Path(summaries[method]["init_from"]["run"]).parent.name
+        hops.append(method)
+    assert hops == ["ditto-authors", "ifca-published_sharing", "ifca-published", "fedavg-authors", "perfedavg-authors"]
+    model = {m: torch.load(runs / m / "seed0" / "checkpoint.ckpt", weights_only=True)["federation"]["model"]
+             for m in ("fedavg-authors", "fedavg_ft-authors")}
+    assert summaries["fedavg_ft-authors"]["rounds"] == 0
+    assert all(torch.equal(model["fedavg-authors"][k], v) for k, v in model["fedavg_ft-authors"].items())
