@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" . > "$work/build.log" 2>&1 \
+mkdir "$work/src"  # the checkout's files (not what git ignores), built outside it: no build/ left behind
+git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$work/src"
+"$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$work/src" > "$work/build.log" 2>&1 \
   || { cat "$work/build.log"; exit 1; }
 "$VENV/bin/python" -m venv "$work/venv"
 site=$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -1,1 +1,0 @@
-"""fedmeta: personalized federated learning with meta-learning on Lightning Fabric."""

@@ -1,6 +1,0 @@
-"""Models: the base CNN f_ψ and the federated modulator g_μ."""
-
-from fedmeta.models.cnn import ConvNet, build_base_net, set_channels_last
-from fedmeta.models.modulator import MODULATIONS, ModulatedNet, Modulator, modulate
-
-__all__ = ["MODULATIONS", "ConvNet", "ModulatedNet", "Modulator", "build_base_net", "modulate", "set_channels_last"]
