@@ -29,7 +29,7 @@ BAD = [
     (["method=fedrep", "method.averaging=median"], "method.averaging must be one of samples, uniform"),
     (["method=fedrep", "method.head_batches=-1"], "method.head_batches must be an integer ≥ 0"),
     (["personalization.held_out_batch_size=1"], "personalization.held_out_batch_size must be null (one pass) or ≥ 2"),
-    (["personalization.batches=loop"], "personalization.batches must be independent or stream"),
+    (["personalization.batches=loop"], "personalization.batches must be one of independent, stream, stream_fixed"),
     (["variant=weird"], "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors', 'tuned']"),
     (["seed"], "overrides must be key=value"),
     (["federation.eval_every=0"], "federation.eval_every must be ≥ 1"),
