@@ -1,6 +1,6 @@
 """Time one second-order MAML client update (5 inner steps, RMNIST CNN) with torch.func vs learn2learn.
 
-    .venv/bin/python benchmarks/inner_loop.py
+.venv/bin/python benchmarks/inner_loop.py
 """
 
 import time

@@ -33,8 +33,13 @@ QUIET = ["wandb.mode=disabled"]
 PROFILE_TOP = 8
 
 
-def matmul_peak_gflops(size: int, dtype: torch.dtype = torch.float32, repeats: int = 10,
-                       device: torch.device = torch.device("cpu"), matmul_precision: str = "highest") -> float:
+def matmul_peak_gflops(
+    size: int,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 10,
+    device: torch.device = torch.device("cpu"),
+    matmul_precision: str = "highest",
+) -> float:
     """Best achieved GFLOP/s of a square matmul: the device's practical peak at this precision
     (``matmul_precision=high``: float32 matmuls on TF32 tensor cores)."""
     a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
@@ -59,13 +64,22 @@ def device_peaks(device: torch.device, size: int) -> dict:
     """A device's matmul peaks in GFLOP/s: fp32, TF32 (CUDA only) and bf16."""
     # a CPU without bf16 units runs bf16 matmuls at ~1 GFLOP/s: a large one would take minutes
     bf16_size = size if device.type == "cuda" else min(size, 1024)
-    peaks = {"fp32": matmul_peak_gflops(size, device=device), "bf16": matmul_peak_gflops(bf16_size, torch.bfloat16, device=device)}
+    peaks = {
+        "fp32": matmul_peak_gflops(size, device=device),
+        "bf16": matmul_peak_gflops(bf16_size, torch.bfloat16, device=device),
+    }
     if device.type == "cuda":
         peaks["tf32"] = matmul_peak_gflops(size, device=device, matmul_precision="high")
     return peaks
 
 
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+LAUNCHES = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+)
 
 
 class _OperatorCount:
@@ -108,6 +122,7 @@ def count_calls(run_round, device: torch.device) -> dict:
 class _GlobalCountsOnly:
     """Stands in for FlopCounterMode's module tracker, whose per-module hooks on the autograd graph
     break ``autograd.grad`` over leaf parameters (every inner loop here); totals are all we report."""
+
     parents = {"Global"}
 
     def __enter__(self):
@@ -136,22 +151,43 @@ def profile_round(run_round) -> list[dict]:
         run_round()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1
-    return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:PROFILE_TOP]]
+    return [
+        {"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:PROFILE_TOP]
+    ]
 
 
-def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_clients: int, profile: bool = False,
-                  full_evaluation: bool = False, count_flops: bool = True) -> dict:
+def measure_round(
+    overrides: list[str],
+    warmup: int,
+    rounds: int,
+    personalize_clients: int,
+    profile: bool = False,
+    full_evaluation: bool = False,
+    count_flops: bool = True,
+) -> dict:
     """One row, in the calling process: seconds and FLOPs per round (per seed, with stacked seeds),
     personalization seconds per new client, optionally one whole evaluation (every new client,
     every step), peak memory. Meant to run in a fresh process (``run_isolated``)."""
     from fedmeta.config import compose
     from fedmeta.engine import Engine
-    from fedmeta.loop import Federated, build, evaluate_on_ranks, federated_rounds, hardware_name, make_engine, make_fabric, seed_configs
+    from fedmeta.loop import (
+        Federated,
+        build,
+        evaluate_on_ranks,
+        federated_rounds,
+        hardware_name,
+        make_engine,
+        make_fabric,
+        seed_configs,
+    )
 
     cfg = compose([*overrides, *QUIET])
     fabric = make_fabric(cfg)
-    runs = [Federated(algorithm, federation, one.seed) for one in seed_configs(cfg)
-            for federation, algorithm in [build(fabric, one)]]
+    runs = [
+        Federated(algorithm, federation, one.seed)
+        for one in seed_configs(cfg)
+        for federation, algorithm in [build(fabric, one)]
+    ]
     synchronize = torch.cuda.synchronize if fabric.device.type == "cuda" else (lambda: None)
     fed, engine = cfg.federation, make_engine(cfg, fabric.device)
 
@@ -169,8 +205,14 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
     calls = count_calls(lambda: round_(warmup + rounds + 1), fabric.device)
     gflop = float("nan")
     if count_flops:
-        with flop_counter() as flops:  # a dispatch mode sees only its own thread: count one seed's sequential round
-            timed(lambda: federated_rounds(runs[:1], warmup + rounds + 2, fed.clients_per_round, engine=Engine()))
+        with (
+            flop_counter() as flops
+        ):  # a dispatch mode sees only its own thread: count one seed's sequential round
+            timed(
+                lambda: federated_rounds(
+                    runs[:1], warmup + rounds + 2, fed.clients_per_round, engine=Engine()
+                )
+            )
         gflop = flops.get_total_flops() / 1e9
     first = runs[0]
     some = Federated(first.algorithm, _first_new_clients(first.federation, personalize_clients), first.seed)
@@ -178,20 +220,35 @@ def measure_round(overrides: list[str], warmup: int, rounds: int, personalize_cl
     personalize = timed(lambda: evaluate_on_ranks(fabric, [some], cfg.personalization, engine))
     evaluation = {}
     if full_evaluation:
-        evaluation["evaluation_seconds"] = timed(lambda: evaluate_on_ranks(fabric, runs, cfg.personalization, engine))
+        evaluation["evaluation_seconds"] = timed(
+            lambda: evaluate_on_ranks(fabric, runs, cfg.personalization, engine)
+        )
     seconds_per_round = statistics.median(seconds) / len(runs)
     extra = {"profile": profile_round(lambda: round_(warmup + rounds + 3))} if profile else {}
     ran = engine.describe()
-    return {**extra, "dataset": cfg.dataset.name, "method": cfg.method.name, "variant": cfg.variant,
-            "precision": cfg.fabric.precision, "matmul_precision": cfg.fabric.matmul_precision,
-            "client_threads": fed.client_threads, "clients": "vmap" if ran["vectorized"] else "sequential",
-            "capture": ran["capture"] if ran["recorded"] or ran["capture"] == "static" else "none",
-            "fallback": ran["fallback"], "seeds": len(runs),
-            "seconds_per_round": seconds_per_round, "gflop_per_round": gflop,
-            "gflops": gflop / seconds_per_round, "personalize_seconds_per_client": personalize / personalize_clients,
-            **evaluation, "new_clients": sum(len(r.federation.new_clients) for r in runs),
-            **{k: v / len(runs) for k, v in calls.items()},
-            "peak_rss_mb": peak_rss_mb(), "device": fabric.device.type, "hardware": hardware_name(fabric.device)}
+    return {
+        **extra,
+        "dataset": cfg.dataset.name,
+        "method": cfg.method.name,
+        "variant": cfg.variant,
+        "precision": cfg.fabric.precision,
+        "matmul_precision": cfg.fabric.matmul_precision,
+        "client_threads": fed.client_threads,
+        "clients": "vmap" if ran["vectorized"] else "sequential",
+        "capture": ran["capture"] if ran["recorded"] or ran["capture"] == "static" else "none",
+        "fallback": ran["fallback"],
+        "seeds": len(runs),
+        "seconds_per_round": seconds_per_round,
+        "gflop_per_round": gflop,
+        "gflops": gflop / seconds_per_round,
+        "personalize_seconds_per_client": personalize / personalize_clients,
+        **evaluation,
+        "new_clients": sum(len(r.federation.new_clients) for r in runs),
+        **{k: v / len(runs) for k, v in calls.items()},
+        "peak_rss_mb": peak_rss_mb(),
+        "device": fabric.device.type,
+        "hardware": hardware_name(fabric.device),
+    }
 
 
 def _first_new_clients(federation, count: int):
@@ -213,19 +270,31 @@ def measure_memory(overrides: list[str], rounds: int) -> dict:
     cfg = compose([*overrides, *QUIET])
     fabric, federation, algorithm = setup(cfg)
     for r in range(1, rounds + 1):
-        federated_round(algorithm, federation, r, cfg.federation.clients_per_round, cfg.seed, engine=make_engine(cfg, fabric.device))
+        federated_round(
+            algorithm,
+            federation,
+            r,
+            cfg.federation.clients_per_round,
+            cfg.seed,
+            engine=make_engine(cfg, fabric.device),
+        )
     for client in federation.new_clients[:2]:
         personalize_client(algorithm, client, cfg.personalization)
     states = algorithm.client_states
     state_bytes = sum(_nbytes(state) for state in states.values())
-    return {"dataset": cfg.dataset.name, "partition": cfg.partition.name, "method": cfg.method.name,
-            "variant": cfg.variant, "num_clients": cfg.federation.num_clients,
-            "samples_per_client": len(federation.x) // cfg.federation.num_clients,
-            "data_mb": (federation.x.nbytes + federation.y.nbytes) / 2**20,
-            "model_mb": sum(p.nbytes for p in algorithm.parameters()) / 2**20,
-            "clients_with_state": len(states),
-            "state_mb_per_client": state_bytes / len(states) / 2**20 if states else 0.0,
-            "peak_rss_mb": peak_rss_mb()}
+    return {
+        "dataset": cfg.dataset.name,
+        "partition": cfg.partition.name,
+        "method": cfg.method.name,
+        "variant": cfg.variant,
+        "num_clients": cfg.federation.num_clients,
+        "samples_per_client": len(federation.x) // cfg.federation.num_clients,
+        "data_mb": (federation.x.nbytes + federation.y.nbytes) / 2**20,
+        "model_mb": sum(p.nbytes for p in algorithm.parameters()) / 2**20,
+        "clients_with_state": len(states),
+        "state_mb_per_client": state_bytes / len(states) / 2**20 if states else 0.0,
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 def _nbytes(tree) -> int:
@@ -243,7 +312,9 @@ def speedups(rows: list[dict]) -> list[dict]:
     baseline: dict[tuple, dict] = {}
     eager: dict[tuple, dict] = {}
     for r in rows:
-        if r["clients"] == "sequential" and r["seeds"] == 1:  # the first: a vmap row that fell back is sequential too
+        if (
+            r["clients"] == "sequential" and r["seeds"] == 1
+        ):  # the first: a vmap row that fell back is sequential too
             baseline.setdefault(tuple(r[k] for k in key), r)
         if r["clients"] == "vmap" and r["capture"] == "none":
             eager.setdefault((*(r[k] for k in key), r["seeds"]), r)
@@ -252,15 +323,26 @@ def speedups(rows: list[dict]) -> list[dict]:
         base = baseline.get(tuple(row[k] for k in key))
         if base is None or (row["clients"] == "sequential" and row["seeds"] == 1):
             continue
-        ratio = {"round": base["seconds_per_round"] / row["seconds_per_round"],
-                 "personalize": base["personalize_seconds_per_client"] / row["personalize_seconds_per_client"]}
+        ratio = {
+            "round": base["seconds_per_round"] / row["seconds_per_round"],
+            "personalize": base["personalize_seconds_per_client"] / row["personalize_seconds_per_client"],
+        }
         if "evaluation_seconds" in row and "evaluation_seconds" in base:
-            ratio["evaluation"] = (base["evaluation_seconds"] / base["new_clients"]) / (row["evaluation_seconds"] / row["new_clients"])
+            ratio["evaluation"] = (base["evaluation_seconds"] / base["new_clients"]) / (
+                row["evaluation_seconds"] / row["new_clients"]
+            )
         same = eager.get((*(row[k] for k in key), row["seeds"]))
         if row["capture"] != "none" and same is not None:
             ratio["vs_eager"] = same["seconds_per_round"] / row["seconds_per_round"]
-        result.append({**{k: row[k] for k in key}, "clients": row["clients"], "capture": row["capture"],
-                       "seeds": row["seeds"], **ratio})
+        result.append(
+            {
+                **{k: row[k] for k in key},
+                "clients": row["clients"],
+                "capture": row["capture"],
+                "seeds": row["seeds"],
+                **ratio,
+            }
+        )
     return result
 
 
@@ -280,18 +362,36 @@ def project(result: dict, preset_name: str) -> list[str]:
         dataset = setting_dataset(setting)
         cfg = compose([f"dataset={dataset}"])
         rounds = preset.rounds.get(dataset) or cfg.federation.rounds
-        evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
+        evaluations = (
+            preset.evaluations.get(dataset)
+            if isinstance(preset.evaluations, DictConfig)
+            else preset.evaluations
+        )
         seconds, missing = 0.0, []
         for method in preset.methods:
-            rows = [r for r in result["rows"] if r["dataset"] == dataset and r["method"] == method and r["variant"] == "paper"
-                    and r["precision"] == "32-true" and r.get("matmul_precision", "highest") == "highest"
-                    and r["client_threads"] == 1]
+            rows = [
+                r
+                for r in result["rows"]
+                if r["dataset"] == dataset
+                and r["method"] == method
+                and r["variant"] == "paper"
+                and r["precision"] == "32-true"
+                and r.get("matmul_precision", "highest") == "highest"
+                and r["client_threads"] == 1
+            ]
             if not rows:
                 missing.append(method)
                 continue
             per_round = min(r["seconds_per_round"] for r in rows)
-            evaluation = min(r["evaluation_seconds"] / r["new_clients"] if "evaluation_seconds" in r
-                             else r["personalize_seconds_per_client"] for r in rows) * cfg.federation.num_new_clients
+            evaluation = (
+                min(
+                    r["evaluation_seconds"] / r["new_clients"]
+                    if "evaluation_seconds" in r
+                    else r["personalize_seconds_per_client"]
+                    for r in rows
+                )
+                * cfg.federation.num_new_clients
+            )
             seconds += len(preset.seeds) * (rounds * per_round + evaluations * evaluation)
         total += seconds
         note = f" (not measured: {', '.join(missing)})" if missing else ""
@@ -316,7 +416,9 @@ CLIENTS = {  # how a row runs a round's clients (configs/bench.yaml: clients)
 }
 
 
-def plan(bench: DictConfig, datasets: list[str] | None, methods: list[str] | None, extra: list[str]) -> list[dict]:
+def plan(
+    bench: DictConfig, datasets: list[str] | None, methods: list[str] | None, extra: list[str]
+) -> list[dict]:
     """Every timing row: per data set, each method (and extra row) once per way of running clients
     (``bench.clients``), then the stacked-seed rows. A row: its overrides, and whether it also
     times a whole evaluation."""
@@ -328,22 +430,38 @@ def plan(bench: DictConfig, datasets: list[str] | None, methods: list[str] | Non
         variants += [list(r) for r in bench.extra_rows if not methods or r[0].split("=", 1)[1] in methods]
         for variant in variants:
             evaluate = len(variant) == 1 and variant[0].split("=", 1)[1] in bench.evaluation_methods
-            rows += [{"overrides": [*setting, *variant, *CLIENTS[way], *extra], "evaluate": evaluate} for way in bench.clients]
-        rows += [{"overrides": [*setting, *list(r), *extra], "evaluate": False} for r in bench.seed_rows
-                 if not methods or r[0].split("=", 1)[1] in methods]
+            rows += [
+                {"overrides": [*setting, *variant, *CLIENTS[way], *extra], "evaluate": evaluate}
+                for way in bench.clients
+            ]
+        rows += [
+            {"overrides": [*setting, *list(r), *extra], "evaluate": False}
+            for r in bench.seed_rows
+            if not methods or r[0].split("=", 1)[1] in methods
+        ]
     return rows
 
 
 def memory_plan(bench: DictConfig, extra: list[str]) -> list[list[str]]:
     memory = bench.memory
     variants = [[f"method={m}"] for m in memory.methods] + [list(r) for r in memory.extra_rows]
-    return [[*memory.overrides, *v, f"federation.num_clients={n}", *extra]
-            for v in variants for n in memory.num_clients]
+    return [
+        [*memory.overrides, *v, f"federation.num_clients={n}", *extra]
+        for v in variants
+        for n in memory.num_clients
+    ]
 
 
-def run(datasets: list[str] | None = None, methods: list[str] | None = None, extra: list[str] = (),
-        memory: bool = True, out: Path = Path("results/bench.json"), config: Path = CONFIG_DIR / "bench.yaml",
-        profile: bool = False, projection: str | None = None) -> dict:
+def run(
+    datasets: list[str] | None = None,
+    methods: list[str] | None = None,
+    extra: list[str] = (),
+    memory: bool = True,
+    out: Path = Path("results/bench.json"),
+    config: Path = CONFIG_DIR / "bench.yaml",
+    profile: bool = False,
+    projection: str | None = None,
+) -> dict:
     from fedmeta.config import compose
     from fedmeta.loop import hardware_name
 
@@ -351,13 +469,19 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
 
     bench = load_mapping(config, "a bench config (see configs/bench.yaml)")
     if "datasets" not in bench:
-        raise FedmetaError(f"{config} is not a bench config (a mapping with datasets, methods, rows: see configs/bench.yaml)")
+        raise FedmetaError(
+            f"{config} is not a bench config (a mapping with datasets, methods, rows: see configs/bench.yaml)"
+        )
     unknown = sorted(set(datasets or ()) - set(bench.datasets))
     if unknown:
-        raise FedmetaError(f"--datasets {' '.join(unknown)}: not a data set of {config.name}; choose from {', '.join(bench.datasets)}")
+        raise FedmetaError(
+            f"--datasets {' '.join(unknown)}: not a data set of {config.name}; choose from {', '.join(bench.datasets)}"
+        )
     unknown = sorted(set(methods or ()) - set(group_choices("method")))
     if unknown:
-        raise FedmetaError(f"--methods {' '.join(unknown)}: no such method; choose from {', '.join(group_choices('method'))}")
+        raise FedmetaError(
+            f"--methods {' '.join(unknown)}: no such method; choose from {', '.join(group_choices('method'))}"
+        )
     rows = plan(bench, datasets, methods, list(extra))
     if not rows and not (memory and bench.memory.num_clients):
         raise FedmetaError(f"no row of {config.name} is for these data sets and methods: nothing to measure")
@@ -366,7 +490,9 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
         from fedmeta.grid import load_preset
 
         load_preset(projection)  # an unknown preset: one line before anything runs
-    for overrides in [row["overrides"] for row in rows] + memory_rows:  # bad names or values: one line before anything runs
+    for overrides in [
+        row["overrides"] for row in rows
+    ] + memory_rows:  # bad names or values: one line before anything runs
         compose([*overrides, *QUIET])
     result = {"peaks": {}, "rows": [], "memory": []}
 
@@ -374,8 +500,13 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
         """The fp32 matmul peak of a row's device, measured here once per device kind."""
         if kind not in result["peaks"]:
             device = torch.device(kind)
-            result["peaks"][kind] = {"hardware": hardware_name(device), **device_peaks(device, bench.matmul_size)}
-            shown = ", ".join(f"{name} {value:.0f}" for name, value in result["peaks"][kind].items() if name != "hardware")
+            result["peaks"][kind] = {
+                "hardware": hardware_name(device),
+                **device_peaks(device, bench.matmul_size),
+            }
+            shown = ", ".join(
+                f"{name} {value:.0f}" for name, value in result["peaks"][kind].items() if name != "hardware"
+            )
             print(f"{result['peaks'][kind]['hardware']}: matmul peaks (GFLOP/s) {shown}", flush=True)
         return result["peaks"][kind]["fp32"]
 
@@ -392,14 +523,24 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
         print(f"wrote {out}", flush=True)
 
     peak("cpu")
-    print(f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} {'seeds':>5s} "
-          f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'launch':>7s} {'pers s/cl':>9s} "
-          f"{'eval s':>7s} {'peak MB':>8s}")
+    print(
+        f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} {'seeds':>5s} "
+        f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'launch':>7s} {'pers s/cl':>9s} "
+        f"{'eval s':>7s} {'peak MB':>8s}"
+    )
     for plan_row in rows:
         overrides = plan_row["overrides"]
         try:
-            row = run_isolated(measure_round, overrides, bench.warmup_rounds, bench.rounds, bench.personalize_clients,
-                               profile, plan_row["evaluate"], bench.get("count_flops", True))
+            row = run_isolated(
+                measure_round,
+                overrides,
+                bench.warmup_rounds,
+                bench.rounds,
+                bench.personalize_clients,
+                profile,
+                plan_row["evaluate"],
+                bench.get("count_flops", True),
+            )
         except FedmetaError as exc:  # e.g. a data set not on this machine: the other rows still count
             result.setdefault("skipped", []).append({"overrides": overrides, "reason": str(exc)})
             print(f"skipped {' '.join(overrides)}: {exc}", flush=True)
@@ -409,11 +550,14 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
         evaluation = f"{row['evaluation_seconds']:7.1f}" if "evaluation_seconds" in row else f"{'-':>7s}"
         launches = f"{row['launches_per_round']:7.0f}" if "launches_per_round" in row else f"{'-':>7s}"
         clients = row["clients"] if row["capture"] == "none" else f"{row['clients']}+{row['capture']}"
-        print(f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
-              f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
-              f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
-              f"{row['ops_per_round']:8.0f} {launches} {row['personalize_seconds_per_client']:9.2f} {evaluation} "
-              f"{row['peak_rss_mb']:8.0f}", flush=True)
+        print(
+            f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
+            f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
+            f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
+            f"{row['ops_per_round']:8.0f} {launches} {row['personalize_seconds_per_client']:9.2f} {evaluation} "
+            f"{row['peak_rss_mb']:8.0f}",
+            flush=True,
+        )
         if row["fallback"]:
             print(f"    fell back: {row['fallback']}")
         save()
@@ -421,22 +565,33 @@ def run(datasets: list[str] | None = None, methods: list[str] | None = None, ext
             print(f"    {100 * op['share']:5.1f} %  {op['op']} ×{op['calls']}")
     result["speedups"] = speedups(result["rows"])
     if result["speedups"]:
-        print(f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>13s} {'seeds':>5s} "
-              f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s} {'vs eager':>8s}   (sequential ÷ this; vs eager: vmapped "
-              "eager ÷ this; > 1 is faster)")
+        print(
+            f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>13s} {'seeds':>5s} "
+            f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s} {'vs eager':>8s}   (sequential ÷ this; vs eager: vmapped "
+            "eager ÷ this; > 1 is faster)"
+        )
         for s in result["speedups"]:
-            cells = [f"{s[key]:{width}.2f}" if s.get(key) else f"{'-':>{width}s}" for key, width in
-                     (("round", 8), ("personalize", 7), ("evaluation", 7), ("vs_eager", 8))]
+            cells = [
+                f"{s[key]:{width}.2f}" if s.get(key) else f"{'-':>{width}s}"
+                for key, width in (("round", 8), ("personalize", 7), ("evaluation", 7), ("vs_eager", 8))
+            ]
             clients = s["clients"] if s["capture"] == "none" else f"{s['clients']}+{s['capture']}"
-            print(f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {clients:>13s} "
-                  f"{s['seeds']:5d} {' '.join(cells)}")
+            print(
+                f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {clients:>13s} "
+                f"{s['seeds']:5d} {' '.join(cells)}"
+            )
     if memory_rows:
-        print(f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} {'state MB/client':>15s} {'peak MB':>8s}")
+        print(
+            f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} {'state MB/client':>15s} {'peak MB':>8s}"
+        )
         for overrides in memory_rows:
             row = run_isolated(measure_memory, overrides, bench.memory.rounds)
             result["memory"].append(row)
-            print(f"{row['num_clients']:8d} {row['method']:8s} {row['variant']:8s} {row['samples_per_client']:10d} "
-                  f"{row['data_mb']:8.0f} {row['state_mb_per_client']:15.2f} {row['peak_rss_mb']:8.0f}", flush=True)
+            print(
+                f"{row['num_clients']:8d} {row['method']:8s} {row['variant']:8s} {row['samples_per_client']:10d} "
+                f"{row['data_mb']:8.0f} {row['state_mb_per_client']:15.2f} {row['peak_rss_mb']:8.0f}",
+                flush=True,
+            )
     if projection:
         result["projection"] = {"preset": projection, "lines": project(result, projection)}
         print(f"\nprojected wall time of make table PRESET={projection}, one run at a time on this machine:")

@@ -53,7 +53,9 @@ def _copy(tree) -> Any:
 
 def _signature(inputs) -> tuple:
     leaves, spec = tree_flatten(inputs)
-    return repr(spec), tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in leaves)
+    return repr(spec), tuple(
+        (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in leaves
+    )
 
 
 class _Graph:
@@ -89,7 +91,9 @@ class _Compiled:
 
     def __call__(self, inputs: tuple):
         outputs = self.fn(*inputs)
-        return _copy(outputs) if self.cuda else outputs  # reduce-overhead's outputs are overwritten by its next replay
+        return (
+            _copy(outputs) if self.cuda else outputs
+        )  # reduce-overhead's outputs are overwritten by its next replay
 
 
 class Capture:
@@ -98,7 +102,9 @@ class Capture:
 
     def __init__(self, mode: str = "none"):
         if mode not in CAPTURE_MODES[1:]:
-            raise ValueError(f"capture mode must be one of {CAPTURE_MODES[1:]} (auto is resolved first), got {mode!r}")
+            raise ValueError(
+                f"capture mode must be one of {CAPTURE_MODES[1:]} (auto is resolved first), got {mode!r}"
+            )
         self.mode = mode
         self.recordings: dict[tuple, Callable] = {}
         self.failed: str | None = None  # why the computation runs eagerly after all
@@ -122,7 +128,9 @@ class Capture:
             if len(self.recordings) >= MAX_RECORDINGS:
                 if not self.said_full:
                     self.said_full = True
-                    log.warning(f"federation.capture: {MAX_RECORDINGS} layouts recorded; further layouts run eagerly")
+                    log.warning(
+                        f"federation.capture: {MAX_RECORDINGS} layouts recorded; further layouts run eagerly"
+                    )
                 return fn(*inputs)
             try:
                 recording = (_Graph if self.mode == "graph" else _Compiled)(fn, inputs)
@@ -130,8 +138,10 @@ class Capture:
                 raise
             except Exception as exc:  # noqa: BLE001 — anything the recorder refuses: eager from now on, said once
                 self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
-                log.warning(f"federation.capture={self.mode}: the computation could not be recorded ({self.failed}); "
-                            "it runs eagerly (vmapped) instead")
+                log.warning(
+                    f"federation.capture={self.mode}: the computation could not be recorded ({self.failed}); "
+                    "it runs eagerly (vmapped) instead"
+                )
                 return fn(*inputs)
             self.recordings[signature] = recording
         return recording(inputs)

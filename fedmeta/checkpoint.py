@@ -22,8 +22,17 @@ from fedmeta.algorithms import Algorithm
 from fedmeta.errors import FedmetaError
 
 # Settings a run may change when it resumes: how long, how often, how fast — not what it computes.
-RESUMABLE = {"federation": {"rounds", "eval_every", "checkpoint_every", "client_threads", "vectorize", "vectorize_lanes",
-                              "capture"}}
+RESUMABLE = {
+    "federation": {
+        "rounds",
+        "eval_every",
+        "checkpoint_every",
+        "client_threads",
+        "vectorize",
+        "vectorize_lanes",
+        "capture",
+    }
+}
 IDENTITY = ("seed", "dataset", "partition", "method", "variant", "model", "federation", "personalization")
 
 
@@ -39,9 +48,13 @@ def identity(cfg: DictConfig) -> dict:
 
 def _rng_states() -> dict:
     numpy_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
-            "numpy_rest": [int(numpy_state[2]), int(numpy_state[3]), float(numpy_state[4])],
-            "python": random.getstate(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
+        "numpy_rest": [int(numpy_state[2]), int(numpy_state[3]), float(numpy_state[4])],
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def _set_rng_states(states: dict) -> None:
@@ -54,11 +67,18 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def save(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig, round_: int, history: dict) -> None:
+def save(
+    fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig, round_: int, history: dict
+) -> None:
     """Write the checkpoint of the state after ``round_`` (all ranks call this; rank 0 writes)."""
-    state = {"round": round_, "identity": identity(cfg), "precision": str(cfg.fabric.precision),
-             "federation": algorithm.federation_state(),
-             "rng": _rng_states(), "history": history}
+    state = {
+        "round": round_,
+        "identity": identity(cfg),
+        "precision": str(cfg.fabric.precision),
+        "federation": algorithm.federation_state(),
+        "rng": _rng_states(),
+        "history": history,
+    }
     tmp = path.with_name(path.name + ".tmp")
     fabric.save(tmp, state)
     if fabric.is_global_zero:
@@ -72,19 +92,29 @@ def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> d
         state = fabric.load(path, weights_only=True)  # explicit: a crafted checkpoint must not run code
         saved_identity, round_ = state["identity"], int(state["round"])
     except Exception as exc:
-        raise FedmetaError(f"{path} cannot be read ({type(exc).__name__}): it is corrupt or not a fedmeta checkpoint; "
-                           "start over with output.overwrite=true") from None
+        raise FedmetaError(
+            f"{path} cannot be read ({type(exc).__name__}): it is corrupt or not a fedmeta checkpoint; "
+            "start over with output.overwrite=true"
+        ) from None
     check_identity(path, saved_identity, cfg)
     saved_precision = state.get("precision")  # absent in checkpoints written before it was recorded
-    if saved_precision is not None and saved_precision != str(cfg.fabric.precision) and not cfg.output.change_precision:
-        raise FedmetaError(f"{path} was trained in fabric.precision={saved_precision}, this run asks for "
-                           f"{cfg.fabric.precision}: resume in {saved_precision}, or allow it with output.change_precision=true")
+    if (
+        saved_precision is not None
+        and saved_precision != str(cfg.fabric.precision)
+        and not cfg.output.change_precision
+    ):
+        raise FedmetaError(
+            f"{path} was trained in fabric.precision={saved_precision}, this run asks for "
+            f"{cfg.fabric.precision}: resume in {saved_precision}, or allow it with output.change_precision=true"
+        )
     if round_ > cfg.federation.rounds:
         raise FedmetaError(f"{path} is at round {round_}, beyond federation.rounds={cfg.federation.rounds}")
     try:
         algorithm.load_federation_state(state["federation"])
     except Exception as exc:
-        raise FedmetaError(f"{path} does not fit this model ({type(exc).__name__}): start over with output.overwrite=true") from None
+        raise FedmetaError(
+            f"{path} does not fit this model ({type(exc).__name__}): start over with output.overwrite=true"
+        ) from None
     _set_rng_states(state["rng"])
     return state
 
@@ -93,14 +123,19 @@ def check_identity(path: Path, saved: dict, cfg: DictConfig, ignore: tuple[str, 
     """The checkpoint at ``path`` was written by a run of ``cfg``'s experiment (``ignore``: keys that may differ)."""
     different = [d for d in _differences(saved, identity(cfg)) if not d.startswith(ignore)]
     if different:
-        raise FedmetaError(f"{path} belongs to another experiment ({'; '.join(different[:3])}): use the "
-                           "settings it was written with, or start over with output.overwrite=true")
+        raise FedmetaError(
+            f"{path} belongs to another experiment ({'; '.join(different[:3])}): use the "
+            "settings it was written with, or start over with output.overwrite=true"
+        )
 
 
 def _differences(saved, ours, prefix: str = "") -> list[str]:
     if isinstance(saved, dict) and isinstance(ours, dict):
-        return [d for key in sorted(set(saved) | set(ours))
-                for d in _differences(saved.get(key), ours.get(key), f"{prefix}{key}.")]
+        return [
+            d
+            for key in sorted(set(saved) | set(ours))
+            for d in _differences(saved.get(key), ours.get(key), f"{prefix}{key}.")
+        ]
     return [] if saved == ours else [f"{prefix[:-1]}: {saved!r} there, {ours!r} here"]
 
 
@@ -109,7 +144,7 @@ def _base_net(model: dict) -> dict:
     IFCA's first model (``nets.0.``; the authors' IFCA holds one model under k names)."""
     for prefix in ("nets.0.", "base."):
         if any(key.startswith(prefix) for key in model):
-            return {key[len(prefix):]: value for key, value in model.items() if key.startswith(prefix)}
+            return {key[len(prefix) :]: value for key, value in model.items() if key.startswith(prefix)}
     return model
 
 
@@ -122,25 +157,41 @@ def warm_start(algorithm: Algorithm, cfg: DictConfig) -> dict | None:
     source = Path(str(cfg.model.init_from).replace("{seed}", str(cfg.seed)))
     path = source / "checkpoint.ckpt"
     if not (source / "summary.json").is_file() or not path.is_file():
-        raise FedmetaError(f"model.init_from={source}: not a finished run's folder (summary.json and checkpoint.ckpt): "
-                           "give the run folder of a finished run, e.g. runs/rmnist-shards/fedavg/seed0")
+        raise FedmetaError(
+            f"model.init_from={source}: not a finished run's folder (summary.json and checkpoint.ckpt): "
+            "give the run folder of a finished run, e.g. runs/rmnist-shards/fedavg/seed0"
+        )
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         model, summary = saved["federation"]["model"], json.loads((source / "summary.json").read_text())
     except Exception as exc:  # noqa: BLE001 — whatever a corrupt file raises
-        raise FedmetaError(f"model.init_from: {path} cannot be read ({type(exc).__name__}): it is corrupt or not a "
-                           "fedmeta checkpoint") from None
+        raise FedmetaError(
+            f"model.init_from: {path} cannot be read ({type(exc).__name__}): it is corrupt or not a "
+            "fedmeta checkpoint"
+        ) from None
     base, target = _base_net(model), algorithm.model.state_dict()
-    prefixes = sorted({key[:key.index(".", 5) + 1] for key in target if key.startswith("nets.")}) or \
-        (["base."] if any(key.startswith("base.") for key in target) else [""])
+    prefixes = sorted({key[: key.index(".", 5) + 1] for key in target if key.startswith("nets.")}) or (
+        ["base."] if any(key.startswith("base.") for key in target) else [""]
+    )
     for prefix in prefixes:
-        ours = {key[len(prefix):]: value for key, value in target.items() if key.startswith(prefix)}
-        differs = [key for key in ours.keys() | base.keys() if key not in ours or key not in base
-                   or ours[key].shape != base[key].shape]
+        ours = {key[len(prefix) :]: value for key, value in target.items() if key.startswith(prefix)}
+        differs = [
+            key
+            for key in ours.keys() | base.keys()
+            if key not in ours or key not in base or ours[key].shape != base[key].shape
+        ]
         if differs:
-            raise FedmetaError(f"model.init_from={source}: its model does not fit this one (first difference: "
-                               f"{sorted(differs)[0]}): start from a run of the same data set and model.* settings")
+            raise FedmetaError(
+                f"model.init_from={source}: its model does not fit this one (first difference: "
+                f"{sorted(differs)[0]}): start from a run of the same data set and model.* settings"
+            )
         target.update({prefix + key: value.to(target[prefix + key].dtype) for key, value in base.items()})
     algorithm.model.load_state_dict(target)
-    return {"run": str(source), "method": summary.get("method"), "variant": summary.get("variant"),
-            "rounds": summary.get("rounds"), "accuracy": summary.get("accuracy"), "init_from": summary.get("init_from")}
+    return {
+        "run": str(source),
+        "method": summary.get("method"),
+        "variant": summary.get("variant"),
+        "rounds": summary.get("rounds"),
+        "accuracy": summary.get("accuracy"),
+        "init_from": summary.get("init_from"),
+    }

@@ -25,9 +25,13 @@ class Names(argparse.Action):
         names = [n for v in values if "=" not in v for n in v.split(",") if n]
         moved = [v for v in values if "=" in v]
         if moved and values.index(moved[0]) < len(values) - len(moved):
-            parser.error(f"{option_string}: put key=value overrides after the names, not among them: {' '.join(values)}")
+            parser.error(
+                f"{option_string}: put key=value overrides after the names, not among them: {' '.join(values)}"
+            )
         if not names:
-            parser.error(f"{option_string} needs at least one name before any key=value, e.g. {option_string} {self.metavar or 'a b'}")
+            parser.error(
+                f"{option_string} needs at least one name before any key=value, e.g. {option_string} {self.metavar or 'a b'}"
+            )
         if self.type_of is int:
             bad = [n for n in names if not n.lstrip("-").isdigit()]
             if bad:
@@ -48,100 +52,228 @@ def build_parser() -> Parser:
     commands = parser.add_subparsers(dest="command", required=True)
     from fedmeta.config import catalog
 
-    train_cmd = commands.add_parser("train", help="run one experiment", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                    description=(
-        "Run one experiment. Overrides are key=value: dataset=, partition=, method=, variant= pick config\n"
-        "files in configs/; any other key (e.g. federation.rounds=100 fabric.devices=2) sets that value."),
-                                    epilog=catalog())
+    train_cmd = commands.add_parser(
+        "train",
+        help="run one experiment",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run one experiment. Overrides are key=value: dataset=, partition=, method=, variant= pick config\n"
+            "files in configs/; any other key (e.g. federation.rounds=100 fabric.devices=2) sets that value."
+        ),
+        epilog=catalog(),
+    )
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    data_cmd = commands.add_parser("data", help="inspect data sets").add_subparsers(dest="data_command", required=True)
-    describe_cmd = data_cmd.add_parser("describe", help="client statistics and class histograms of a partition")
+    data_cmd = commands.add_parser("data", help="inspect data sets").add_subparsers(
+        dest="data_command", required=True
+    )
+    describe_cmd = data_cmd.add_parser(
+        "describe", help="client statistics and class histograms of a partition"
+    )
     describe_cmd.add_argument("dataset")
     describe_cmd.add_argument("partition", nargs="?", help="default: the data set's own")
     describe_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     download_cmd = data_cmd.add_parser("download", help="fetch a data set from its publisher and convert it")
-    download_cmd.add_argument("name", help="mnist, cifar10, cifar100, omniglot, gtsrb32, dtd32, femnist; through learn2learn: "
-                              "fgvc_aircraft32, cu_birds32, vgg_flowers32, cifar_fs32, mini_imagenet32")
+    download_cmd.add_argument(
+        "name",
+        help="mnist, cifar10, cifar100, omniglot, gtsrb32, dtd32, femnist; through learn2learn: "
+        "fgvc_aircraft32, cu_birds32, vgg_flowers32, cifar_fs32, mini_imagenet32",
+    )
     download_cmd.add_argument("--dir", help="where <name>.npz goes (default: $FEDMETA_DATA, else ./data)")
-    download_cmd.add_argument("--mirror", help="base URL that serves the publisher's files under their own names")
+    download_cmd.add_argument(
+        "--mirror", help="base URL that serves the publisher's files under their own names"
+    )
     download_cmd.add_argument("--no-verify", action="store_true", help="skip the publisher's MD5 check")
-    evaluate_cmd = commands.add_parser("evaluate", help="re-run test-time personalization on a finished run", description=(
-        "Personalize the new clients of a finished run again from its final model, with other personalization.* "
-        "settings (e.g. personalization.lr=0.05); appended to the run's evaluations.jsonl."))
+    evaluate_cmd = commands.add_parser(
+        "evaluate",
+        help="re-run test-time personalization on a finished run",
+        description=(
+            "Personalize the new clients of a finished run again from its final model, with other personalization.* "
+            "settings (e.g. personalization.lr=0.05); appended to the run's evaluations.jsonl."
+        ),
+    )
     evaluate_cmd.add_argument("run_dir")
-    evaluate_cmd.add_argument("overrides", nargs="*", metavar="personalization.key=value",
-                              help="also method.test_head_steps (FedRep) and method.lam (Ditto): read only by new clients")
-    evaluate_cmd.add_argument("--unfinished", action="store_true", help="evaluate the last checkpoint of an unfinished run")
+    evaluate_cmd.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="personalization.key=value",
+        help="also method.test_head_steps (FedRep) and method.lam (Ditto): read only by new clients",
+    )
+    evaluate_cmd.add_argument(
+        "--unfinished", action="store_true", help="evaluate the last checkpoint of an unfinished run"
+    )
     grid_args = Parser(add_help=False)
     grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")
-    grid_args.add_argument("--datasets", nargs="+", action=Names, metavar="NAME",
-                           help="only these data sets (cifar10) or settings (cifar10-shards); spaces or commas")
+    grid_args.add_argument(
+        "--datasets",
+        nargs="+",
+        action=Names,
+        metavar="NAME",
+        help="only these data sets (cifar10) or settings (cifar10-shards); spaces or commas",
+    )
     grid_args.add_argument("--methods", nargs="+", action=Names, metavar="NAME", help="default: the preset's")
     grid_args.add_argument("--seeds", nargs="+", action=Seeds, metavar="SEED", help="default: the preset's")
-    grid_args.add_argument("--parallel", type=int, help="processes at once (default: all of them on a GPU, whose card "
-                           "they share; 1 on a CPU, where one per core is the most that helps)")
-    grid_args.add_argument("--executor", default="pool", help="pool: processes on this machine | slurm: an array job "
-                           "through submitit | local: submitit's local executor (the SLURM jobs, run here)")
-    grid_args.add_argument("--slurm", action="append", default=[], metavar="key=value[,key=value…]",
-                           help="submitit parameters for the jobs, e.g. --slurm partition=gpu,gpus_per_node=1,timeout_min=600")
-    grid_args.add_argument("overrides", nargs="*", metavar="key=value", help="for every run, e.g. fabric.accelerator=cuda")
-    table_cmd = commands.add_parser("table", parents=[grid_args], help="run the paper's table grid, write results/TABLES.md")
-    table_cmd.add_argument("--no-run", action="store_true", help="only write the table from the finished runs")
-    table_cmd.add_argument("--budget", type=float, metavar="SECONDS", help="start only the processes estimated (from "
-                           "--estimate) to finish in this time: a GPU lease's share of the table")
-    table_cmd.add_argument("--estimate", metavar="BENCH_JSON", help="fedmeta bench's results on this machine, for --budget")
+    grid_args.add_argument(
+        "--parallel",
+        type=int,
+        help="processes at once (default: all of them on a GPU, whose card "
+        "they share; 1 on a CPU, where one per core is the most that helps)",
+    )
+    grid_args.add_argument(
+        "--executor",
+        default="pool",
+        help="pool: processes on this machine | slurm: an array job "
+        "through submitit | local: submitit's local executor (the SLURM jobs, run here)",
+    )
+    grid_args.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="key=value[,key=value…]",
+        help="submitit parameters for the jobs, e.g. --slurm partition=gpu,gpus_per_node=1,timeout_min=600",
+    )
+    grid_args.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="for every run, e.g. fabric.accelerator=cuda"
+    )
+    table_cmd = commands.add_parser(
+        "table", parents=[grid_args], help="run the paper's table grid, write results/TABLES.md"
+    )
+    table_cmd.add_argument(
+        "--no-run", action="store_true", help="only write the table from the finished runs"
+    )
+    table_cmd.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="start only the processes estimated (from "
+        "--estimate) to finish in this time: a GPU lease's share of the table",
+    )
+    table_cmd.add_argument(
+        "--estimate", metavar="BENCH_JSON", help="fedmeta bench's results on this machine, for --budget"
+    )
     table_cmd.add_argument("--out", default="results/TABLES.md")
-    figures_cmd = commands.add_parser("figures", parents=[grid_args], help="draw the paper's figures into results/")
-    figures_cmd.add_argument("--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)")
+    figures_cmd = commands.add_parser(
+        "figures", parents=[grid_args], help="draw the paper's figures into results/"
+    )
+    figures_cmd.add_argument(
+        "--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)"
+    )
     figures_cmd.add_argument("--out-dir", default="results")
-    sweep_cmd = commands.add_parser("sweep", help="run every combination of key=a,b,c values (skips finished runs)",
-                                    description="Run every combination of the comma-separated values, e.g. "
-                                    "fedmeta sweep method=cafeme,fedavg_ft method.inner_lr=0.01,0.05 seed=0,1 --parallel 2. "
-                                    "Finished runs are skipped, unfinished ones resumed; a table of the points is printed "
-                                    "and written to <root>/sweep.md.")
+    sweep_cmd = commands.add_parser(
+        "sweep",
+        help="run every combination of key=a,b,c values (skips finished runs)",
+        description="Run every combination of the comma-separated values, e.g. "
+        "fedmeta sweep method=cafeme,fedavg_ft method.inner_lr=0.01,0.05 seed=0,1 --parallel 2. "
+        "Finished runs are skipped, unfinished ones resumed; a table of the points is printed "
+        "and written to <root>/sweep.md.",
+    )
     sweep_cmd.add_argument("values", nargs="+", metavar="key=a,b,...")
     sweep_cmd.add_argument("--root", default="runs/sweep", help="where the runs go (default runs/sweep)")
     for action in grid_args._actions:
         if action.dest in ("parallel", "executor", "slurm"):
             sweep_cmd._add_action(action)
-    flower_cmd = commands.add_parser("flower", help="run on Flower: simulated SuperNodes, or real ones on this machine "
-                                     "(pip install -e '.[flower]')").add_subparsers(dest="flower_command", required=True)
-    for name, text in (("sim", "Flower's Simulation Engine (Ray): the run's clients on simulated SuperNodes"),
-                       ("deploy", "a SuperLink and SuperNodes as processes on this machine (loopback, insecure), "
-                                  "the run submitted with flwr run; --print shows the commands to start by hand")):
-        flower_sub = flower_cmd.add_parser(name, help=text, description=text + ". Same overrides and run folder as fedmeta train.")
+    flower_cmd = commands.add_parser(
+        "flower",
+        help="run on Flower: simulated SuperNodes, or real ones on this machine (pip install -e '.[flower]')",
+    ).add_subparsers(dest="flower_command", required=True)
+    for name, text in (
+        ("sim", "Flower's Simulation Engine (Ray): the run's clients on simulated SuperNodes"),
+        (
+            "deploy",
+            "a SuperLink and SuperNodes as processes on this machine (loopback, insecure), "
+            "the run submitted with flwr run; --print shows the commands to start by hand",
+        ),
+    ):
+        flower_sub = flower_cmd.add_parser(
+            name, help=text, description=text + ". Same overrides and run folder as fedmeta train."
+        )
         flower_sub.add_argument("overrides", nargs="*", metavar="key=value")
-        flower_sub.add_argument("--nodes", type=int, default=4, help="SuperNodes; node p holds the clients with id ≡ p (mod nodes)")
-        flower_sub.add_argument("--timeout", type=float, default=120, help="seconds a node may take per client (a round waits that times the most clients on one node)")
-        flower_sub.add_argument("--dp", nargs=4, type=float, metavar=("CLIP", "SENSITIVITY", "EPSILON", "DELTA"),
-                                help="local differential privacy (Flower's LocalDpMod): each update clipped to L2 norm CLIP, "
-                                     "Gaussian noise for (EPSILON, DELTA) at SENSITIVITY (e.g. 2×CLIP) added on the node")
+        flower_sub.add_argument(
+            "--nodes",
+            type=int,
+            default=4,
+            help="SuperNodes; node p holds the clients with id ≡ p (mod nodes)",
+        )
+        flower_sub.add_argument(
+            "--timeout",
+            type=float,
+            default=120,
+            help="seconds a node may take per client (a round waits that times the most clients on one node)",
+        )
+        flower_sub.add_argument(
+            "--dp",
+            nargs=4,
+            type=float,
+            metavar=("CLIP", "SENSITIVITY", "EPSILON", "DELTA"),
+            help="local differential privacy (Flower's LocalDpMod): each update clipped to L2 norm CLIP, "
+            "Gaussian noise for (EPSILON, DELTA) at SENSITIVITY (e.g. 2×CLIP) added on the node",
+        )
         if name == "deploy":
-            flower_sub.add_argument("--port", type=int, default=9091, help="the SuperLink's port (SuperNodes use the next ones)")
-            flower_sub.add_argument("--folder", default="runs/flower", help="logs and Flower's files (FLWR_HOME)")
-            flower_sub.add_argument("--max-seconds", type=float, default=24 * 3600, help="stop the deployment after this long")
+            flower_sub.add_argument(
+                "--port", type=int, default=9091, help="the SuperLink's port (SuperNodes use the next ones)"
+            )
+            flower_sub.add_argument(
+                "--folder", default="runs/flower", help="logs and Flower's files (FLWR_HOME)"
+            )
+            flower_sub.add_argument(
+                "--max-seconds", type=float, default=24 * 3600, help="stop the deployment after this long"
+            )
             flower_sub.add_argument("--print", action="store_true", help="print the commands, start nothing")
-    bench_cmd = commands.add_parser("bench", help="time, FLOP-count and memory-profile every method's round (configs/bench.yaml)")
-    bench_cmd.add_argument("--datasets", nargs="+", action=Names, metavar="NAME", help="default: the bench config's (rmnist cifar10)")
+    bench_cmd = commands.add_parser(
+        "bench", help="time, FLOP-count and memory-profile every method's round (configs/bench.yaml)"
+    )
+    bench_cmd.add_argument(
+        "--datasets",
+        nargs="+",
+        action=Names,
+        metavar="NAME",
+        help="default: the bench config's (rmnist cifar10)",
+    )
     bench_cmd.add_argument("--methods", nargs="+", action=Names, metavar="NAME", help="default: every method")
-    bench_cmd.add_argument("--no-memory", action="store_true", help="skip the 100/1,000/10,000-client memory rows")
-    bench_cmd.add_argument("--profile", action="store_true", help="also list each row's most expensive operators (torch.profiler)")
-    bench_cmd.add_argument("--project", metavar="PRESET", help="also print the projected wall time of make table PRESET=…")
+    bench_cmd.add_argument(
+        "--no-memory", action="store_true", help="skip the 100/1,000/10,000-client memory rows"
+    )
+    bench_cmd.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list each row's most expensive operators (torch.profiler)",
+    )
+    bench_cmd.add_argument(
+        "--project", metavar="PRESET", help="also print the projected wall time of make table PRESET=…"
+    )
     bench_cmd.add_argument("--out", default="results/bench.json")
-    bench_cmd.add_argument("--config", help="the rows to run (default: configs/bench.yaml; the GPU check's: configs/bench_gpu.yaml)")
-    bench_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda")
-    tune_cmd = commands.add_parser("tune", help="tune a method's settings with Optuna, write configs/variant/<method>/tuned.yaml",
-                                   description="An Optuna study (TPE, median pruning) over the method's search space in "
-                                   "configs/tune.yaml, on a seed no preset scores. Interrupted or re-run, it continues the study.")
+    bench_cmd.add_argument(
+        "--config",
+        help="the rows to run (default: configs/bench.yaml; the GPU check's: configs/bench_gpu.yaml)",
+    )
+    bench_cmd.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda"
+    )
+    tune_cmd = commands.add_parser(
+        "tune",
+        help="tune a method's settings with Optuna, write configs/variant/<method>/tuned.yaml",
+        description="An Optuna study (TPE, median pruning) over the method's search space in "
+        "configs/tune.yaml, on a seed no preset scores. Interrupted or re-run, it continues the study.",
+    )
     tune_cmd.add_argument("method")
-    tune_cmd.add_argument("--trials", type=int, help="finished trials the study should hold (default: configs/tune.yaml)")
+    tune_cmd.add_argument(
+        "--trials", type=int, help="finished trials the study should hold (default: configs/tune.yaml)"
+    )
     tune_cmd.add_argument("--rounds", type=int, help="rounds per trial (default: configs/tune.yaml)")
-    tune_cmd.add_argument("--seed", type=int, help="the tuning seed (default: configs/tune.yaml); not one a preset scores")
-    tune_cmd.add_argument("--storage", help="database URL of the study (default: sqlite under runs/tune/); "
-                          "one URL shared by several machines runs one study")
-    tune_cmd.add_argument("--overwrite", action="store_true", help="replace a tuned.yaml that was written by hand")
-    tune_cmd.add_argument("overrides", nargs="*", metavar="key=value", help="for every trial, e.g. partition=dirichlet")
+    tune_cmd.add_argument(
+        "--seed", type=int, help="the tuning seed (default: configs/tune.yaml); not one a preset scores"
+    )
+    tune_cmd.add_argument(
+        "--storage",
+        help="database URL of the study (default: sqlite under runs/tune/); "
+        "one URL shared by several machines runs one study",
+    )
+    tune_cmd.add_argument(
+        "--overwrite", action="store_true", help="replace a tuned.yaml that was written by hand"
+    )
+    tune_cmd.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="for every trial, e.g. partition=dirichlet"
+    )
     return parser
 
 
@@ -183,16 +315,27 @@ def main(argv: list[str] | None = None) -> int:
 
             record = evaluate_run(Path(args.run_dir), args.overrides, args.unfinished)
             print(json.dumps(record["personalization"]))
-            print(f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
-                  f"(step 0: {100 * record['curve'][0]:.2f} %)")
+            print(
+                f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
+                f"(step 0: {100 * record['curve'][0]:.2f} %)"
+            )
             return 0
         if args.command == "tune":
             from fedmeta.tune import Study
 
-            result = Study(args.method, args.overrides, args.trials, args.rounds, args.seed, args.storage,
-                           overwrite=args.overwrite).run()
-            print(f"study {result['study']}: best new-client accuracy {100 * result['best_accuracy']:.2f} % with "
-                  f"{result['best']}; wrote {result['tuned']}")
+            result = Study(
+                args.method,
+                args.overrides,
+                args.trials,
+                args.rounds,
+                args.seed,
+                args.storage,
+                overwrite=args.overwrite,
+            ).run()
+            print(
+                f"study {result['study']}: best new-client accuracy {100 * result['best_accuracy']:.2f} % with "
+                f"{result['best']}; wrote {result['tuned']}"
+            )
             return 0
         if args.command == "flower":
             return _flower_command(args)
@@ -202,8 +345,16 @@ def main(argv: list[str] | None = None) -> int:
             from fedmeta import bench
 
             config = Path(args.config) if args.config else bench.CONFIG_DIR / "bench.yaml"
-            bench.run(args.datasets, args.methods, args.overrides, not args.no_memory, Path(args.out), config,
-                      profile=args.profile, projection=args.project)
+            bench.run(
+                args.datasets,
+                args.methods,
+                args.overrides,
+                not args.no_memory,
+                Path(args.out),
+                config,
+                profile=args.profile,
+                projection=args.project,
+            )
             return 0
         if args.command in ("table", "figures", "sweep") and args.parallel is not None and args.parallel < 1:
             raise FedmetaError(f"--parallel must be ≥ 1 (runs at once), got {args.parallel}")
@@ -239,31 +390,51 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as exc:  # a read-only output root, a full disk, a folder in the way: name the path
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"fedmeta: error: {where}{exc.strerror or exc}: check the path and its permissions or free space", file=sys.stderr)
+        print(
+            f"fedmeta: error: {where}{exc.strerror or exc}: check the path and its permissions or free space",
+            file=sys.stderr,
+        )
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: the run's lock is released and its last checkpoint kept on the way out
-        hint = " resume with the same command and output.resume=true (make train RESUME=1)" if args.command == "train" else \
-            " run the same command again: finished work is kept"
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C: the run's lock is released and its last checkpoint kept on the way out
+        hint = (
+            " resume with the same command and output.resume=true (make train RESUME=1)"
+            if args.command == "train"
+            else " run the same command again: finished work is kept"
+        )
         print(f"\nfedmeta: interrupted;{hint}", file=sys.stderr)
         return 130
     for one in summary if isinstance(summary, list) else [summary]:  # stacked seeds: one summary each
-        print(json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")}))
-        print(f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
-              f"{100 * one['accuracy']:.2f} ± {100 * one['accuracy_std']:.2f} % "
-              f"(step 0: {100 * one['curve'][0]:.2f} %), "
-              + (f"{one['seconds_per_round']:.3f} s/round" if one["seconds_per_round"] is not None else "no rounds trained")
-              + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else ""))
+        print(
+            json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")})
+        )
+        print(
+            f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
+            f"{100 * one['accuracy']:.2f} ± {100 * one['accuracy_std']:.2f} % "
+            f"(step 0: {100 * one['curve'][0]:.2f} %), "
+            + (
+                f"{one['seconds_per_round']:.3f} s/round"
+                if one["seconds_per_round"] is not None
+                else "no rounds trained"
+            )
+            + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else "")
+        )
     return 0
 
 
 def _bench_rows(path) -> list[dict]:
     try:
         rows = json.loads(path.read_text())["rows"]
-        if not isinstance(rows, list) or not all(isinstance(r, dict) and "seconds_per_round" in r for r in rows):
+        if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and "seconds_per_round" in r for r in rows
+        ):
             raise ValueError("rows are not bench rows")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FedmetaError(f"--estimate {path}: not a fedmeta bench result ({type(exc).__name__}): "
-                           "give the bench.json that fedmeta bench wrote on this machine") from None
+        raise FedmetaError(
+            f"--estimate {path}: not a fedmeta bench result ({type(exc).__name__}): "
+            "give the bench.json that fedmeta bench wrote on this machine"
+        ) from None
     return rows
 
 
@@ -282,14 +453,23 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
     budget = None
     if args.command == "table" and (args.budget is not None) != (args.estimate is not None):
-        raise FedmetaError("--budget SECONDS and --estimate BENCH_JSON go together (fedmeta bench writes the estimate), "
-                           "e.g. --budget 480 --estimate results/gpu/bench.json")
+        raise FedmetaError(
+            "--budget SECONDS and --estimate BENCH_JSON go together (fedmeta bench writes the estimate), "
+            "e.g. --budget 480 --estimate results/gpu/bench.json"
+        )
     if args.command == "table" and args.budget is not None:
         budget = (args.budget, _bench_rows(Path(args.estimate)))
     if should_run:
         jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
-        failures = grid.run(jobs, root, grid.default_parallel() if args.parallel is None else args.parallel, kept,
-                            args.executor, args.slurm, budget)
+        failures = grid.run(
+            jobs,
+            root,
+            grid.default_parallel() if args.parallel is None else args.parallel,
+            kept,
+            args.executor,
+            args.slurm,
+            budget,
+        )
         for line in failures:
             print(f"fedmeta: failed run: {line}", file=sys.stderr)
     report.archive(root, kept)
@@ -314,8 +494,10 @@ def _flower_command(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.timeout <= 0:
         raise FedmetaError(f"--nodes must be ≥ 1 and --timeout > 0, got {args.nodes} and {args.timeout}")
     if args.flower_command == "deploy" and not 1024 <= args.port <= 65535 - 3 - args.nodes:
-        raise FedmetaError(f"--port must leave room for the SuperLink's and {args.nodes} SuperNodes' ports in "
-                           f"1024..65535, got {args.port}; e.g. --port 9091")
+        raise FedmetaError(
+            f"--port must leave room for the SuperLink's and {args.nodes} SuperNodes' ports in "
+            f"1024..65535, got {args.port}; e.g. --port 9091"
+        )
     compose(args.overrides)  # bad overrides are refused before anything starts
     try:
         from fedmeta import flower
@@ -325,7 +507,9 @@ def _flower_command(args: argparse.Namespace) -> int:
     if args.dp:
         clip, sensitivity, epsilon, delta = args.dp
         if clip <= 0 or sensitivity < 0 or epsilon <= 0 or not 0 < delta < 1:
-            raise FedmetaError(f"--dp needs CLIP > 0, SENSITIVITY ≥ 0, EPSILON > 0 and 0 < DELTA < 1, got {args.dp}")
+            raise FedmetaError(
+                f"--dp needs CLIP > 0, SENSITIVITY ≥ 0, EPSILON > 0 and 0 < DELTA < 1, got {args.dp}"
+            )
         dp = dict(zip(flower.DP_KEYS, args.dp))
     if args.flower_command == "sim":
         flower.simulate(args.overrides, args.nodes, args.timeout, dp)
@@ -335,10 +519,14 @@ def _flower_command(args: argparse.Namespace) -> int:
         for command in deployment.commands():
             print(shlex.join(command))
         dp_config = "".join(f" {key}={value}" for key, value in (dp or {}).items())
-        print(f"flwr run <app folder> <connection> --run-config 'overrides=\"{' '.join(args.overrides)}\" "
-              f"timeout={args.timeout:g}{dp_config}'")
+        print(
+            f'flwr run <app folder> <connection> --run-config \'overrides="{" ".join(args.overrides)}" '
+            f"timeout={args.timeout:g}{dp_config}'"
+        )
         return 0
-    run_dir = flower.deploy(args.overrides, args.nodes, args.timeout, Path(args.folder), args.port, args.max_seconds, dp)
+    run_dir = flower.deploy(
+        args.overrides, args.nodes, args.timeout, Path(args.folder), args.port, args.max_seconds, dp
+    )
     print(f"finished: {run_dir / 'summary.json'}")
     return 0
 
@@ -350,7 +538,14 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
     root = Path(args.root)
     jobs = grid.sweep_plan(args.values, root)
-    failures = grid.run(jobs, root, grid.default_parallel() if args.parallel is None else args.parallel, None, args.executor, args.slurm)
+    failures = grid.run(
+        jobs,
+        root,
+        grid.default_parallel() if args.parallel is None else args.parallel,
+        None,
+        args.executor,
+        args.slurm,
+    )
     for line in failures:
         print(f"fedmeta: failed run: {line}", file=sys.stderr)
     table = grid.sweep_report(jobs)

@@ -20,14 +20,26 @@ from fedmeta.errors import FedmetaError
 
 # configs/ of a checkout (an editable install), else the copy an installed package carries
 _CHECKOUT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-CONFIG_DIR = _CHECKOUT_CONFIGS if (_CHECKOUT_CONFIGS / "config.yaml").is_file() else Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = (
+    _CHECKOUT_CONFIGS
+    if (_CHECKOUT_CONFIGS / "config.yaml").is_file()
+    else Path(__file__).resolve().parent / "configs"
+)
 # Where fedmeta tune writes tuned variants: the checkout's configs/, or (installed: never into
 # site-packages) $FEDMETA_CONFIG_HOME, else ~/.config/fedmeta — read after CONFIG_DIR.
-USER_CONFIG_DIR = CONFIG_DIR if CONFIG_DIR == _CHECKOUT_CONFIGS else \
-    Path(os.environ.get("FEDMETA_CONFIG_HOME") or Path.home() / ".config" / "fedmeta").expanduser()
+USER_CONFIG_DIR = (
+    CONFIG_DIR
+    if CONFIG_DIR == _CHECKOUT_CONFIGS
+    else Path(os.environ.get("FEDMETA_CONFIG_HOME") or Path.home() / ".config" / "fedmeta").expanduser()
+)
 GROUPS = ("dataset", "partition", "method", "variant")
-GROUP_WORDS = {"dataset": "data set", "partition": "partition", "method": "method", "variant": "variant",
-               "preset": "preset"}
+GROUP_WORDS = {
+    "dataset": "data set",
+    "partition": "partition",
+    "method": "method",
+    "variant": "variant",
+    "preset": "preset",
+}
 # Fabric's precisions: "-true" ones convert the model (fabric.setup_module) and the inputs, the
 # mixed ones enter autocast per forward pass (Algorithm.run_model).
 PRECISIONS = ("32-true", "32", "64-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
@@ -35,7 +47,9 @@ PRECISIONS = ("32-true", "32", "64-true", "bf16-true", "16-true", "bf16-mixed", 
 
 def _group_dirs(group: str, config_dir: Path) -> list[Path]:
     """Where a group's files are: ``config_dir``, and for the installed configs also the user's folder."""
-    return [config_dir / group] + ([USER_CONFIG_DIR / group] if config_dir == CONFIG_DIR != USER_CONFIG_DIR else [])
+    return [config_dir / group] + (
+        [USER_CONFIG_DIR / group] if config_dir == CONFIG_DIR != USER_CONFIG_DIR else []
+    )
 
 
 def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
@@ -53,9 +67,11 @@ def first_sentence(path: Path, width: int = 100) -> str:
             break
         lines.append(line.lstrip("# ").strip())
     text = " ".join(lines)
-    end = re.search(r"\.\s+(?=[A-Z])", text)  # a full stop before a capital: not "et al. 2021" or "i.i.d. split"
-    sentence = text[:end.start() + 1] if end else text
-    return sentence if len(sentence) <= width else sentence[:width - 1].rstrip() + "…"
+    end = re.search(
+        r"\.\s+(?=[A-Z])", text
+    )  # a full stop before a capital: not "et al. 2021" or "i.i.d. split"
+    sentence = text[: end.start() + 1] if end else text
+    return sentence if len(sentence) <= width else sentence[: width - 1].rstrip() + "…"
 
 
 def catalog(config_dir: Path = CONFIG_DIR) -> str:
@@ -68,7 +84,9 @@ def catalog(config_dir: Path = CONFIG_DIR) -> str:
     out.append("variant=  (paper: the method file as is, the default)")
     for method in group_choices("method", config_dir):
         for name in group_choices(f"variant/{method}", config_dir):
-            out.append(f"  {method + '/' + name:20s} {first_sentence(config_dir / 'variant' / method / f'{name}.yaml')}")
+            out.append(
+                f"  {method + '/' + name:20s} {first_sentence(config_dir / 'variant' / method / f'{name}.yaml')}"
+            )
     return "\n".join(out)
 
 
@@ -87,10 +105,21 @@ def load_mapping(path: Path, what: str) -> DictConfig:
 
 
 def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
-    plain = isinstance(name, str) and all(NAME.fullmatch(part) and ".." not in part for part in name.split("/"))
-    path = next((folder / f"{name}.yaml" for folder in _group_dirs(group, config_dir) if (folder / f"{name}.yaml").is_file()), None)
+    plain = isinstance(name, str) and all(
+        NAME.fullmatch(part) and ".." not in part for part in name.split("/")
+    )
+    path = next(
+        (
+            folder / f"{name}.yaml"
+            for folder in _group_dirs(group, config_dir)
+            if (folder / f"{name}.yaml").is_file()
+        ),
+        None,
+    )
     if not plain or path is None:
-        raise FedmetaError(f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}")
+        raise FedmetaError(
+            f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}"
+        )
     cfg = OmegaConf.load(path)
     parent = cfg.pop("inherits", None)
     return OmegaConf.merge(load_group(group, parent, config_dir), cfg) if parent else cfg
@@ -106,7 +135,10 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
     for override in overrides:
         key, value = override.split("=", 1)
         if key in GROUPS:
-            _require(bool(value), f"{key}= needs a name: choose one of {group_choices(key, config_dir) if key != 'variant' else 'paper, authors, …'}")
+            _require(
+                bool(value),
+                f"{key}= needs a name: choose one of {group_choices(key, config_dir) if key != 'variant' else 'paper, authors, …'}",
+            )
             choice[key] = value
         else:
             settings.append(override)
@@ -125,11 +157,15 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
             raise FedmetaError(f"method {name!r} has no variant {variant!r}: choose one of {available}")
         layers.append(load_group("variant", f"{name}/{variant}", config_dir))
     picked = {"dataset": dataset.dataset.name, "partition": partition.partition.name}
-    for layer in list(layers):  # ``when: {dataset=rmnist: {...}}``: settings for one data set or partition only
+    for layer in list(
+        layers
+    ):  # ``when: {dataset=rmnist: {...}}``: settings for one data set or partition only
         for condition, conditional in (layer.pop("when", None) or {}).items():
             group, _, name = condition.partition("=")
             if group not in picked:
-                raise FedmetaError(f"a config's when: takes dataset=<name> or partition=<name>, got {condition!r}")
+                raise FedmetaError(
+                    f"a config's when: takes dataset=<name> or partition=<name>, got {condition!r}"
+                )
             if picked[group] == name:
                 layers.append(conditional)
     cfg = OmegaConf.merge(*layers)
@@ -144,11 +180,16 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
     have its key's type — resolved and range-checked."""
     for override in settings:
         key, value = override.split("=", 1)
-        _require("${" not in value, f"{key}: interpolations (${{…}}) are not taken on the command line; write the value "
-                 f"itself, e.g. {key}={OmegaConf.select(cfg, key, default='…')}")
+        _require(
+            "${" not in value,
+            f"{key}: interpolations (${{…}}) are not taken on the command line; write the value "
+            f"itself, e.g. {key}={OmegaConf.select(cfg, key, default='…')}",
+        )
         if key in CHOSEN:
-            raise FedmetaError(f"{key} is set by {CHOSEN[key]}=<name>, not on its own: choose another {CHOSEN[key]} "
-                               "(fedmeta train --help lists them)")
+            raise FedmetaError(
+                f"{key} is set by {CHOSEN[key]}=<name>, not on its own: choose another {CHOSEN[key]} "
+                "(fedmeta train --help lists them)"
+            )
     try:
         cli = OmegaConf.from_dotlist(list(settings))
     except Exception as exc:  # OmegaConf's own errors, and YAML's for values such as "["
@@ -165,7 +206,9 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
-        raise FedmetaError(f"unknown or invalid config key {key!r}: see configs/ for the keys that exist") from None
+        raise FedmetaError(
+            f"unknown or invalid config key {key!r}: see configs/ for the keys that exist"
+        ) from None
     validate(cfg)
     return cfg
 
@@ -175,8 +218,13 @@ CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.cap
 BATCHES = ("independent", "stream", "stream_fixed")
 
 # keys where null means something, and an example of their other values (its type is theirs)
-NULLABLE = {"personalization.held_out_batch_size": 30, "method.clusters": 4, "seeds": [0, 1, 2], "output.setting": "my-setting",
-            "model.init_from": "runs/rmnist-shards/fedavg/seed{seed}"}
+NULLABLE = {
+    "personalization.held_out_batch_size": 30,
+    "method.clusters": 4,
+    "seeds": [0, 1, 2],
+    "output.setting": "my-setting",
+    "model.init_from": "runs/rmnist-shards/fedavg/seed{seed}",
+}
 OWN_CHECK = {"model.padding"}  # an integer or a word ("same"): validate() checks it
 # keys that say which config file was chosen: changing one alone would mislabel the run (or name a folder)
 CHOSEN = {"dataset.name": "dataset", "partition.name": "partition", "method.algorithm": "method"}
@@ -195,8 +243,10 @@ def _check_type(key: str, default, value) -> None:
         default = NULLABLE[key]
     _require(value is not None, f"{key} needs a value (got none): e.g. {key}={default}")
     if isinstance(default, str):
-        _require(not _is_list(value) and not OmegaConf.is_dict(value) and not isinstance(value, dict),
-                 f"{key} must be a single value, e.g. {key}={default or 'name'}; got {value!r}")
+        _require(
+            not _is_list(value) and not OmegaConf.is_dict(value) and not isinstance(value, dict),
+            f"{key} must be a single value, e.g. {key}={default or 'name'}; got {value!r}",
+        )
         return
     shown = f"{key} must be {{}}, got " + repr(value).replace("{", "{{").replace("}", "}}")
     if isinstance(default, bool):
@@ -204,8 +254,10 @@ def _check_type(key: str, default, value) -> None:
     elif isinstance(default, int):
         _require(isinstance(value, int) and not isinstance(value, bool), shown.format("an integer"))
     elif isinstance(default, float):
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                 shown.format("a finite number"))
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+            shown.format("a finite number"),
+        )
     elif _is_list(default):
         example = f"[{','.join(map(str, default))}]" if len(default) else "[]"
         _require(_is_list(value), shown.format(f"a list, e.g. {key}={example}"))
@@ -231,101 +283,197 @@ def validate(cfg: DictConfig) -> None:
     """Range checks that the YAML types cannot express; each failure is one line."""
     fed, pers = cfg.federation, cfg.personalization
     _require(fed.num_clients >= 2, f"federation.num_clients must be ≥ 2, got {fed.num_clients}")
-    _require(0 < fed.num_new_clients < fed.num_clients,
-             f"federation.num_new_clients must be between 1 and num_clients-1, got {fed.num_new_clients}")
+    _require(
+        0 < fed.num_new_clients < fed.num_clients,
+        f"federation.num_new_clients must be between 1 and num_clients-1, got {fed.num_new_clients}",
+    )
     train_clients = fed.num_clients - fed.num_new_clients
-    _require(1 <= fed.clients_per_round <= train_clients,
-             f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}")
-    _require(fed.rounds >= 1 or (fed.rounds == 0 and cfg.model.init_from),
-             f"federation.rounds must be ≥ 1 (0 only with model.init_from: the starting model evaluated), got {fed.rounds}")
+    _require(
+        1 <= fed.clients_per_round <= train_clients,
+        f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}",
+    )
+    _require(
+        fed.rounds >= 1 or (fed.rounds == 0 and cfg.model.init_from),
+        f"federation.rounds must be ≥ 1 (0 only with model.init_from: the starting model evaluated), got {fed.rounds}",
+    )
     _require(fed.eval_every >= 1, f"federation.eval_every must be ≥ 1, got {fed.eval_every}")
     _require(0 <= cfg.seed < 2**32, f"seed must be in [0, 2^32) (NumPy's seeds), got {cfg.seed}")
     if cfg.seeds is not None:
         seeds = list(cfg.seeds) if OmegaConf.is_list(cfg.seeds) else None
-        _require(bool(seeds) and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)
-                 and len(set(seeds)) == len(seeds),
-                 f"seeds must be a list of distinct integers in [0, 2^32), e.g. seeds=[0,1,2], got {cfg.seeds}")
-    _require(isinstance(fed.vectorize, bool) or fed.vectorize == "auto",
-             f"federation.vectorize must be true, false or auto, got {fed.vectorize!r}")
-    _require(fed.capture in CAPTURE_MODES, f"federation.capture must be one of {', '.join(CAPTURE_MODES)}, got {fed.capture!r}")
-    _require(fed.vectorize_lanes >= 0, f"federation.vectorize_lanes must be ≥ 0 (0: all clients at once), got {fed.vectorize_lanes}")
+        _require(
+            bool(seeds)
+            and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)
+            and len(set(seeds)) == len(seeds),
+            f"seeds must be a list of distinct integers in [0, 2^32), e.g. seeds=[0,1,2], got {cfg.seeds}",
+        )
+    _require(
+        isinstance(fed.vectorize, bool) or fed.vectorize == "auto",
+        f"federation.vectorize must be true, false or auto, got {fed.vectorize!r}",
+    )
+    _require(
+        fed.capture in CAPTURE_MODES,
+        f"federation.capture must be one of {', '.join(CAPTURE_MODES)}, got {fed.capture!r}",
+    )
+    _require(
+        fed.vectorize_lanes >= 0,
+        f"federation.vectorize_lanes must be ≥ 0 (0: all clients at once), got {fed.vectorize_lanes}",
+    )
     _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
-    _require(0 <= fed.client_failure_rate < 1, f"federation.client_failure_rate must be in [0, 1), got {fed.client_failure_rate}")
-    _require(fed.checkpoint_every >= 0, f"federation.checkpoint_every must be ≥ 0 (0: only at the end), got {fed.checkpoint_every}")
-    _require(0 < fed.held_out_fraction < 1, f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}")
-    _require(pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 2,
-             "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 2 (BatchNorm's batch statistics need 2 samples)")
-    _require(isinstance(pers.decay_every, int) and pers.decay_every >= 1,
-             f"personalization.decay_every must be an integer ≥ 1 (steps between decays), got {pers.decay_every!r}")
-    _require(pers.batches in BATCHES, f"personalization.batches must be one of {', '.join(BATCHES)}, got {pers.batches!r}")
-    _require(pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
-             f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}")
+    _require(
+        0 <= fed.client_failure_rate < 1,
+        f"federation.client_failure_rate must be in [0, 1), got {fed.client_failure_rate}",
+    )
+    _require(
+        fed.checkpoint_every >= 0,
+        f"federation.checkpoint_every must be ≥ 0 (0: only at the end), got {fed.checkpoint_every}",
+    )
+    _require(
+        0 < fed.held_out_fraction < 1,
+        f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}",
+    )
+    _require(
+        pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 2,
+        "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 2 (BatchNorm's batch statistics need 2 samples)",
+    )
+    _require(
+        isinstance(pers.decay_every, int) and pers.decay_every >= 1,
+        f"personalization.decay_every must be an integer ≥ 1 (steps between decays), got {pers.decay_every!r}",
+    )
+    _require(
+        pers.batches in BATCHES,
+        f"personalization.batches must be one of {', '.join(BATCHES)}, got {pers.batches!r}",
+    )
+    _require(
+        pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
+        f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}",
+    )
     if cfg.partition.name == "shards":
-        _require(cfg.partition.shards_per_client >= 1, f"partition.shards_per_client must be ≥ 1, got {cfg.partition.shards_per_client}")
+        _require(
+            cfg.partition.shards_per_client >= 1,
+            f"partition.shards_per_client must be ≥ 1, got {cfg.partition.shards_per_client}",
+        )
     if cfg.partition.name == "dirichlet":
         _require(cfg.partition.alpha > 0, f"partition.alpha must be > 0, got {cfg.partition.alpha}")
     for key in ("inner_lr", "outer_lr", "local_lr"):
         if key in cfg.method:
             _require(cfg.method[key] > 0, f"method.{key} must be > 0, got {cfg.method[key]}")
     method = cfg.method
-    for key, allowed in (("train_split", ("all", "pers")), ("averaging", ("samples", "uniform")),
-                         ("local_optimizer", ("sgd", "adam_kept")), ("batches", BATCHES), ("head", ("classifier", "fc_block"))):
+    for key, allowed in (
+        ("train_split", ("all", "pers")),
+        ("averaging", ("samples", "uniform")),
+        ("local_optimizer", ("sgd", "adam_kept")),
+        ("batches", BATCHES),
+        ("head", ("classifier", "fc_block")),
+    ):
         if key in method:
-            _require(method[key] in allowed, f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}")
+            _require(
+                method[key] in allowed,
+                f"method.{key} must be one of {', '.join(allowed)}, got {method[key]!r}",
+            )
     for key in ("batch_size", "eval_batch_size"):
         if key in method:
-            _require(isinstance(method[key], int) and method[key] >= 2,
-                     f"method.{key} must be an integer ≥ 2 (BatchNorm's batch statistics need 2 samples), got {method[key]}")
+            _require(
+                isinstance(method[key], int) and method[key] >= 2,
+                f"method.{key} must be an integer ≥ 2 (BatchNorm's batch statistics need 2 samples), got {method[key]}",
+            )
     for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
         if key in method:
-            _require(isinstance(method[key], int) and method[key] >= 0, f"method.{key} must be an integer ≥ 0, got {method[key]}")
-    if method.algorithm == "ifca":  # IFCA trains as FedAvg with plain SGD epochs: FedAvg's other options mean nothing here
-        _require(method.get("local_optimizer", "sgd") == "sgd" and not method.get("local_batches"),
-                 "IFCA trains with SGD epochs: method.local_optimizer and method.local_batches are FedAvg's "
-                 "(its authors' Ditto), not IFCA's; leave them at sgd and 0")
+            _require(
+                isinstance(method[key], int) and method[key] >= 0,
+                f"method.{key} must be an integer ≥ 0, got {method[key]}",
+            )
+    if (
+        method.algorithm == "ifca"
+    ):  # IFCA trains as FedAvg with plain SGD epochs: FedAvg's other options mean nothing here
+        _require(
+            method.get("local_optimizer", "sgd") == "sgd" and not method.get("local_batches"),
+            "IFCA trains with SGD epochs: method.local_optimizer and method.local_batches are FedAvg's "
+            "(its authors' Ditto), not IFCA's; leave them at sgd and 0",
+        )
     if "clusters" in method:
-        _require(method.clusters is None and cfg.dataset.name == "meta_dataset"
-                 or isinstance(method.clusters, int) and 1 <= method.clusters <= train_clients,
-                 f"method.clusters must be an integer from 1 to the {train_clients} training clients (null: "
-                 f"one per source, only for dataset=meta_dataset), got {method.clusters}")
+        _require(
+            method.clusters is None
+            and cfg.dataset.name == "meta_dataset"
+            or isinstance(method.clusters, int)
+            and 1 <= method.clusters <= train_clients,
+            f"method.clusters must be an integer from 1 to the {train_clients} training clients (null: "
+            f"one per source, only for dataset=meta_dataset), got {method.clusters}",
+        )
     if cfg.method.algorithm == "cafeme":
-        _require(cfg.method.modulation in ("c0", "c1", "c2"), f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}")
-        _require(cfg.method.context in ("labelled", "transductive"),
-                 f"method.context must be labelled or transductive, got {cfg.method.context!r}")
+        _require(
+            cfg.method.modulation in ("c0", "c1", "c2"),
+            f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}",
+        )
+        _require(
+            cfg.method.context in ("labelled", "transductive"),
+            f"method.context must be labelled or transductive, got {cfg.method.context!r}",
+        )
         _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
-        _require(cfg.method.outer_optimizer in ("adam_fresh", "adam_kept", "sgd"),
-                 f"method.outer_optimizer must be adam_fresh, adam_kept or sgd, got {cfg.method.outer_optimizer!r}")
-        _require(cfg.method.client_state_dtype in ("float32", "bfloat16"),
-                 f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}")
+        _require(
+            cfg.method.outer_optimizer in ("adam_fresh", "adam_kept", "sgd"),
+            f"method.outer_optimizer must be adam_fresh, adam_kept or sgd, got {cfg.method.outer_optimizer!r}",
+        )
+        _require(
+            cfg.method.client_state_dtype in ("float32", "bfloat16"),
+            f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}",
+        )
     layers = {f"model.{k}": cfg.model[k] for k in ("conv_channels", "dense_units")}
     layers |= {f"model.modulator.{k}": v for k, v in cfg.model.modulator.items()}
     for key, units in layers.items():
-        _require(all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
-                 f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}")
+        _require(
+            all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
+            f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}",
+        )
     if cfg.dataset.name == "rmnist":
-        _require(cfg.dataset.options.interpolation in ("bilinear", "nearest"),
-                 f"dataset.options.interpolation must be bilinear or nearest, got {cfg.dataset.options.interpolation!r}")
+        _require(
+            cfg.dataset.options.interpolation in ("bilinear", "nearest"),
+            f"dataset.options.interpolation must be bilinear or nearest, got {cfg.dataset.options.interpolation!r}",
+        )
     _require(cfg.model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {cfg.model.kernel_size}")
     padding = cfg.model.padding
-    _require(isinstance(padding, int) and not isinstance(padding, bool) and padding >= 0 or padding in ("same", "valid"),
-             f"model.padding must be an integer ≥ 0, same or valid, got {padding!r}")
+    _require(
+        isinstance(padding, int)
+        and not isinstance(padding, bool)
+        and padding >= 0
+        or padding in ("same", "valid"),
+        f"model.padding must be an integer ≥ 0, same or valid, got {padding!r}",
+    )
     setting = cfg.output.setting
-    _require(setting is None or _plain(setting),
-             f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}")
-    for key, value in (("method.name", cfg.method.name), ("variant", cfg.variant)):  # they name the run folder
-        _require(_plain(value), f"{key} must be a plain name (letters, digits, _ . -; no / or ..), e.g. "
-                 f"method.name=cafeme; got {value!r}")
-    _require(str(cfg.fabric.precision) in PRECISIONS, f"fabric.precision must be one of {', '.join(PRECISIONS)}, "
-             f"got {cfg.fabric.precision!r}")
+    _require(
+        setting is None or _plain(setting),
+        f"output.setting must be a plain folder name (letters, digits, _ . -; no / or ..), got {setting!r}",
+    )
+    for key, value in (
+        ("method.name", cfg.method.name),
+        ("variant", cfg.variant),
+    ):  # they name the run folder
+        _require(
+            _plain(value),
+            f"{key} must be a plain name (letters, digits, _ . -; no / or ..), e.g. "
+            f"method.name=cafeme; got {value!r}",
+        )
+    _require(
+        str(cfg.fabric.precision) in PRECISIONS,
+        f"fabric.precision must be one of {', '.join(PRECISIONS)}, got {cfg.fabric.precision!r}",
+    )
     _require(cfg.fabric.num_nodes >= 1, f"fabric.num_nodes must be ≥ 1, got {cfg.fabric.num_nodes}")
-    _require(cfg.fabric.devices == -1 or cfg.fabric.devices >= 1,
-             f"fabric.devices must be ≥ 1 (or -1: every device of the machine), got {cfg.fabric.devices}")
-    _require(cfg.fabric.matmul_precision in ("highest", "high", "medium"),
-             f"fabric.matmul_precision must be highest, high or medium, got {cfg.fabric.matmul_precision!r}")
+    _require(
+        cfg.fabric.devices == -1 or cfg.fabric.devices >= 1,
+        f"fabric.devices must be ≥ 1 (or -1: every device of the machine), got {cfg.fabric.devices}",
+    )
+    _require(
+        cfg.fabric.matmul_precision in ("highest", "high", "medium"),
+        f"fabric.matmul_precision must be highest, high or medium, got {cfg.fabric.matmul_precision!r}",
+    )
     loggers = list(cfg.logger) if OmegaConf.is_list(cfg.logger) else None
-    _require(loggers is not None and set(loggers) <= {"csv", "tensorboard", "wandb"},
-             f"logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. logger=[tensorboard,wandb]; got {cfg.logger}")
-    _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}")
+    _require(
+        loggers is not None and set(loggers) <= {"csv", "tensorboard", "wandb"},
+        f"logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. logger=[tensorboard,wandb]; got {cfg.logger}",
+    )
+    _require(
+        cfg.wandb.mode in ("offline", "online", "disabled"),
+        f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}",
+    )
 
 
 def run_name(cfg: DictConfig) -> Path:

@@ -14,14 +14,22 @@ from fedmeta.data.sources import data_dir
 
 def client_class_counts(cfg: DictConfig) -> tuple[np.ndarray, list[int]]:
     """(clients × classes) sample counts, in client-id order, and the ids of the new clients."""
-    dataset = load_dataset(cfg.dataset.name, data_dir(cfg.dataset.dir), cfg.seed, download=cfg.dataset.download,
-                           **cfg.dataset.options)
+    dataset = load_dataset(
+        cfg.dataset.name,
+        data_dir(cfg.dataset.dir),
+        cfg.seed,
+        download=cfg.dataset.download,
+        **cfg.dataset.options,
+    )
     fed = cfg.federation
-    federation = build_federation(dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients,
-                                  fed.held_out_fraction, cfg.seed)
+    federation = build_federation(
+        dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients, fed.held_out_fraction, cfg.seed
+    )
     clients = sorted(federation.train_clients + federation.new_clients, key=lambda c: c.id)
     labels = dataset.y.numpy()
-    counts = np.stack([np.bincount(labels[c.indices("all").numpy()], minlength=dataset.num_classes) for c in clients])
+    counts = np.stack(
+        [np.bincount(labels[c.indices("all").numpy()], minlength=dataset.num_classes) for c in clients]
+    )
     return counts, [c.id for c in federation.new_clients]
 
 
@@ -29,9 +37,19 @@ def statistics(counts: np.ndarray, new_clients: list[int]) -> dict:
     sizes = counts.sum(1)
     present = (counts > 0).sum(1)
     return {
-        "clients": len(counts), "new_clients": len(new_clients), "samples": int(sizes.sum()),
-        "samples_per_client": {"min": int(sizes.min()), "median": float(np.median(sizes)), "max": int(sizes.max())},
-        "classes_per_client": {"min": int(present.min()), "mean": float(present.mean()), "max": int(present.max())},
+        "clients": len(counts),
+        "new_clients": len(new_clients),
+        "samples": int(sizes.sum()),
+        "samples_per_client": {
+            "min": int(sizes.min()),
+            "median": float(np.median(sizes)),
+            "max": int(sizes.max()),
+        },
+        "classes_per_client": {
+            "min": int(present.min()),
+            "mean": float(present.mean()),
+            "max": int(present.max()),
+        },
         "largest_class_share": float((counts.max(1) / sizes).mean()),
     }
 
@@ -45,9 +63,17 @@ def plot_histograms(counts: np.ndarray, path: Path, title: str, examples: int = 
     shown = counts[:examples]
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(shown) + 1.5))
     left = np.zeros(len(shown))
-    colours = plt.get_cmap("tab20" if counts.shape[1] <= 20 else "gist_ncar")(np.linspace(0, 1, counts.shape[1]))
+    colours = plt.get_cmap("tab20" if counts.shape[1] <= 20 else "gist_ncar")(
+        np.linspace(0, 1, counts.shape[1])
+    )
     for c in range(counts.shape[1]):
-        ax.barh(range(len(shown)), shown[:, c], left=left, color=colours[c], label=str(c) if counts.shape[1] <= 20 else None)
+        ax.barh(
+            range(len(shown)),
+            shown[:, c],
+            left=left,
+            color=colours[c],
+            label=str(c) if counts.shape[1] <= 20 else None,
+        )
         left += shown[:, c]
     ax.set_yticks(range(len(shown)), [f"client {i}" for i in range(len(shown))])
     ax.invert_yaxis()
@@ -64,5 +90,7 @@ def plot_histograms(counts: np.ndarray, path: Path, title: str, examples: int = 
 def describe(cfg: DictConfig) -> tuple[dict, Path]:
     counts, new_clients = client_class_counts(cfg)
     path = Path(cfg.output.root) / f"{cfg.dataset.name}-{cfg.partition.name}" / "clients.png"
-    plot_histograms(counts, path, f"{cfg.dataset.name}, {cfg.partition.name} partition: class histograms of 10 clients")
+    plot_histograms(
+        counts, path, f"{cfg.dataset.name}, {cfg.partition.name} partition: class histograms of 10 clients"
+    )
     return statistics(counts, new_clients), path

@@ -80,8 +80,15 @@ def _stack_batches(batches: list[Batch]) -> Batch:
     y = None if batches[0].y is None else torch.stack([_pad(b.y, size) for b in batches])
     mask = None
     if ragged:
-        mask = torch.stack([_pad(torch.ones(len(b.x), dtype=torch.bool, device=b.x.device) if b.mask is None else b.mask, size)
-                            for b in batches])
+        mask = torch.stack(
+            [
+                _pad(
+                    torch.ones(len(b.x), dtype=torch.bool, device=b.x.device) if b.mask is None else b.mask,
+                    size,
+                )
+                for b in batches
+            ]
+        )
     active = None
     if any(b.active is not None for b in batches):
         true = torch.ones((), dtype=torch.bool, device=x.device)
@@ -98,7 +105,9 @@ def stack(items: list):
         return {key: stack([item[key] for item in items]) for key in first}
     if isinstance(first, list):
         length = max(len(item) for item in items)
-        return [stack([item[i] if i < len(item) else _idle(item[-1]) for item in items]) for i in range(length)]
+        return [
+            stack([item[i] if i < len(item) else _idle(item[-1]) for item in items]) for i in range(length)
+        ]
     return torch.stack(items)
 
 
@@ -125,7 +134,9 @@ def merge_layouts(a, b):
         return {key: merge_layouts(a.get(key), value) for key, value in b.items()}
     if isinstance(b, list):
         longer = a if len(a) >= len(b) else b  # the steps past the shorter one are idle in some rounds
-        return [merge_layouts(x, y) for x, y in zip(a, b)] + [_stepped(s) for s in longer[min(len(a), len(b)):]]
+        return [merge_layouts(x, y) for x, y in zip(a, b)] + [
+            _stepped(s) for s in longer[min(len(a), len(b)) :]
+        ]
     return b
 
 
@@ -148,13 +159,17 @@ def pad_to(tree, layout):
     if isinstance(tree, dict):
         return {key: pad_to(value, layout[key]) for key, value in tree.items()}
     if isinstance(tree, list):
-        return [pad_to(tree[i] if i < len(tree) else _idle_lanes(tree[-1]), item) for i, item in enumerate(layout)]
+        return [
+            pad_to(tree[i] if i < len(tree) else _idle_lanes(tree[-1]), item) for i, item in enumerate(layout)
+        ]
     return tree
 
 
 def _idle_lanes(tree):
     """A stacked step that no lane takes: padding for a round with fewer steps than its layout."""
-    return map_batches(tree, lambda b: b._replace(active=torch.zeros(len(b.x), dtype=torch.bool, device=b.x.device)))
+    return map_batches(
+        tree, lambda b: b._replace(active=torch.zeros(len(b.x), dtype=torch.bool, device=b.x.device))
+    )
 
 
 def _stepped(layout):
@@ -192,13 +207,17 @@ class DataBank:
     @staticmethod
     def fits(federations: list[Federation]) -> bool:
         first = federations[0]
-        return all(f.x.shape == first.x.shape and f.x.dtype == first.x.dtype and f.y.shape == first.y.shape
-                   for f in federations)
+        return all(
+            f.x.shape == first.x.shape and f.x.dtype == first.x.dtype and f.y.shape == first.y.shape
+            for f in federations
+        )
 
     def gather(self, tree, sources: torch.Tensor):
         """Stacked index batches of lanes whose data are ``sources`` (a federation's place per lane)."""
         rows = sources.view(-1, 1)
-        return map_batches(tree, lambda b: b._replace(x=self.x[rows, b.x], y=None if b.y is None else self.y[rows, b.y]))
+        return map_batches(
+            tree, lambda b: b._replace(x=self.x[rows, b.x], y=None if b.y is None else self.y[rows, b.y])
+        )
 
 
 def lane(tree, i: int):
@@ -234,19 +253,25 @@ class Engine:
     def describe(self) -> dict:
         """What computed the clients in the end, for summary.json: vmapped or not, recorded or not, and
         why not where it was asked for."""
-        return {"vectorized": self.vectorize, "capture": self.capture.mode if self.vectorize else "none",
-                "recorded": self.vectorize and self.capture.records,
-                "fallback": self.fallback or self.capture.failed}
+        return {
+            "vectorized": self.vectorize,
+            "capture": self.capture.mode if self.vectorize else "none",
+            "recorded": self.vectorize and self.capture.records,
+            "fallback": self.fallback or self.capture.failed,
+        }
 
     def label(self) -> str:
         if not self.vectorize:
             return "clients one at a time"
-        return "clients vmapped" + {"graph": ", rounds as CUDA graphs", "compile": ", rounds compiled",
-                                    "static": ", fixed layout"}.get(self.capture.mode, "")
+        return "clients vmapped" + {
+            "graph": ", rounds as CUDA graphs",
+            "compile": ", rounds compiled",
+            "static": ", fixed layout",
+        }.get(self.capture.mode, "")
 
     def _chunks(self, lanes: list[Lane]) -> list[list[Lane]]:
         size = self.max_lanes or len(lanes)
-        return [lanes[i:i + size] for i in range(0, len(lanes), size)]
+        return [lanes[i : i + size] for i in range(0, len(lanes), size)]
 
     def _in_chunks(self, run: Callable[[list[Lane]], Any], lanes: list[Lane]) -> list:
         """``run`` on each chunk of lanes; out of memory, the chunks halve until they fit (a vmapped
@@ -261,16 +286,21 @@ class Engine:
                 self.max_lanes = size // 2
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                log.warning(f"federation.vectorize_lanes: {size} lanes did not fit in memory; "
-                            f"now {self.max_lanes} per vmapped call")
+                log.warning(
+                    f"federation.vectorize_lanes: {size} lanes did not fit in memory; "
+                    f"now {self.max_lanes} per vmapped call"
+                )
 
     # ---- federated training ------------------------------------------------------------------
     def local_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate | str]:
         """Each lane's update, or a failed client's reason (one line), in lane order."""
         if self.vectorize and len(lanes) > 1:
             try:
-                return [update for chunk in self._in_chunks(lambda c: self._vectorized_updates(c, round_), lanes)
-                        for update in chunk]
+                return [
+                    update
+                    for chunk in self._in_chunks(lambda c: self._vectorized_updates(c, round_), lanes)
+                    for update in chunk
+                ]
             except (FedmetaError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 — find out below whether a client or vmap failed
@@ -303,7 +333,9 @@ class Engine:
             indices = pad_to(indices, self.layouts[key])
         device = federations[0].x.device
         indices = to_device(indices, device)
-        if len(federations) == 1:  # the tensors themselves, not the federation: a recording keeps what it read
+        if (
+            len(federations) == 1
+        ):  # the tensors themselves, not the federation: a recording keeps what it read
             x, y = federations[0].x, federations[0].y
             return key, indices, lambda tree: gather(x, y, tree)
         bank_key = tuple(id(f) for f in federations)
@@ -315,11 +347,17 @@ class Engine:
             bank = self.banks[bank_key]
             return key, (indices, sources), lambda both: bank.gather(*both)
         data = [(c.data.x, c.data.y) for _, c in lanes]  # data sets of different shapes: a gather per lane
-        return key, (indices, sources), lambda both: stack([gather(*xy, lane(both[0], i)) for i, xy in enumerate(data)])
+        return (
+            key,
+            (indices, sources),
+            lambda both: stack([gather(*xy, lane(both[0], i)) for i, xy in enumerate(data)]),
+        )
 
     def _vectorized_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate]:
         algorithm = _for_vmap(lanes)
-        shared = all(a is algorithm for a, _ in lanes)  # one federation: the global parameters need no stacking
+        shared = all(
+            a is algorithm for a, _ in lanes
+        )  # one federation: the global parameters need no stacking
         params = [a.global_params() for a, _ in lanes]
         states = stack([a.client_state(c.id, p) for (a, c), p in zip(lanes, params)])
         key, indices, gather = self._indices("round", lanes, [a.draw(c.indexed(), round_) for a, c in lanes])
@@ -337,8 +375,10 @@ class Engine:
     def _give_up(self, algorithm: Algorithm, exc: Exception) -> None:
         self.vectorize = False
         self.fallback = f"{type(algorithm).__name__} could not be vmapped ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-        log.warning(f"federation.vectorize: {type(algorithm).__name__} could not be vmapped "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); its clients run one at a time")
+        log.warning(
+            f"federation.vectorize: {type(algorithm).__name__} could not be vmapped "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); its clients run one at a time"
+        )
 
     # ---- the shared test-time procedure ------------------------------------------------------
     def personalization_curves(self, lanes: list[Lane], cfg) -> torch.Tensor:
@@ -359,7 +399,9 @@ class Engine:
         algorithm = _for_vmap(lanes)
         shared = all(a is algorithm for a, _ in lanes)
         params = algorithm.global_params() if shared else stack([a.global_params() for a, _ in lanes])
-        key, indices, gather = self._indices("curves", lanes, [draw_personalization(a, c.indexed(), cfg) for a, c in lanes])
+        key, indices, gather = self._indices(
+            "curves", lanes, [draw_personalization(a, c.indexed(), cfg) for a, c in lanes]
+        )
 
         def curve(p, d):
             _, accuracies, losses = personalize(algorithm, p, d, cfg)
@@ -368,7 +410,9 @@ class Engine:
         def curves_all(params, indices):
             data = gather(indices)
             with vmapped():
-                return torch.func.vmap(curve, in_dims=(None if shared else in_dims(params), in_dims(data)))(params, data)
+                return torch.func.vmap(curve, in_dims=(None if shared else in_dims(params), in_dims(data)))(
+                    params, data
+                )
 
         curves, losses = self.capture.run((*key, str(cfg)), curves_all, (params, indices))
         for (_, client), client_losses in zip(lanes, losses):

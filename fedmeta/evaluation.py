@@ -29,7 +29,9 @@ from fedmeta.functional import Params, grad_and_value, masked_mean, sgd
 class PersonalizationResult:
     curves: torch.Tensor  # (clients, steps + 1) held-out accuracy per client after each step
 
-    def __post_init__(self):  # a client that could not be evaluated (its node gone: fedmeta.flower) is a row of NaN
+    def __post_init__(
+        self,
+    ):  # a client that could not be evaluated (its node gone: fedmeta.flower) is a row of NaN
         self.curves = self.curves[~torch.isnan(self.curves).all(1)]
 
     @property
@@ -53,13 +55,24 @@ def draw_personalization(algorithm: Algorithm, client: Client, cfg) -> ClientDat
     if cfg.held_out_batch_size:
         held_out = client.epoch("held_out", cfg.held_out_batch_size, None)
     if cfg.batches in STREAMS:  # the first batch is also the context of the step-0 accuracy
-        steps = client.stream("pers", cfg.batch_size, 0, max(cfg.steps, 1), PERSONALIZE_STREAM_PURPOSE,
-                              reshuffle=cfg.batches == "stream")
-        context, steps = steps[0], steps[:cfg.steps]
+        steps = client.stream(
+            "pers",
+            cfg.batch_size,
+            0,
+            max(cfg.steps, 1),
+            PERSONALIZE_STREAM_PURPOSE,
+            reshuffle=cfg.batches == "stream",
+        )
+        context, steps = steps[0], steps[: cfg.steps]
     else:
         context = client.batch("pers", cfg.batch_size, generator)
         steps = [client.batch("pers", cfg.batch_size, generator) for _ in range(cfg.steps)]
-    return {"held_out": held_out, "context": context, "steps": steps, **algorithm.personalization_data(client)}
+    return {
+        "held_out": held_out,
+        "context": context,
+        "steps": steps,
+        **algorithm.personalization_data(client),
+    }
 
 
 def step_sizes(cfg) -> list[float]:
@@ -67,7 +80,9 @@ def step_sizes(cfg) -> list[float]:
     return [cfg.lr * cfg.decay ** (k // cfg.decay_every) for k in range(cfg.steps)]
 
 
-def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> tuple[Params, torch.Tensor, torch.Tensor]:
+def personalize(
+    algorithm: Algorithm, params: Params, data: ClientData, cfg
+) -> tuple[Params, torch.Tensor, torch.Tensor]:
     """From the global ``params``: the personalized parameters, the held-out accuracy after 0, 1, …,
     ``cfg.steps`` steps and the loss of each step. Accuracy is the share of correct predictions
     (written out rather than torchmetrics', whose input checks cannot run under vmap)."""
@@ -84,8 +99,14 @@ def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> 
         if len(held_out) == 1:
             return accuracies[0]
         # a constant weight as a fill, not a host-to-device copy: a recorded evaluation (CUDA graph) cannot copy
-        weights = torch.stack([w.to(accuracies[0].dtype) if isinstance(w, torch.Tensor) else torch.full_like(accuracies[0], w)
-                               for w in weights])
+        weights = torch.stack(
+            [
+                w.to(accuracies[0].dtype)
+                if isinstance(w, torch.Tensor)
+                else torch.full_like(accuracies[0], w)
+                for w in weights
+            ]
+        )
         return (torch.stack(accuracies) * weights).sum() / weights.sum()
 
     personal, accuracies, losses = start, [held_out_accuracy(start, data["context"])], []
@@ -105,12 +126,16 @@ def personalize(algorithm: Algorithm, params: Params, data: ClientData, cfg) -> 
 
 def check_finite(client: Client, losses: torch.Tensor) -> None:
     if not bool(torch.isfinite(losses).all()):
-        raise FedmetaError(f"personalizing new client {client.id} gave a non-finite loss: "
-                           "lower personalization.lr or use fabric.precision=32-true")
+        raise FedmetaError(
+            f"personalizing new client {client.id} gave a non-finite loss: "
+            "lower personalization.lr or use fabric.precision=32-true"
+        )
 
 
 def personalize_client(algorithm: Algorithm, client: Client, cfg) -> tuple[Params, torch.Tensor]:
     """One new client's personalized parameters and its held-out accuracy curve."""
-    params, curve, losses = personalize(algorithm, algorithm.global_params(), draw_personalization(algorithm, client, cfg), cfg)
+    params, curve, losses = personalize(
+        algorithm, algorithm.global_params(), draw_personalization(algorithm, client, cfg), cfg
+    )
     check_finite(client, losses)
     return params, curve.cpu()

@@ -57,7 +57,9 @@ def node_clients(context: Context) -> tuple[int, int]:
     try:
         return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     except (KeyError, ValueError):
-        raise FedmetaError("a fedmeta SuperNode needs --node-config \"partition-id=<p> num-partitions=<P>\"") from None
+        raise FedmetaError(
+            'a fedmeta SuperNode needs --node-config "partition-id=<p> num-partitions=<P>"'
+        ) from None
 
 
 @lru_cache(maxsize=2)
@@ -72,7 +74,9 @@ def _node(overrides: str):
 
 
 def _client(msg: Message, context: Context, overrides: str | None) -> tuple:
-    cfg, federation, algorithm = _node(overrides if overrides is not None else str(context.run_config["overrides"]))
+    cfg, federation, algorithm = _node(
+        overrides if overrides is not None else str(context.run_config["overrides"])
+    )
     client_id = int(msg.content["config"]["client"])
     partition, partitions = node_clients(context)
     if client_id % partitions != partition:
@@ -91,13 +95,22 @@ def _to_bytes(tree) -> bytes:
 def _replying(handler):
     """A client's failure (a non-finite personalization loss, a bug) as its reply's content, with the
     client's id and the reason in one line, as fedmeta reports a failed client in one process."""
+
     def handle(msg: Message, context: Context) -> Message:
         try:
             return Message(handler(msg, context), reply_to=msg)
         except Exception as exc:  # noqa: BLE001 — the server drops the client and says why
             reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            return Message(RecordDict({"metrics": MetricRecord({"client": int(msg.content["config"]["client"])}),
-                                       "failure": ConfigRecord({"reason": reason})}), reply_to=msg)
+            return Message(
+                RecordDict(
+                    {
+                        "metrics": MetricRecord({"client": int(msg.content["config"]["client"])}),
+                        "failure": ConfigRecord({"reason": reason}),
+                    }
+                ),
+                reply_to=msg,
+            )
+
     handle.__name__ = handler.__name__
     return handle
 
@@ -116,6 +129,7 @@ def local_dp(settings: dict | None):
         if msg.metadata.message_type != "train" or not chosen:
             return call_next(msg, context)
         return LocalDpMod(*(float(chosen[key]) for key in DP_KEYS))(msg, context, call_next)
+
     return mod
 
 
@@ -129,8 +143,10 @@ def make_client_app(overrides: str | None = None, dp: dict | None = None) -> Cli
     def which_clients(msg: Message, context: Context) -> Message:
         """Which partition this node holds: the server maps clients to nodes with it."""
         partition, partitions = node_clients(context)
-        return Message(RecordDict({"node": MetricRecord({"partition-id": partition, "num-partitions": partitions})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"node": MetricRecord({"partition-id": partition, "num-partitions": partitions})}),
+            reply_to=msg,
+        )
 
     @app.train()
     @_replying
@@ -138,14 +154,21 @@ def make_client_app(overrides: str | None = None, dp: dict | None = None) -> Cli
         """One sampled client's local update, from the global model in the message."""
         _, algorithm, client = _client(msg, context, overrides)
         kept = context.state.get(STATE, ConfigRecord())
-        algorithm.client_states = ({client.id: torch.load(io.BytesIO(kept[str(client.id)]), weights_only=True)}
-                                   if str(client.id) in kept else {})
+        algorithm.client_states = (
+            {client.id: torch.load(io.BytesIO(kept[str(client.id)]), weights_only=True)}
+            if str(client.id) in kept
+            else {}
+        )
         update = algorithm.run_client(client, int(msg.content["config"]["round"]))
         if update.state is not None:  # what the client keeps stays on its node
             kept[str(client.id)] = _to_bytes(update.state)
             context.state[STATE] = kept
-        return RecordDict({"update": ArrayRecord({k: v.contiguous() for k, v in update.params.items()}),
-                           "metrics": MetricRecord({"client": client.id, "weight": update.weight, "loss": update.loss})})
+        return RecordDict(
+            {
+                "update": ArrayRecord({k: v.contiguous() for k, v in update.params.items()}),
+                "metrics": MetricRecord({"client": client.id, "weight": update.weight, "loss": update.loss}),
+            }
+        )
 
     @app.evaluate()
     @_replying
@@ -182,7 +205,9 @@ class FlowerEngine:
                 gone[client.id] = f"dropped out: its node {self.node_of[client.id]} left the federation"
                 continue
             state = algorithm.model.state_dict()
-            content = RecordDict({"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})})
+            content = RecordDict(
+                {"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})}
+            )
             messages.append(Message(content, self.node_of[client.id], kind, group_id=str(round_)))
             model_bytes[client.id] = sum(t.numel() * t.element_size() for t in state.values())
         # a node works through its messages one after another: it may take the timeout for each
@@ -192,14 +217,20 @@ class FlowerEngine:
             if reply.has_error():  # the ClientApp itself failed: counted as no reply
                 log.warning(f"a node replied with an error: {reply.error.reason.strip().splitlines()[-1:]}")
             elif "failure" in reply.content:
-                replies[int(reply.content["metrics"]["client"])] = f"failed on its node: {reply.content['failure']['reason']}"
+                replies[int(reply.content["metrics"]["client"])] = (
+                    f"failed on its node: {reply.content['failure']['reason']}"
+                )
             else:
                 replies[int(reply.content["metrics"]["client"])] = reply
         self.bytes_sent += sum(model_bytes.values())
         self.messages += len(messages)
         replies |= gone
-        return {client.id: replies.get(client.id, f"dropped out: no reply from node {self.node_of[client.id]} within "
-                                                  f"{wait:g} s") for _, client in lanes}
+        return {
+            client.id: replies.get(
+                client.id, f"dropped out: no reply from node {self.node_of[client.id]} within {wait:g} s"
+            )
+            for _, client in lanes
+        }
 
     def local_updates(self, lanes: list, round_: int) -> list[ClientUpdate | str]:
         results = []
@@ -221,8 +252,14 @@ class FlowerEngine:
             log.warning(f"evaluation: {line}; left out of the new-client accuracy")
         if len(missing) == len(lanes):
             raise FedmetaError(f"no new client answered the evaluation ({missing[0]})")
-        return torch.stack([torch.full((cfg.steps + 1,), float("nan")) if isinstance(r, str)
-                            else torch.tensor(list(r.content["metrics"]["curve"])) for r in replies.values()])
+        return torch.stack(
+            [
+                torch.full((cfg.steps + 1,), float("nan"))
+                if isinstance(r, str)
+                else torch.tensor(list(r.content["metrics"]["curve"]))
+                for r in replies.values()
+            ]
+        )
 
 
 def discover(grid: Grid, clients: list[Client], timeout: float) -> dict[int, int]:
@@ -232,7 +269,9 @@ def discover(grid: Grid, clients: list[Client], timeout: float) -> dict[int, int
     while time.monotonic() < deadline:
         nodes = list(grid.get_node_ids())
         asked = [Message(RecordDict(), node, "query") for node in nodes if node not in node_of.values()]
-        for reply in grid.send_and_receive(asked, timeout=max(1.0, deadline - time.monotonic())) if asked else []:
+        for reply in (
+            grid.send_and_receive(asked, timeout=max(1.0, deadline - time.monotonic())) if asked else []
+        ):
             if not reply.has_error():
                 info = reply.content["node"]
                 partitions = int(info["num-partitions"])
@@ -243,7 +282,9 @@ def discover(grid: Grid, clients: list[Client], timeout: float) -> dict[int, int
             return node_of
         time.sleep(1)
     held = sorted({c.id % partitions for c in clients if c.id not in node_of}) if partitions else "all"
-    raise FedmetaError(f"after {timeout:g} s, no SuperNode holds partition(s) {held}: start them, or raise timeout")
+    raise FedmetaError(
+        f"after {timeout:g} s, no SuperNode holds partition(s) {held}: start them, or raise timeout"
+    )
 
 
 def make_server_app(overrides: str | None = None, timeout: float | None = None) -> ServerApp:
@@ -255,17 +296,27 @@ def make_server_app(overrides: str | None = None, timeout: float | None = None) 
     def server(grid: Grid, context: Context) -> None:
         from fedmeta.loop import build, make_fabric, train
 
-        cfg = compose(shlex.split(overrides if overrides is not None else str(context.run_config["overrides"])))
+        cfg = compose(
+            shlex.split(overrides if overrides is not None else str(context.run_config["overrides"]))
+        )
         wait = timeout if timeout is not None else float(context.run_config.get("timeout", 120))
         federation, _ = build(make_fabric(cfg), cfg)
-        engine = FlowerEngine(grid, discover(grid, [*federation.train_clients, *federation.new_clients], wait), wait)
+        engine = FlowerEngine(
+            grid, discover(grid, [*federation.train_clients, *federation.new_clients], wait), wait
+        )
         summary = train(cfg, show_progress=False, engine=engine)
         from fedmeta.config import run_name
         from fedmeta.runs import atomic_write_text
 
-        traffic = {"model_bytes_sent": engine.bytes_sent, "update_bytes_received": engine.bytes_received,
-                   "messages": engine.messages, "seconds_per_round": summary["seconds_per_round"]}
-        atomic_write_text(Path(cfg.output.root) / run_name(cfg) / "flower.json", json.dumps(traffic, indent=2))
+        traffic = {
+            "model_bytes_sent": engine.bytes_sent,
+            "update_bytes_received": engine.bytes_received,
+            "messages": engine.messages,
+            "seconds_per_round": summary["seconds_per_round"],
+        }
+        atomic_write_text(
+            Path(cfg.output.root) / run_name(cfg) / "flower.json", json.dumps(traffic, indent=2)
+        )
 
     return app
 
@@ -312,30 +363,55 @@ class Deployment:
 
     def commands(self) -> list[list[str]]:
         bin_dir = Path(sys.executable).parent
-        link = [str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
-                "--disable-runtime-dependency-installation"]
-        return [link] + [[str(bin_dir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                          "--port", str(self.port + 3 + i), "--node-config", f"partition-id={i} num-partitions={self.nodes}"]
-                         for i in range(self.nodes)]
+        link = [
+            str(bin_dir / "flower-superlink"),
+            "--insecure",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-runtime-dependency-installation",
+        ]
+        return [link] + [
+            [
+                str(bin_dir / "flower-supernode"),
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--port",
+                str(self.port + 3 + i),
+                "--node-config",
+                f"partition-id={i} num-partitions={self.nodes}",
+            ]
+            for i in range(self.nodes)
+        ]
 
     def start(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         self.app.mkdir(parents=True, exist_ok=True)
         (self.app / "pyproject.toml").write_text(APP_PYPROJECT)
-        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "fedmeta"\n\n[superlink.fedmeta]\n'
-                                               f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fedmeta"\n\n[superlink.fedmeta]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
         env = self.environment()
         for i, command in enumerate(self.commands()):
             log_file = open(self.folder / (f"supernode{i - 1}.log" if i else "superlink.log"), "w")
-            self.processes.append(subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                                   start_new_session=True))  # its own group: stopping it stops its children
+            self.processes.append(
+                subprocess.Popen(
+                    command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            )  # its own group: stopping it stops its children
             if i == 0:
                 time.sleep(3)  # the SuperLink listens before the nodes connect
 
     def environment(self) -> dict[str, str]:
         """This environment's Flower executables first on the PATH (the SuperLink and SuperNodes
         start theirs by name), and the deployment's FLWR_HOME."""
-        return os.environ | {"FLWR_HOME": str(self.home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        return os.environ | {
+            "FLWR_HOME": str(self.home),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        }
 
     @property
     def supernodes(self) -> list[subprocess.Popen]:
@@ -344,12 +420,18 @@ class Deployment:
     def submit(self, overrides: list[str], timeout: float, dp: dict | None = None) -> str:
         """Start a fedmeta run on the deployment; returns Flower's run id."""
         # a TOML string (Flower's run-config syntax) holding the overrides as one shell-quoted line
-        config = f"overrides={json.dumps(' '.join(shlex.quote(o) for o in overrides))} timeout={float(timeout)}"
+        config = (
+            f"overrides={json.dumps(' '.join(shlex.quote(o) for o in overrides))} timeout={float(timeout)}"
+        )
         config += "".join(f" {key}={float(value)}" for key, value in (dp or {}).items())
         flwr = Path(sys.executable).parent / "flwr"
         for _ in range(10):  # the SuperLink may still be starting
-            done = subprocess.run([str(flwr), "run", str(self.app), "fedmeta", "--run-config", config], capture_output=True,
-                                  text=True, env=self.environment())
+            done = subprocess.run(
+                [str(flwr), "run", str(self.app), "fedmeta", "--run-config", config],
+                capture_output=True,
+                text=True,
+                env=self.environment(),
+            )
             started = re.search(r"started run (\d+)", done.stdout + done.stderr)
             if started:
                 return started.group(1)
@@ -374,8 +456,20 @@ class Deployment:
 
     def status(self, run_id: str) -> dict:
         """Flower's record of the run (``flwr ls``): its status and the SuperLink's traffic counters."""
-        listed = subprocess.run([str(Path(sys.executable).parent / "flwr"), "ls", "fedmeta", "--run-id", run_id, "--format",
-                                 "json"], capture_output=True, text=True, env=self.environment()).stdout
+        listed = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "flwr"),
+                "ls",
+                "fedmeta",
+                "--run-id",
+                run_id,
+                "--format",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            env=self.environment(),
+        ).stdout
         with contextlib.suppress(json.JSONDecodeError, KeyError, IndexError):
             return json.loads(listed)["runs"][0]
         return {}
@@ -390,10 +484,14 @@ class Deployment:
             if str(record.get("status", "")).startswith("finished"):
                 if summary.exists():
                     return record
-                raise FedmetaError(f"Flower run {run_id} ended ({record['status']}) without a summary: see "
-                                   f"`FLWR_HOME={self.home} flwr log {run_id} fedmeta --show`")
+                raise FedmetaError(
+                    f"Flower run {run_id} ended ({record['status']}) without a summary: see "
+                    f"`FLWR_HOME={self.home} flwr log {run_id} fedmeta --show`"
+                )
             if time.monotonic() > deadline:
-                raise FedmetaError(f"Flower run {run_id} took more than {limit:g} s; its processes are stopped")
+                raise FedmetaError(
+                    f"Flower run {run_id} took more than {limit:g} s; its processes are stopped"
+                )
             time.sleep(2)
 
 
@@ -403,12 +501,23 @@ def simulate(overrides: list[str], nodes: int, timeout: float, dp: dict | None =
     from flwr.simulation import run_simulation
 
     line = " ".join(shlex.quote(o) for o in overrides)
-    run_simulation(make_server_app(line, timeout), make_client_app(line, dp), num_supernodes=nodes,
-                   backend_config={"client_resources": {"num_cpus": 1}})
+    run_simulation(
+        make_server_app(line, timeout),
+        make_client_app(line, dp),
+        num_supernodes=nodes,
+        backend_config={"client_resources": {"num_cpus": 1}},
+    )
 
 
-def deploy(overrides: list[str], nodes: int, timeout: float, folder: Path, port: int, limit: float,
-           dp: dict | None = None) -> Path:
+def deploy(
+    overrides: list[str],
+    nodes: int,
+    timeout: float,
+    folder: Path,
+    port: int,
+    limit: float,
+    dp: dict | None = None,
+) -> Path:
     """The run on a SuperLink and ``nodes`` SuperNodes started here (loopback, insecure), stopped
     at the end; returns the run folder."""
     from fedmeta.config import run_name
@@ -420,7 +529,9 @@ def deploy(overrides: list[str], nodes: int, timeout: float, folder: Path, port:
     try:
         print(f"SuperLink on 127.0.0.1:{port}, {nodes} SuperNodes; logs in {folder}", file=sys.stderr)
         record = deployment.wait(deployment.submit(overrides, timeout, dp), run_dir / "summary.json", limit)
-        traffic = json.loads((run_dir / "flower.json").read_text()) | {"superlink_network_traffic": record.get("network-traffic")}
+        traffic = json.loads((run_dir / "flower.json").read_text()) | {
+            "superlink_network_traffic": record.get("network-traffic")
+        }
         (run_dir / "flower.json").write_text(json.dumps(traffic, indent=2))
     finally:
         deployment.stop()

@@ -34,12 +34,15 @@ def vmapped() -> Iterator[None]:
         _vmapped.reset(token)
 
 
-def grad_and_value(fn: Callable[..., torch.Tensor], second_order: bool = False) -> Callable[..., tuple[Params, torch.Tensor]]:
+def grad_and_value(
+    fn: Callable[..., torch.Tensor], second_order: bool = False
+) -> Callable[..., tuple[Params, torch.Tensor]]:
     """``fn``'s gradient with respect to its first argument (a parameter dict), and its value.
     With ``second_order`` the gradient stays differentiable for an enclosing gradient (MAML's inner
     steps); without it, it is a constant. The same mathematics runs on two engines: ``torch.func``
     under vmap, and plain autograd for one client at a time — measured 20–35 % faster on CPU than
     ``torch.func``'s transforms (docs/vectorization.md)."""
+
     def by_torch_func(params: Params, *args):
         grads, value = torch.func.grad_and_value(fn)(params, *args)
         return (grads if second_order else {k: g.detach() for k, g in grads.items()}), value
@@ -48,15 +51,21 @@ def grad_and_value(fn: Callable[..., torch.Tensor], second_order: bool = False) 
         with torch.enable_grad():
             inputs = {k: p if p.requires_grad else p.detach().requires_grad_() for k, p in params.items()}
             value = fn(inputs, *args)
-            grads = torch.autograd.grad(value, list(inputs.values()), create_graph=second_order, allow_unused=True,
-                                        materialize_grads=True)
+            grads = torch.autograd.grad(
+                value,
+                list(inputs.values()),
+                create_graph=second_order,
+                allow_unused=True,
+                materialize_grads=True,
+            )
         return dict(zip(inputs, grads)), value.detach()
 
     return lambda params, *args: (by_torch_func if _vmapped.get() else by_autograd)(params, *args)
 
 
-def sgd(params: Params, grads: Params, lr: float, momentum: float = 0.0,
-        velocity: Params | None = None) -> tuple[Params, Params | None]:
+def sgd(
+    params: Params, grads: Params, lr: float, momentum: float = 0.0, velocity: Params | None = None
+) -> tuple[Params, Params | None]:
     """``torch.optim.SGD``'s step (no dampening, no weight decay). The velocity starts at zero,
     which makes its first step the gradient itself, as torch's buffer does."""
     if momentum:
@@ -69,12 +78,21 @@ def adam_state(params: Params) -> dict:
     """Adam before its first step: zero moments, step 0. The step count is a float64 tensor (one per
     client when vmapped), so the bias corrections are as exact as torch's Python-float ones."""
     zeros = {k: torch.zeros_like(p) for k, p in params.items()}
-    return {"step": torch.zeros((), dtype=torch.float64, device=next(iter(params.values())).device),
-            "exp_avg": zeros, "exp_avg_sq": {k: z.clone() for k, z in zeros.items()}}
+    return {
+        "step": torch.zeros((), dtype=torch.float64, device=next(iter(params.values())).device),
+        "exp_avg": zeros,
+        "exp_avg_sq": {k: z.clone() for k, z in zeros.items()},
+    }
 
 
-def adam(params: Params, grads: Params, state: dict, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-         eps: float = 1e-8) -> tuple[Params, dict]:
+def adam(
+    params: Params,
+    grads: Params,
+    state: dict,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> tuple[Params, dict]:
     """``torch.optim.Adam``'s step (bias-corrected, no weight decay, no amsgrad) on ``state``
     from ``adam_state`` or an earlier step."""
     beta1, beta2 = betas
@@ -82,9 +100,11 @@ def adam(params: Params, grads: Params, state: dict, lr: float, betas: tuple[flo
     exp_avg = {k: torch.lerp(state["exp_avg"][k], grads[k], 1 - beta1) for k in grads}
     exp_avg_sq = {k: state["exp_avg_sq"][k] * beta2 + (1 - beta2) * grads[k] * grads[k] for k in grads}
     dtype = next(iter(params.values())).dtype
-    step_size = (lr / (1 - beta1 ** step)).to(dtype)
-    root_correction = (1 - beta2 ** step).sqrt().to(dtype)
-    new = {k: params[k] - step_size * exp_avg[k] / (exp_avg_sq[k].sqrt() / root_correction + eps) for k in grads}
+    step_size = (lr / (1 - beta1**step)).to(dtype)
+    root_correction = (1 - beta2**step).sqrt().to(dtype)
+    new = {
+        k: params[k] - step_size * exp_avg[k] / (exp_avg_sq[k].sqrt() / root_correction + eps) for k in grads
+    }
     return new, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

@@ -48,12 +48,30 @@ class Job:
 
     @property
     def label(self) -> str:
-        seeds = next((o.split("=", 1)[1].strip("[]").replace(",", "-") for o in self.overrides if o.startswith("seeds=")), None)
-        return (f"{self.point}/" if self.point else "") + f"{self.setting}/{self.method}/" + (f"seeds{seeds}" if seeds else f"seed{self.seed}")
+        seeds = next(
+            (
+                o.split("=", 1)[1].strip("[]").replace(",", "-")
+                for o in self.overrides
+                if o.startswith("seeds=")
+            ),
+            None,
+        )
+        return (
+            (f"{self.point}/" if self.point else "")
+            + f"{self.setting}/{self.method}/"
+            + (f"seeds{seeds}" if seeds else f"seed{self.seed}")
+        )
 
 
-def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] | None = None,
-         methods: list[str] | None = None, seeds: list[int] | None = None, extra: list[str] = ()) -> list[Job]:
+def plan(
+    preset: DictConfig,
+    root: Path,
+    grids: list[str],
+    datasets: list[str] | None = None,
+    methods: list[str] | None = None,
+    seeds: list[int] | None = None,
+    extra: list[str] = (),
+) -> list[Job]:
     """The runs of the chosen grids, seed by seed (all methods of seed 0 first, so a grid cut short
     still compares every method)."""
     settings = {name: s for name, s in preset.settings.items() if s.grid in grids}
@@ -62,24 +80,56 @@ def plan(preset: DictConfig, root: Path, grids: list[str], datasets: list[str] |
     if chain and methods:  # a chained method needs the methods its model comes from
         needed = {link["from"] for method, link in chain.items() if method in methods} - set(methods)
         if needed:
-            raise FedmetaError(f"--methods: the preset's chain starts them from {sorted(needed)}: add those too")
+            raise FedmetaError(
+                f"--methods: the preset's chain starts them from {sorted(needed)}: add those too"
+            )
     if datasets:  # data set names (cifar10) or setting names (cifar10-shards)
-        settings = {name: s for name, s in settings.items() if name in datasets or setting_dataset(s) in datasets}
+        settings = {
+            name: s for name, s in settings.items() if name in datasets or setting_dataset(s) in datasets
+        }
     jobs = []
     for label, setting in settings.items():
         dataset = setting_dataset(setting)
         rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
-        evaluations = preset.evaluations.get(dataset) if isinstance(preset.evaluations, DictConfig) else preset.evaluations
-        common = [*setting.overrides, f"federation.rounds={rounds}",
-                  f"federation.eval_every={math.ceil(rounds / evaluations)}",
-                  f"output.root={root}", f"output.setting={label}", "output.resume=true", *preset.overrides, *extra]
+        evaluations = (
+            preset.evaluations.get(dataset)
+            if isinstance(preset.evaluations, DictConfig)
+            else preset.evaluations
+        )
+        common = [
+            *setting.overrides,
+            f"federation.rounds={rounds}",
+            f"federation.eval_every={math.ceil(rounds / evaluations)}",
+            f"output.root={root}",
+            f"output.setting={label}",
+            "output.resume=true",
+            *preset.overrides,
+            *extra,
+        ]
         for seed in seeds if seeds is not None else preset.seeds:
-            for method in methods or preset.methods:  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
+            for method in (
+                methods or preset.methods
+            ):  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
                 name, _, variant = method.partition("-")
                 picks = (f"method={name}", *([f"variant={variant}"] if variant else []))
                 link = chain.get(method)
-                handed = (f"model.init_from={root / label / link['from']}/seed{{seed}}", *link.get("overrides", [])) if link else ()
-                jobs.append(Job(label, method, int(seed), (*common, *picks, f"seed={seed}", *handed), stage=stages[method]))
+                handed = (
+                    (
+                        f"model.init_from={root / label / link['from']}/seed{{seed}}",
+                        *link.get("overrides", []),
+                    )
+                    if link
+                    else ()
+                )
+                jobs.append(
+                    Job(
+                        label,
+                        method,
+                        int(seed),
+                        (*common, *picks, f"seed={seed}", *handed),
+                        stage=stages[method],
+                    )
+                )
     return jobs
 
 
@@ -95,7 +145,9 @@ def chain_stages(preset: DictConfig) -> tuple[dict, dict[str, int]]:
         if method not in stages:
             source = chain.get(method, {}).get("from")
             if source is not None and source not in preset.methods:
-                raise FedmetaError(f"the preset's chain starts {method} from {source}, which is not one of its methods")
+                raise FedmetaError(
+                    f"the preset's chain starts {method} from {source}, which is not one of its methods"
+                )
             stages[method] = 0 if source is None else stage(source, (*seen, method)) + 1
         return stages[method]
 
@@ -104,15 +156,23 @@ def chain_stages(preset: DictConfig) -> tuple[dict, dict[str, int]]:
     return chain, stages
 
 
-def check_names(preset: DictConfig, datasets: list[str] | None = None, methods: list[str] | None = None) -> None:
+def check_names(
+    preset: DictConfig, datasets: list[str] | None = None, methods: list[str] | None = None
+) -> None:
     """Every data set or setting name is one of the preset's, every method a method (with an
     existing variant: ``fedrep-tuned``): a typo is one line before anything runs or is written."""
-    unknown = set(datasets or ()) - {setting_dataset(s) for s in preset.settings.values()} - set(preset.settings)
+    unknown = (
+        set(datasets or ()) - {setting_dataset(s) for s in preset.settings.values()} - set(preset.settings)
+    )
     if unknown:
-        raise FedmetaError(f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}")
+        raise FedmetaError(
+            f"no setting of the preset is or uses {sorted(unknown)}; settings: {sorted(preset.settings)}"
+        )
     for method in methods or ():
         name, _, variant = method.partition("-")
-        compose([f"method={name}", *([f"variant={variant}"] if variant else [])])  # unknown: one line with the choices
+        compose(
+            [f"method={name}", *([f"variant={variant}"] if variant else [])]
+        )  # unknown: one line with the choices
 
 
 def setting_dataset(setting: DictConfig) -> str:
@@ -123,7 +183,11 @@ def finished(job: Job, kept: Path | None = None) -> bool:
     """The run's summary is in its run folder, or among the kept run files (``results/runs/<preset>``,
     committed: a clone without the runs folder does not run them again)."""
     cfg = compose(list(job.overrides))
-    return any((folder / run_name(cfg) / "summary.json").exists() for folder in (Path(cfg.output.root), kept) if folder)
+    return any(
+        (folder / run_name(cfg) / "summary.json").exists()
+        for folder in (Path(cfg.output.root), kept)
+        if folder
+    )
 
 
 def vectorized_here(cfg: DictConfig) -> bool:
@@ -134,7 +198,9 @@ def vectorized_here(cfg: DictConfig) -> bool:
 
     accelerator = cfg.fabric.accelerator
     gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
-    return resolve(cfg.federation.vectorize, cfg.federation.capture, torch.device("cuda" if gpu else "cpu"))[0]
+    return resolve(cfg.federation.vectorize, cfg.federation.capture, torch.device("cuda" if gpu else "cpu"))[
+        0
+    ]
 
 
 def stacked(jobs: list[Job]) -> list[Job]:
@@ -151,8 +217,16 @@ def stacked(jobs: list[Job]) -> list[Job]:
             continue
         seeds = [job.seed for job in group]
         overrides = tuple(o for o in group[0].overrides if not o.startswith("seed="))
-        merged.append(Job(group[0].setting, group[0].method, seeds[0], (*overrides, f"seeds=[{','.join(map(str, seeds))}]"),
-                          group[0].point, group[0].stage))
+        merged.append(
+            Job(
+                group[0].setting,
+                group[0].method,
+                seeds[0],
+                (*overrides, f"seeds=[{','.join(map(str, seeds))}]"),
+                group[0].point,
+                group[0].stage,
+            )
+        )
     return merged
 
 
@@ -180,16 +254,26 @@ def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
     if bad:
         raise FedmetaError(f"sweep values must be key=value or key=a,b,c, got {bad[0]!r}")
     if any(o.split("=", 1)[0] == "output.root" for o in overrides):
-        raise FedmetaError("a sweep's runs go under --root (default runs/sweep), not output.root: give --root FOLDER")
+        raise FedmetaError(
+            "a sweep's runs go under --root (default runs/sweep), not output.root: give --root FOLDER"
+        )
     axes = [(key, split_values(value)) for key, value in (o.split("=", 1) for o in overrides)]
     if any(not v for _, values in axes for v in values):
         raise FedmetaError("a sweep value is empty (two commas, or one at an end): write key=a,b,c")
     jobs = []
     for combination in itertools.product(*[[(key, v) for v in values] for key, values in axes]):
-        folder = ",".join(f"{k}={v}" for (k, v), (_, values) in zip(combination, axes) if len(values) > 1 and k not in IDENTITY)
+        folder = ",".join(
+            f"{k}={v}"
+            for (k, v), (_, values) in zip(combination, axes)
+            if len(values) > 1 and k not in IDENTITY
+        )
         folder = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", folder)
         job_root = root / folder if folder else root
-        run_overrides = (*(f"{k}={v}" for k, v in combination), f"output.root={job_root}", "output.resume=true")
+        run_overrides = (
+            *(f"{k}={v}" for k, v in combination),
+            f"output.root={job_root}",
+            "output.resume=true",
+        )
         cfg = compose(list(run_overrides))  # every point is checked before anything runs
         method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
         jobs.append(Job(setting_name(cfg), method, cfg.seed, run_overrides, folder))
@@ -206,7 +290,9 @@ def sweep_report(jobs: list[Job]) -> str:
         path = Path(cfg.output.root) / run_name(cfg) / "summary.json"
         summary = read_summary(path) if path.exists() else None
         if summary:
-            points.setdefault(f"{job.point or '-'} | {job.setting} | {job.method}", []).append(100 * summary["accuracy"])
+            points.setdefault(f"{job.point or '-'} | {job.setting} | {job.method}", []).append(
+                100 * summary["accuracy"]
+            )
     lines = ["| point | setting | method | accuracy (%) | seeds |", "|---|---|---|---|---|"]
     for point, values in points.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -232,14 +318,27 @@ def unit_seconds(job: Job, rows: list[dict]) -> float | None:
     cfg = compose(list(job.overrides))
     seeds = len(cfg.seeds) if cfg.seeds else 1
     fed = cfg.federation
-    match = [r for r in rows if r["dataset"] == cfg.dataset.name and r["method"] == cfg.method.name
-             and r["variant"] == cfg.variant and r["precision"] == str(cfg.fabric.precision)
-             and r.get("matmul_precision", "highest") == cfg.fabric.matmul_precision]
+    match = [
+        r
+        for r in rows
+        if r["dataset"] == cfg.dataset.name
+        and r["method"] == cfg.method.name
+        and r["variant"] == cfg.variant
+        and r["precision"] == str(cfg.fabric.precision)
+        and r.get("matmul_precision", "highest") == cfg.fabric.matmul_precision
+    ]
     if not match:
         return None
     per_round = min(r["seconds_per_round"] for r in match)
-    evaluation = min(r["evaluation_seconds"] / r["new_clients"] if "evaluation_seconds" in r
-                     else r["personalize_seconds_per_client"] for r in match) * fed.num_new_clients
+    evaluation = (
+        min(
+            r["evaluation_seconds"] / r["new_clients"]
+            if "evaluation_seconds" in r
+            else r["personalize_seconds_per_client"]
+            for r in match
+        )
+        * fed.num_new_clients
+    )
     evaluations = math.ceil(fed.rounds / fed.eval_every) + (fed.rounds % fed.eval_every != 0)
     return STARTUP_SECONDS + seeds * (fed.rounds * per_round + evaluations * evaluation)
 
@@ -256,14 +355,25 @@ def within_budget(todo: list[Job], rows: list[dict], budget: float) -> list[Job]
             total += seconds
             print(f"starting {job.label}: ~{seconds:.0f} s")
         else:
-            reason = "no bench row measured it" if seconds is None else f"~{seconds:.0f} s, {budget - total:.0f} s left"
+            reason = (
+                "no bench row measured it"
+                if seconds is None
+                else f"~{seconds:.0f} s, {budget - total:.0f} s left"
+            )
             print(f"not starting {job.label}: {reason}")
     print(f"{len(chosen)} of {len(todo)} processes fit {budget:.0f} s (~{total:.0f} s estimated)")
     return chosen
 
 
-def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None, executor: str = "pool",
-        slurm: list[str] = (), budget: tuple[float, list[dict]] | None = None) -> list[str]:
+def run(
+    jobs: list[Job],
+    root: Path,
+    parallel: int = 1,
+    kept: Path | None = None,
+    executor: str = "pool",
+    slurm: list[str] = (),
+    budget: tuple[float, list[dict]] | None = None,
+) -> list[str]:
     """Run the jobs not yet finished on ``executor``; returns one line per failed run (its log holds the rest).
     ``budget`` (seconds, bench rows): start only the processes estimated to finish in that time.
     ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods)."""
@@ -271,19 +381,26 @@ def run(jobs: list[Job], root: Path, parallel: int = 1, kept: Path | None = None
         raise FedmetaError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     remaining = [job for job in jobs if not finished(job, kept)]
     todo = stacked(remaining)
-    print(f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
-          f"in {len(todo)} processes, {parallel or 'all'} at a time ({executor})")
+    print(
+        f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
+        f"in {len(todo)} processes, {parallel or 'all'} at a time ({executor})"
+    )
     if budget is not None:
         todo = within_budget(todo, budget[1], budget[0])
     parallel = parallel or max(1, len(todo))
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    threads = 1 if parallel > 1 and executor != "slurm" else 0  # OpenMP threads of parallel runs only fight each other
+    threads = (
+        1 if parallel > 1 and executor != "slurm" else 0
+    )  # OpenMP threads of parallel runs only fight each other
     failures = []
     for stage in sorted({job.stage for job in todo}):  # a chain's stages one after another, each in parallel
         wave = [job for job in todo if job.stage == stage]
-        failures += _run_pool(wave, logs, parallel, threads) if executor == "pool" else \
-            _run_submitit(wave, logs / "submitit", parallel, threads, executor, slurm)
+        failures += (
+            _run_pool(wave, logs, parallel, threads)
+            if executor == "pool"
+            else _run_submitit(wave, logs / "submitit", parallel, threads, executor, slurm)
+        )
     return failures
 
 
@@ -308,13 +425,19 @@ def _failure(job: Job, code, log: Path) -> str | None:
 
 
 def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[str]:
-    env = dict(os.environ) | ({"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {})
+    env = dict(os.environ) | (
+        {"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {}
+    )
 
     def execute(job: Job) -> str | None:
         log = logs / f"{job.label.replace('/', '-')}.log"
         with open(log, "w") as out:
-            code = subprocess.run([sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
-                                  stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+            code = subprocess.run(
+                [sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            ).returncode
         return _failure(job, code, log)
 
     failures = []
@@ -327,7 +450,9 @@ def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[
     return failures
 
 
-def _run_submitit(todo: list[Job], folder: Path, parallel: int, threads: int, kind: str, slurm: list[str]) -> list[str]:
+def _run_submitit(
+    todo: list[Job], folder: Path, parallel: int, threads: int, kind: str, slurm: list[str]
+) -> list[str]:
     """The jobs through submitit: on SLURM one array job (``parallel`` tasks at once, ``slurm``:
     submitit's parameters as key=value, e.g. partition=gpu gpus_per_node=1 timeout_min=600); on
     this machine its local executor, ``parallel`` jobs at a time."""
@@ -335,8 +460,10 @@ def _run_submitit(todo: list[Job], folder: Path, parallel: int, threads: int, ki
 
     if kind == "slurm":
         if shutil.which("sbatch") is None:
-            raise FedmetaError("--executor slurm needs SLURM's sbatch, not found here: run it on the cluster's login "
-                               "node, or use --executor local to run the same jobs on this machine")
+            raise FedmetaError(
+                "--executor slurm needs SLURM's sbatch, not found here: run it on the cluster's login "
+                "node, or use --executor local to run the same jobs on this machine"
+            )
         executor = submitit.AutoExecutor(folder / "%j", cluster="slurm")
         options = {"slurm_array_parallelism": parallel, "name": "fedmeta"}
     else:
@@ -344,7 +471,9 @@ def _run_submitit(todo: list[Job], folder: Path, parallel: int, threads: int, ki
     for item in slurm:
         key, _, value = item.partition("=")
         if not value:
-            raise FedmetaError(f"--slurm takes key=value (submitit's parameters, e.g. partition=gpu), got {item!r}")
+            raise FedmetaError(
+                f"--slurm takes key=value (submitit's parameters, e.g. partition=gpu), got {item!r}"
+            )
         options[key] = yaml.safe_load(value)
     try:
         executor.update_parameters(**options)

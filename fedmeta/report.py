@@ -25,8 +25,17 @@ from omegaconf import DictConfig, OmegaConf
 from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR
 from fedmeta.runs import read_summary
 
-METHOD_NAMES = {"fedavg": "FedAvg", "fedavg_ft": "FedAvg-FT", "ifca": "IFCA", "ifca_ft": "IFCA-FT", "ditto": "Ditto",
-                "fedrep": "FedRep", "perfedavg": "Per-FedAvg", "local": "Local", "cafeme": "CAFeMe"}
+METHOD_NAMES = {
+    "fedavg": "FedAvg",
+    "fedavg_ft": "FedAvg-FT",
+    "ifca": "IFCA",
+    "ifca_ft": "IFCA-FT",
+    "ditto": "Ditto",
+    "fedrep": "FedRep",
+    "perfedavg": "Per-FedAvg",
+    "local": "Local",
+    "cafeme": "CAFeMe",
+}
 
 
 def method_label(method: str) -> str:
@@ -39,9 +48,15 @@ def method_label(method: str) -> str:
 
 
 def _tuning_record(method: str) -> str:
-    """": trial k of n" from the header fedmeta tune wrote into the method's tuned.yaml."""
-    path = next((d / "variant" / method / "tuned.yaml" for d in (USER_CONFIG_DIR, CONFIG_DIR)
-                 if (d / "variant" / method / "tuned.yaml").is_file()), None)
+    """ ": trial k of n" from the header fedmeta tune wrote into the method's tuned.yaml."""
+    path = next(
+        (
+            d / "variant" / method / "tuned.yaml"
+            for d in (USER_CONFIG_DIR, CONFIG_DIR)
+            if (d / "variant" / method / "tuned.yaml").is_file()
+        ),
+        None,
+    )
     header = path.read_text()[:1000] if path else ""
     picked = re.search(r"\(trial (\d+) of (\d+)\)", header)
     if picked:
@@ -90,11 +105,17 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
     runs, paper = collect(root), OmegaConf.load(CONFIG_DIR / "paper_results.yaml")
     settings = [name for name, s in preset.settings.items() if s.grid == "table"]
     methods = list(preset.methods)
-    lines = [f"## Preset `{preset_name}`", "",
-             f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
-             f"the seeds run; beside it the paper's number (5 seeds, full protocol) and ours minus the paper's.",
-             "", f"Command: `{command}`. Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from `{root}/`.", "",
-             "| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    lines = [
+        f"## Preset `{preset_name}`",
+        "",
+        f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
+        f"the seeds run; beside it the paper's number (5 seeds, full protocol) and ours minus the paper's.",
+        "",
+        f"Command: `{command}`. Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from `{root}/`.",
+        "",
+        "| method | " + " | ".join(settings) + " |",
+        "|---|" + "---|" * len(settings),
+    ]
     for method in methods:
         cells = []
         for setting in settings:
@@ -109,18 +130,25 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
                 cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
             cells.append(cell)
         lines.append(f"| {method_label(method)} | " + " | ".join(cells) + " |")
-    lines += ["", f"### Every cell of `{preset_name}`: budget, hardware, wall time", "",
-              "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"### Every cell of `{preset_name}`: budget, hardware, wall time",
+        "",
+        "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for setting in settings:
         for method in methods:
             summaries = runs.get((setting, method), [])
             per_round = [s["seconds_per_round"] for s in summaries if s.get("seconds_per_round") is not None]
             if summaries:  # a chain's scoring stage trains no rounds: no time per round
-                lines.append(f"| {setting} | {method} | {','.join(str(s['seed']) for s in summaries)} | "
-                             f"{'/'.join(sorted({str(s['rounds']) for s in summaries}))} | "
-                             f"{f'{statistics.median(per_round):.2f}' if per_round else '-'} | "
-                             f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
-                             f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |")
+                lines.append(
+                    f"| {setting} | {method} | {','.join(str(s['seed']) for s in summaries)} | "
+                    f"{'/'.join(sorted({str(s['rounds']) for s in summaries}))} | "
+                    f"{f'{statistics.median(per_round):.2f}' if per_round else '-'} | "
+                    f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
+                    f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |"
+                )
     text = "\n".join(lines) + "\n"
     replace_section(out, preset_name, text)
     return text
@@ -134,11 +162,13 @@ def replace_section(path: Path, name: str, text: str) -> None:
     added; written to a temporary file and renamed, so a reader never sees half a file."""
     start, end = f"<!-- preset {name} -->", f"<!-- end of preset {name} -->"
     old = path.read_text() if path.exists() else TABLES_TITLE
-    if not old.startswith("# Results\n"):  # a file from before sections: every table in it is rebuilt from results/runs/
+    if not old.startswith(
+        "# Results\n"
+    ):  # a file from before sections: every table in it is rebuilt from results/runs/
         old = TABLES_TITLE
     block = f"{start}\n{text}{end}\n"
     if start in old and end in old:
-        new = old[:old.index(start)] + block + old[old.index(end) + len(end) + 1:]
+        new = old[: old.index(start)] + block + old[old.index(end) + len(end) + 1 :]
     else:
         new = old.rstrip("\n") + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,13 +190,38 @@ def log_report(preset_name: str, preset: DictConfig, root: Path, written: list[P
     import wandb
 
     runs = collect(root)
-    rows = [[setting, method, *_mean_std([100 * s["accuracy"] for s in runs[(setting, method)]]), len(runs[(setting, method)])]
-            for setting in preset.settings for method in preset.methods if runs.get((setting, method))]
+    rows = [
+        [
+            setting,
+            method,
+            *_mean_std([100 * s["accuracy"] for s in runs[(setting, method)]]),
+            len(runs[(setting, method)]),
+        ]
+        for setting in preset.settings
+        for method in preset.methods
+        if runs.get((setting, method))
+    ]
     Path("runs").mkdir(exist_ok=True)
-    with wandb.init(project="fedmeta", name=f"report-{preset_name}", group="report", job_type="report", mode=mode,
-                    dir=str(Path("runs").resolve()), reinit="create_new", settings=wandb.Settings(silent=True, console="off")) as run:
-        run.log({"table": wandb.Table(columns=["setting", "method", "accuracy", "std", "seeds"], data=rows),
-                 **{f"figures/{path.stem}": wandb.Image(str(path)) for path in written if path.suffix == ".png"}})
+    with wandb.init(
+        project="fedmeta",
+        name=f"report-{preset_name}",
+        group="report",
+        job_type="report",
+        mode=mode,
+        dir=str(Path("runs").resolve()),
+        reinit="create_new",
+        settings=wandb.Settings(silent=True, console="off"),
+    ) as run:
+        run.log(
+            {
+                "table": wandb.Table(columns=["setting", "method", "accuracy", "std", "seeds"], data=rows),
+                **{
+                    f"figures/{path.stem}": wandb.Image(str(path))
+                    for path in written
+                    if path.suffix == ".png"
+                },
+            }
+        )
         files = wandb.Artifact(f"report-{preset_name}", type="report")
         for path in written:
             files.add_file(str(path))
@@ -198,7 +253,9 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
         means = np.array([100 * np.mean(v) for v in samples_per_x])
         stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
         color = f"C{methods.index(method) % 10}"
-        ax.plot(xs, means, marker="o" if len(xs) < 12 else None, ms=4, color=color, label=method_label(method))
+        ax.plot(
+            xs, means, marker="o" if len(xs) < 12 else None, ms=4, color=color, label=method_label(method)
+        )
         ax.fill_between(xs, means - stds, means + stds, color=color, alpha=0.15)
 
     def legend(fig, axes) -> None:
@@ -207,15 +264,20 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
         fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8)
         fig.subplots_adjust(right=0.85)
 
-    for figure, xlabel in (("heterogeneity", "heterogeneity of the partition (RMNIST)"),
-                           ("images_per_client", "images per client (Meta-Dataset)")):
+    for figure, xlabel in (
+        ("heterogeneity", "heterogeneity of the partition (RMNIST)"),
+        ("images_per_client", "images per client (Meta-Dataset)"),
+    ):
         axis = {k: v for k, v in preset[figure].items() if any((k, m) in runs for m in methods)}
         if len(axis) < 2:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for method in methods:
-            points = [(i if figure == "heterogeneity" else value, [s["accuracy"] for s in runs[(setting, method)]])
-                      for i, (setting, value) in enumerate(axis.items()) if (setting, method) in runs]
+            points = [
+                (i if figure == "heterogeneity" else value, [s["accuracy"] for s in runs[(setting, method)]])
+                for i, (setting, value) in enumerate(axis.items())
+                if (setting, method) in runs
+            ]
             if points:
                 band(ax, [x for x, _ in points], [v for _, v in points], method)
         if figure == "heterogeneity":
@@ -225,10 +287,19 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
         save(fig, f"fig_{figure}.png", [ax])
 
     series = {  # figure → (x label, y label, a run's (x, y) sequence)
-        "personalization": ("personalization step", "accuracy after k personalization steps (%)",
-                            lambda s: (list(range(len(s["curve"]))), s["curve"])),
-        "convergence": ("communication round", "new-client accuracy (%)",
-                        lambda s: ([int(r["round"]) for r in s["metrics"]], [float(r["eval_accuracy"]) for r in s["metrics"]])),
+        "personalization": (
+            "personalization step",
+            "accuracy after k personalization steps (%)",
+            lambda s: (list(range(len(s["curve"]))), s["curve"]),
+        ),
+        "convergence": (
+            "communication round",
+            "new-client accuracy (%)",
+            lambda s: (
+                [int(r["round"]) for r in s["metrics"]],
+                [float(r["eval_accuracy"]) for r in s["metrics"]],
+            ),
+        ),
     }
     present = [name for name in table_settings if any((name, m) in runs for m in methods)]
     for figure, (xlabel, ylabel, xy) in series.items():

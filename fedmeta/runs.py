@@ -22,8 +22,15 @@ from fedmeta.errors import FedmetaError
 
 log = logging.getLogger("fedmeta")
 
-METRIC_FIELDS = ["round", "train_loss", "round_seconds", "clients_dropped", "eval_accuracy", "eval_accuracy_std",
-                 "eval_step0_accuracy"]
+METRIC_FIELDS = [
+    "round",
+    "train_loss",
+    "round_seconds",
+    "clients_dropped",
+    "eval_accuracy",
+    "eval_accuracy_std",
+    "eval_step0_accuracy",
+]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -41,12 +48,24 @@ def read_summary(path: Path) -> dict | None:
             raise ValueError("no accuracy")
         return summary
     except (OSError, ValueError) as exc:
-        log.warning(f"skipping {path}: not a finished run's summary ({type(exc).__name__}); delete it and run that run again")
+        log.warning(
+            f"skipping {path}: not a finished run's summary ({type(exc).__name__}); delete it and run that run again"
+        )
         return None
 
 
-RUN_ENTRIES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl", "checkpoint.ckpt",
-               "checkpoint.ckpt.tmp", "tensorboard", "wandb", "csv")  # everything a run writes in its folder
+RUN_ENTRIES = (
+    "config.yaml",
+    "metrics.csv",
+    "curves.csv",
+    "summary.json",
+    "evaluations.jsonl",
+    "checkpoint.ckpt",
+    "checkpoint.ckpt.tmp",
+    "tensorboard",
+    "wandb",
+    "csv",
+)  # everything a run writes in its folder
 LOG_FOLDERS = ("tensorboard", "wandb", "csv")
 
 
@@ -66,9 +85,13 @@ def check_run_folder(run_dir: Path) -> None:
     send a write elsewhere, a FIFO would block a read forever."""
     for name in RUN_ENTRIES:
         path = run_dir / name
-        if path.is_symlink() or (path.exists() and not (path.is_file() or (path.is_dir() and name in LOG_FOLDERS))):
+        if path.is_symlink() or (
+            path.exists() and not (path.is_file() or (path.is_dir() and name in LOG_FOLDERS))
+        ):
             kind = "a symbolic link" if path.is_symlink() else "not a regular file"
-            raise FedmetaError(f"{path} is {kind}: a run folder holds only the files fedmeta writes; move it away and run again")
+            raise FedmetaError(
+                f"{path} is {kind}: a run folder holds only the files fedmeta writes; move it away and run again"
+            )
 
 
 def append_text(path: Path, text: str) -> None:
@@ -96,8 +119,10 @@ class RunLock:
             except FileExistsError:
                 holder = self.path.read_text().strip() if self.path.exists() else ""
                 if not self._stale(holder):
-                    raise FedmetaError(f"{self.path.with_suffix('')} is in use by another fedmeta process ({holder}): "
-                                       f"wait for it to finish, or delete {self.path} if that process is gone") from None
+                    raise FedmetaError(
+                        f"{self.path.with_suffix('')} is in use by another fedmeta process ({holder}): "
+                        f"wait for it to finish, or delete {self.path} if that process is gone"
+                    ) from None
                 self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as f:
@@ -126,8 +151,14 @@ class RunLock:
 
 
 # a metrics.csv column → its name in the loggers: one namespace per chart section
-LOGGED_AS = {"train_loss": "train/loss", "round_seconds": "train/round_seconds", "clients_dropped": "train/clients_dropped",
-             "eval_accuracy": "eval/accuracy", "eval_accuracy_std": "eval/accuracy_std", "eval_step0_accuracy": "eval/step0_accuracy"}
+LOGGED_AS = {
+    "train_loss": "train/loss",
+    "round_seconds": "train/round_seconds",
+    "clients_dropped": "train/clients_dropped",
+    "eval_accuracy": "eval/accuracy",
+    "eval_accuracy_std": "eval/accuracy_std",
+    "eval_step0_accuracy": "eval/step0_accuracy",
+}
 
 
 def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | None = None):
@@ -141,30 +172,43 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | 
     from lightning.pytorch.loggers import WandbLogger
 
     method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+
     # Our own wandb.init: Lightning's would set $WANDB_MODE for the whole process, reuse another
     # seed's open run, and pass options W&B warns about. reinit="create_new": stacked seeds hold
     # one W&B run each at the same time in this process.
     def start(resume_id: str | None):
-        return wandb.init(project=cfg.wandb.project, name=f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}",
-                          group=setting_name(cfg), job_type=method, tags=[t[:64] for t in tags], dir=str(run_dir.resolve()),
-                          mode=mode, reinit="create_new", config=OmegaConf.to_container(cfg),
-                          settings=wandb.Settings(silent=True, console="off"),
-                          **({"id": resume_id, "resume": "allow"} if resume_id else {}))
+        return wandb.init(
+            project=cfg.wandb.project,
+            name=f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}",
+            group=setting_name(cfg),
+            job_type=method,
+            tags=[t[:64] for t in tags],
+            dir=str(run_dir.resolve()),
+            mode=mode,
+            reinit="create_new",
+            config=OmegaConf.to_container(cfg),
+            settings=wandb.Settings(silent=True, console="off"),
+            **({"id": resume_id, "resume": "allow"} if resume_id else {}),
+        )
 
     try:
         run = start(run_id)
     except Exception as exc:  # noqa: BLE001 — W&B refuses to continue a run (a killed process's run still "in use")
         if not run_id:
             raise
-        log.warning(f"W&B run {run_id} could not be continued ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}); "
-                    "the resumed rounds go to a new W&B run of the same name and group")
+        log.warning(
+            f"W&B run {run_id} could not be continued ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}); "
+            "the resumed rounds go to a new W&B run of the same name and group"
+        )
         run = start(None)
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)  # x axis: the round
     return WandbLogger(experiment=run)
 
 
-def run_loggers(cfg: DictConfig, run_dir: Path, tags: list[str], history: dict | None) -> tuple[list, list, object]:
+def run_loggers(
+    cfg: DictConfig, run_dir: Path, tags: list[str], history: dict | None
+) -> tuple[list, list, object]:
     """The Fabric loggers ``cfg.logger`` names, for the rounds' metrics (step = round) and for the
     personalization curves (step = personalization step, one series per evaluation), and the W&B
     logger among them (None without one). A resumed TensorBoard log drops what was logged after
@@ -180,8 +224,14 @@ def run_loggers(cfg: DictConfig, run_dir: Path, tags: list[str], history: dict |
             csv_logger.log_metrics(_logged(row), step=int(row["round"]))
         rounds.append(csv_logger)
     if "tensorboard" in cfg.logger:
-        rounds.append(TensorBoardLogger(run_dir, name="tensorboard", version="rounds",
-                                        **({"purge_step": resumed_at} if resumed_at else {})))
+        rounds.append(
+            TensorBoardLogger(
+                run_dir,
+                name="tensorboard",
+                version="rounds",
+                **({"purge_step": resumed_at} if resumed_at else {}),
+            )
+        )
         curves.append(TensorBoardLogger(run_dir, name="tensorboard", version="personalization"))
     if "wandb" in cfg.logger:
         wandb_run = wandb_logger(cfg, run_dir, tags, history.get("wandb_id") if history else None)
@@ -206,12 +256,21 @@ class RunRecorder:
     and logs the same metrics to the run's Fabric loggers, on the main process only. ``history``
     (from a checkpoint) continues a run: its rows so far are written back and new ones follow."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, main_process: bool, history: dict | None = None, tags: list[str] = ()):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: DictConfig,
+        main_process: bool,
+        history: dict | None = None,
+        tags: list[str] = (),
+    ):
         self.dir = run_dir
         self.main = main_process
         self.log_model = cfg.wandb.log_model
         if (run_dir / "summary.json").exists() and not cfg.output.overwrite:
-            raise FedmetaError(f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it")
+            raise FedmetaError(
+                f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it"
+            )
         self.rows: list[dict] = list(history["metrics"]) if history else []
         self.curves: list[list] = list(history["curves"]) if history else []
         self.loggers, self.curve_loggers, self.wandb = [], [], None
@@ -220,9 +279,13 @@ class RunRecorder:
                 # a run that failed in its first round left headers only: nothing there blocks the corrected rerun
                 kept = [name for name in ("checkpoint.ckpt", "summary.json") if (run_dir / name).exists()]
                 kept += ["metrics.csv"] if _logged_rounds(run_dir / "metrics.csv") else []
-                if kept and not (cfg.output.overwrite or cfg.output.resume):  # resume without a checkpoint: nothing to keep
-                    raise FedmetaError(f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
-                                       "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true")
+                if kept and not (
+                    cfg.output.overwrite or cfg.output.resume
+                ):  # resume without a checkpoint: nothing to keep
+                    raise FedmetaError(
+                        f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
+                        "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true"
+                    )
                 clear_run_folder(run_dir)  # empty of results, or replacing them was asked for
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "checkpoint.ckpt.tmp").unlink(missing_ok=True)  # a checkpoint write cut off by a kill
@@ -232,8 +295,12 @@ class RunRecorder:
                 writer.writeheader()
                 writer.writerows(self.rows)
             with open(run_dir / "curves.csv", "w", newline="") as f:
-                csv.writer(f).writerows([["round", "step", "accuracy"],
-                                         *([r, step, acc] for r, curve in self.curves for step, acc in enumerate(curve))])
+                csv.writer(f).writerows(
+                    [
+                        ["round", "step", "accuracy"],
+                        *([r, step, acc] for r, curve in self.curves for step, acc in enumerate(curve)),
+                    ]
+                )
             self.loggers, self.curve_loggers, self.wandb = run_loggers(cfg, run_dir, list(tags), history)
 
     @property
@@ -267,18 +334,33 @@ class RunRecorder:
         if self.wandb:
             import wandb
 
-            table = wandb.Table(columns=["round", "step", "accuracy"],
-                                data=[[r, step, acc] for r, points in self.curves for step, acc in enumerate(points)])
-            self.wandb.experiment.log({"personalization/curves": table, "trainer/global_step": round_,
-                                       "personalization/plot": wandb.plot.line(table, "step", "accuracy", stroke="round",
-                                                                               title="accuracy after k personalization steps")})
+            table = wandb.Table(
+                columns=["round", "step", "accuracy"],
+                data=[[r, step, acc] for r, points in self.curves for step, acc in enumerate(points)],
+            )
+            self.wandb.experiment.log(
+                {
+                    "personalization/curves": table,
+                    "trainer/global_step": round_,
+                    "personalization/plot": wandb.plot.line(
+                        table,
+                        "step",
+                        "accuracy",
+                        stroke="round",
+                        title="accuracy after k personalization steps",
+                    ),
+                }
+            )
 
     def finish(self, summary: dict, cfg: DictConfig) -> None:
         if not self.main:
             return
         atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2))
-        final = {"final/accuracy": summary["accuracy"], "final/accuracy_std": summary["accuracy_std"],
-                 "final/step0_accuracy": summary["curve"][0]}
+        final = {
+            "final/accuracy": summary["accuracy"],
+            "final/accuracy_std": summary["accuracy_std"],
+            "final/step0_accuracy": summary["curve"][0],
+        }
         for logger in self.loggers:  # TensorBoard's HParams tab: every run's settings beside its result
             if isinstance(logger, TensorBoardLogger):
                 logger.log_hyperparams(_flat(OmegaConf.to_container(cfg)), metrics=final)
@@ -288,7 +370,11 @@ class RunRecorder:
             run = self.wandb.experiment
             run.summary.update({k: v for k, v in summary.items() if k != "curve"} | final)
             if self.log_model and (self.dir / "checkpoint.ckpt").exists():
-                model = wandb.Artifact(f"model-{run.id}", type="model", metadata={k: v for k, v in summary.items() if k != "curve"})
+                model = wandb.Artifact(
+                    f"model-{run.id}",
+                    type="model",
+                    metadata={k: v for k, v in summary.items() if k != "curve"},
+                )
                 model.add_file(str(self.dir / "checkpoint.ckpt"))
                 run.log_artifact(model)
         self.close("success")
@@ -298,7 +384,9 @@ class RunRecorder:
         for logger in [*self.loggers, *self.curve_loggers]:
             logger.finalize(status)
         if self.wandb:
-            self.wandb.experiment.finish(exit_code=0 if status == "success" else 1)  # a later run here starts its own
+            self.wandb.experiment.finish(
+                exit_code=0 if status == "success" else 1
+            )  # a later run here starts its own
         self.loggers, self.curve_loggers, self.wandb = [], [], None
 
 

@@ -42,7 +42,7 @@ def suggest(trial, space: DictConfig) -> list[str]:
     """The trial's values for every key of ``space``, as ``key=value`` overrides."""
     overrides = []
     for key, kind in space.items():
-        (how, bounds), = kind.items()
+        ((how, bounds),) = kind.items()
         if how == "log":
             value = trial.suggest_float(key, *bounds, log=True)
         elif how == "float":
@@ -60,11 +60,23 @@ def suggest(trial, space: DictConfig) -> list[str]:
 class Study:
     """One method's study: its budget, search space, storage and output files."""
 
-    def __init__(self, method: str, overrides: list[str], trials: int | None, rounds: int | None, seed: int | None,
-                 storage: str | None, root: Path = Path("runs/tune"), config_dir: Path = CONFIG_DIR, overwrite: bool = False):
+    def __init__(
+        self,
+        method: str,
+        overrides: list[str],
+        trials: int | None,
+        rounds: int | None,
+        seed: int | None,
+        storage: str | None,
+        root: Path = Path("runs/tune"),
+        config_dir: Path = CONFIG_DIR,
+        overwrite: bool = False,
+    ):
         tune = load_spaces(config_dir)
         if method not in tune.spaces:
-            raise FedmetaError(f"no search space for method {method!r} in configs/tune.yaml: choose one of {sorted(tune.spaces)}")
+            raise FedmetaError(
+                f"no search space for method {method!r} in configs/tune.yaml: choose one of {sorted(tune.spaces)}"
+            )
         budget = tune.budget
         self.method, self.space, self.config_dir = method, tune.spaces[method], config_dir
         self.trials = trials if trials is not None else budget.trials
@@ -74,60 +86,110 @@ class Study:
             raise FedmetaError(f"--trials and --rounds must be ≥ 1, got {self.trials} and {self.rounds}")
         scored = preset_seeds(config_dir)
         if self.seed in scored:
-            raise FedmetaError(f"--seed {self.seed} is a seed the presets score ({sorted(scored)}): tune on another one")
+            raise FedmetaError(
+                f"--seed {self.seed} is a seed the presets score ({sorted(scored)}): tune on another one"
+            )
         # Each method's sampler its own seed (one seed for all drew the same values for every study),
         # and TPE's random start-up at most half the trials, so the rest are proposed by the model.
         self.sampler_seed = zlib.crc32(f"{method}/{self.seed}".encode())
         self.startup_trials = max(1, min(10, self.trials // 2))
         evaluations = max(1, min(budget.evaluations, self.rounds))
-        self.base = [*budget.overrides, *overrides, f"method={method}", f"seed={self.seed}",
-                     f"federation.rounds={self.rounds}", f"federation.eval_every={math.ceil(self.rounds / evaluations)}"]
+        self.base = [
+            *budget.overrides,
+            *overrides,
+            f"method={method}",
+            f"seed={self.seed}",
+            f"federation.rounds={self.rounds}",
+            f"federation.eval_every={math.ceil(self.rounds / evaluations)}",
+        ]
         cfg = compose(self.base, config_dir)  # bad overrides are refused before a study exists
         for key in self.space:
             if OmegaConf.select(cfg, key, default=None) is None:
-                raise FedmetaError(f"configs/tune.yaml: {method} searches {key}, which its config does not have")
+                raise FedmetaError(
+                    f"configs/tune.yaml: {method} searches {key}, which its config does not have"
+                )
         self.setting = setting_name(cfg)
         self.name = f"{method}-{self.setting}-{self.rounds}rounds-seed{self.seed}"
         self.root = root / self.name
         if storage is not None and not storage.strip():
-            raise FedmetaError("--storage is empty: give a database URL (e.g. sqlite:///studies.db), or leave the option "
-                               "out for the default SQLite file under runs/tune/")
-        self.out = (USER_CONFIG_DIR if config_dir == CONFIG_DIR else config_dir) / "variant" / cfg.method.name / "tuned.yaml"
+            raise FedmetaError(
+                "--storage is empty: give a database URL (e.g. sqlite:///studies.db), or leave the option "
+                "out for the default SQLite file under runs/tune/"
+            )
+        self.out = (
+            (USER_CONFIG_DIR if config_dir == CONFIG_DIR else config_dir)
+            / "variant"
+            / cfg.method.name
+            / "tuned.yaml"
+        )
         if self.out.exists() and MARK not in self.out.read_text() and not overwrite:
-            raise FedmetaError(f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it")
+            raise FedmetaError(
+                f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it"
+            )
         root.mkdir(parents=True, exist_ok=True)  # every input checked: only now is anything created
         self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
-        self.storage_label = storage or f"SQLite, {root / 'studies.db'}"  # what the summary says: no machine's absolute path
+        self.storage_label = (
+            storage or f"SQLite, {root / 'studies.db'}"
+        )  # what the summary says: no machine's absolute path
 
     def run(self, show_progress: bool = True) -> dict:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
-            study = optuna.create_study(study_name=self.name, storage=self.storage, load_if_exists=True, direction="maximize",
-                                        sampler=optuna.samplers.TPESampler(seed=self.sampler_seed,
-                                                                           n_startup_trials=self.startup_trials),
-                                        pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
+            study = optuna.create_study(
+                study_name=self.name,
+                storage=self.storage,
+                load_if_exists=True,
+                direction="maximize",
+                sampler=optuna.samplers.TPESampler(
+                    seed=self.sampler_seed, n_startup_trials=self.startup_trials
+                ),
+                pruner=optuna.pruners.MedianPruner(n_startup_trials=2),
+            )
         except Exception as exc:  # a bad URL, an unreachable server, a database of another program
-            raise FedmetaError(f"cannot open the study database {self.storage} ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''}): give a database URL, e.g. sqlite:///tune.db") from None
-        done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+            raise FedmetaError(
+                f"cannot open the study database {self.storage} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}): give a database URL, e.g. sqlite:///tune.db"
+            ) from None
+        done = [
+            t
+            for t in study.trials
+            if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        ]
         for _ in range(self.trials - len(done)):
-            study.optimize(lambda trial: self._objective(trial, show_progress), n_trials=1, catch=(FedmetaError,))
+            study.optimize(
+                lambda trial: self._objective(trial, show_progress), n_trials=1, catch=(FedmetaError,)
+            )
             if any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
                 self.write(study)
         if not any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
-            raise FedmetaError(f"no trial of study {self.name} finished (see {self.root}): check the method's settings")
+            raise FedmetaError(
+                f"no trial of study {self.name} finished (see {self.root}): check the method's settings"
+            )
         self.write(study)
-        return {"study": self.name, "best_accuracy": study.best_value, "best": study.best_params, "tuned": str(self.out)}
+        return {
+            "study": self.name,
+            "best_accuracy": study.best_value,
+            "best": study.best_params,
+            "tuned": str(self.out),
+        }
 
     def _objective(self, trial, show_progress: bool) -> float:
         import optuna
 
         from fedmeta.loop import train
 
-        cfg = compose([*self.base, *suggest(trial, self.space), f"output.root={self.root}",
-                       f"output.setting=trial{trial.number}", "output.overwrite=true"], self.config_dir)
+        cfg = compose(
+            [
+                *self.base,
+                *suggest(trial, self.space),
+                f"output.root={self.root}",
+                f"output.setting=trial{trial.number}",
+                "output.overwrite=true",
+            ],
+            self.config_dir,
+        )
 
         def report(round_: int, accuracy: float) -> None:
             trial.report(accuracy, round_)
@@ -150,27 +212,48 @@ class Study:
         tree = OmegaConf.create()
         for key, value in best.params.items():
             OmegaConf.update(tree, key, value, force_add=True)
-        head = (f"# The best of {len(finished)} trials of {self.method}'s search space (TPE, median pruning) on "
-                f"{self.setting}, {self.rounds} rounds, tuning seed {self.seed}.\n"
-                f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md beside this file.\n"
-                f"{MARK} {self.name} (trial {best.number} of {len(finished)})\n")
+        head = (
+            f"# The best of {len(finished)} trials of {self.method}'s search space (TPE, median pruning) on "
+            f"{self.setting}, {self.rounds} rounds, tuning seed {self.seed}.\n"
+            f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md beside this file.\n"
+            f"{MARK} {self.name} (trial {best.number} of {len(finished)})\n"
+        )
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(head + OmegaConf.to_yaml(tree))
-        rows = sorted(finished, key=lambda t: -(t.value if t.value is not None else
-                                                 max(t.intermediate_values.values(), default=-1)))
-        lines = [f"# Tuning study `{self.name}`", "",
-                 f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `fedmeta tune {self.method}` "
-                 f"(storage: {self.storage_label}). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.sampler_seed}, "
-                 f"{self.startup_trials} random start-up trials), median pruner on the new-client accuracy at each "
-                 "intermediate evaluation.", "",
-                 "Search space (configs/tune.yaml): " + ", ".join(f"`{k}` {dict(v)}" for k, v in self.space.items()), "",
-                 f"Best: trial {best.number}, {100 * best.value:.2f} % → `{self.out.name}`.", "",
-                 "| trial | state | accuracy (%) | last round | " + " | ".join(self.space) + " |",
-                 "|---|---|---|---|" + "---|" * len(self.space)]
+        rows = sorted(
+            finished,
+            key=lambda t: (
+                -(t.value if t.value is not None else max(t.intermediate_values.values(), default=-1))
+            ),
+        )
+        lines = [
+            f"# Tuning study `{self.name}`",
+            "",
+            f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `fedmeta tune {self.method}` "
+            f"(storage: {self.storage_label}). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.sampler_seed}, "
+            f"{self.startup_trials} random start-up trials), median pruner on the new-client accuracy at each "
+            "intermediate evaluation.",
+            "",
+            "Search space (configs/tune.yaml): "
+            + ", ".join(f"`{k}` {dict(v)}" for k, v in self.space.items()),
+            "",
+            f"Best: trial {best.number}, {100 * best.value:.2f} % → `{self.out.name}`.",
+            "",
+            "| trial | state | accuracy (%) | last round | " + " | ".join(self.space) + " |",
+            "|---|---|---|---|" + "---|" * len(self.space),
+        ]
         for t in rows:
             last = max(t.intermediate_values, default=None)
             score = t.value if t.value is not None else t.intermediate_values.get(last)
-            lines.append(f"| {t.number} | {t.state.name.lower()} | {'' if score is None else f'{100 * score:.2f}'} | "
-                         f"{last if last is not None else ''} | " + " | ".join(f"{t.params.get(k, ''):.4g}" if isinstance(
-                             t.params.get(k), float) else str(t.params.get(k, '')) for k in self.space) + " |")
+            lines.append(
+                f"| {t.number} | {t.state.name.lower()} | {'' if score is None else f'{100 * score:.2f}'} | "
+                f"{last if last is not None else ''} | "
+                + " | ".join(
+                    f"{t.params.get(k, ''):.4g}"
+                    if isinstance(t.params.get(k), float)
+                    else str(t.params.get(k, ""))
+                    for k in self.space
+                )
+                + " |"
+            )
         self.out.with_name("tuned.study.md").write_text("\n".join(lines) + "\n")

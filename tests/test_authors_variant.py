@@ -18,8 +18,11 @@ from test_models import tiny_cafeme
 def tiny_client(side=8):
     """50 images: 35 to personalize on (5 batches of 6 an epoch, 5 left over), 15 held out."""
     g = torch.Generator().manual_seed(0)
-    data = ImageDataset(x=torch.randn(100, 1, side, side, generator=g, dtype=torch.float64),
-                        y=torch.randint(0, 3, (100,), generator=g), num_classes=3)
+    data = ImageDataset(
+        x=torch.randn(100, 1, side, side, generator=g, dtype=torch.float64),
+        y=torch.randint(0, 3, (100,), generator=g),
+        num_classes=3,
+    )
     return build_federation(data, {"name": "iid"}, 2, 1, 0.3, seed=0).train_clients[0]
 
 
@@ -34,7 +37,9 @@ def test_stream_reads_consecutive_drop_last_batches_and_reshuffles_every_epoch()
     first, second = client.stream("pers", 6, 0, 5), client.stream("pers", 6, 5, 5)
     assert all(len(b.x) == 6 for b in first + second)
     seen = [rows(b) for b in first]
-    assert len(set().union(*seen)) == 30 and set().union(*seen) <= pers  # consecutive, non-overlapping, drop_last
+    assert (
+        len(set().union(*seen)) == 30 and set().union(*seen) <= pers
+    )  # consecutive, non-overlapping, drop_last
     assert [rows(b) for b in second] != seen  # the next epoch is shuffled afresh
     again = client.stream("pers", 6, 0, 3) + client.stream("pers", 6, 3, 5)  # resumable from a count
     assert all(torch.equal(a.x, b.x) for a, b in zip(again, first + second))
@@ -43,10 +48,15 @@ def test_stream_reads_consecutive_drop_last_batches_and_reshuffles_every_epoch()
 def test_stream_fixed_reads_the_same_batches_in_the_same_order_every_epoch():
     """FedLab's SubsetSampler shuffles once, at construction: every epoch repeats the first."""
     client = tiny_client()
-    first, second = client.stream("pers", 6, 0, 5, reshuffle=False), client.stream("pers", 6, 5, 5, reshuffle=False)
+    first, second = (
+        client.stream("pers", 6, 0, 5, reshuffle=False),
+        client.stream("pers", 6, 5, 5, reshuffle=False),
+    )
     assert all(torch.equal(a.x, b.x) for a, b in zip(first, second))
     assert len(set().union(*(rows(b) for b in first))) == 30  # still a shuffled drop_last pass
-    assert [rows(b) for b in first] == [rows(b) for b in client.stream("pers", 6, 0, 5)]  # epoch 0 as the reshuffled one
+    assert [rows(b) for b in first] == [
+        rows(b) for b in client.stream("pers", 6, 0, 5)
+    ]  # epoch 0 as the reshuffled one
     assert not all(torch.equal(a.x, b.x) for a, b in zip(second, client.stream("pers", 6, 5, 5)))
 
 
@@ -57,7 +67,9 @@ def test_authors_cafeme_reads_its_rounds_from_one_iterator_over_the_80_percent()
     expected = client.stream("pers", 6, 0, 4)  # 2 inner steps, then an outer batch of 2 loader batches
     assert all(torch.equal(a.x, b.x) for a, b in zip(data["inner"], expected[:2]))
     assert torch.equal(data["outer"].x, torch.cat([b.x for b in expected[2:]]))
-    assert not (rows(data["outer"]) | set().union(*map(rows, data["inner"]))) & held_out  # the 20 % is never trained on
+    assert (
+        not (rows(data["outer"]) | set().union(*map(rows, data["inner"]))) & held_out
+    )  # the 20 % is never trained on
     algorithm.aggregate([algorithm.run_client(client, 1)])
     assert algorithm.client_states[client.id]["batches_read"] == 4
     later = algorithm.draw(client, 7)  # the next visit continues where the last stopped, whatever the round
@@ -84,17 +96,34 @@ def test_outer_optimizer_sgd_is_line_8_and_a_fresh_adam_is_sign_sgd(optimizer):
         expected = grads[k] if optimizer == "sgd" else grads[k] / (grads[k].abs() + 1e-8)  # Adam's first step
         torch.testing.assert_close(new[k], params[k] - beta * expected, rtol=1e-9, atol=1e-12)
     if optimizer == "adam_fresh":
-        moved = torch.cat([(new[k] - params[k]).abs().flatten() for k in params if grads[k].abs().min() > 1e-6])
+        moved = torch.cat(
+            [(new[k] - params[k]).abs().flatten() for k in params if grads[k].abs().min() > 1e-6]
+        )
         assert torch.allclose(moved, torch.full_like(moved, beta), rtol=1e-3)  # every weight moves by ≈ β
 
 
 def personalization_cfg(**options):
-    return OmegaConf.create({**dict(steps=3, lr=0.1, decay=0.8, decay_every=5, batch_size=6, batches="independent",
-                                    held_out_batch_size=None), **options})
+    return OmegaConf.create(
+        {
+            **dict(
+                steps=3,
+                lr=0.1,
+                decay=0.8,
+                decay_every=5,
+                batch_size=6,
+                batches="independent",
+                held_out_batch_size=None,
+            ),
+            **options,
+        }
+    )
 
 
 def test_held_out_in_loader_batches_scores_each_batch_with_its_own_context_and_averages():
-    algorithm, client = tiny_cafeme(use_labels=False), tiny_client()  # transductive: ζ from the batch classified
+    algorithm, client = (
+        tiny_cafeme(use_labels=False),
+        tiny_client(),
+    )  # transductive: ζ from the batch classified
     cfg = personalization_cfg(held_out_batch_size=4)
     data = draw_personalization(algorithm, client, cfg)
     batches = data["held_out"]
@@ -102,15 +131,19 @@ def test_held_out_in_loader_batches_scores_each_batch_with_its_own_context_and_a
     params = algorithm.global_params()
     _, curve, _ = personalize(algorithm, params, data, cfg)
     with torch.no_grad():
-        per_batch = [(algorithm(params, b.x, algorithm.prediction_context(b, None)).argmax(1) == b.y).double().mean()
-                     for b in batches]
+        per_batch = [
+            (algorithm(params, b.x, algorithm.prediction_context(b, None)).argmax(1) == b.y).double().mean()
+            for b in batches
+        ]
     assert curve[0].item() == pytest.approx(torch.stack(per_batch).mean().item(), abs=1e-6)
 
 
 def test_authors_personalization_steps_read_a_persistent_iterator():
     algorithm, client = tiny_cafeme(), tiny_client()
     data = draw_personalization(algorithm, client, personalization_cfg(batches="stream", steps=6))
-    expected = client.stream("pers", 6, 0, 6, PERSONALIZE_STREAM_PURPOSE)  # 5 a pass: the 6th starts a new epoch
+    expected = client.stream(
+        "pers", 6, 0, 6, PERSONALIZE_STREAM_PURPOSE
+    )  # 5 a pass: the 6th starts a new epoch
     assert all(torch.equal(a.x, b.x) for a, b in zip(data["steps"], expected)) and len(data["steps"]) == 6
     assert torch.equal(data["context"].x, expected[0].x)
 
@@ -118,28 +151,49 @@ def test_authors_personalization_steps_read_a_persistent_iterator():
 @pytest.mark.parametrize("dataset,batch", [("rmnist", 30), ("cifar10", 50)])
 def test_authors_variant_config_names_each_behaviour(dataset, batch):
     cfg = compose([f"dataset={dataset}", "method=cafeme", "variant=authors"])
-    assert (cfg.method.outer_optimizer, cfg.method.batches, cfg.method.context, cfg.method.first_order) == \
-        ("adam_kept", "stream_fixed", "transductive", True)
+    assert (cfg.method.outer_optimizer, cfg.method.batches, cfg.method.context, cfg.method.first_order) == (
+        "adam_kept",
+        "stream_fixed",
+        "transductive",
+        True,
+    )
     assert cfg.personalization.batches == "stream_fixed" and cfg.personalization.held_out_batch_size == batch
     # the authors' data pipeline, for the data set and partition it applies to
     options = cfg.dataset.get("options", {})
-    assert (options.get("interpolation"), options.get("standardize")) == (("nearest", False) if dataset == "rmnist" else (None, None))
-    assert compose([f"dataset={dataset}", "partition=dirichlet", "method=cafeme", "variant=authors"]).partition.balance
+    assert (options.get("interpolation"), options.get("standardize")) == (
+        ("nearest", False) if dataset == "rmnist" else (None, None)
+    )
+    assert compose(
+        [f"dataset={dataset}", "partition=dirichlet", "method=cafeme", "variant=authors"]
+    ).partition.balance
     assert not compose([f"dataset={dataset}", "partition=dirichlet", "method=cafeme"]).partition.balance
     assert cfg.method.eval_batch_size == 6 * batch
-    one_pass = compose([f"dataset={dataset}", "method=cafeme", "variant=authors", "personalization.held_out_batch_size=null"])
+    one_pass = compose(
+        [f"dataset={dataset}", "method=cafeme", "variant=authors", "personalization.held_out_batch_size=null"]
+    )
     assert one_pass.personalization.held_out_batch_size is None  # null (one pass) can be asked back
     paper = compose([f"dataset={dataset}", "method=cafeme"])
-    assert (paper.method.outer_optimizer, paper.method.batches, paper.personalization.held_out_batch_size) == \
-        ("adam_fresh", "independent", None)
+    assert (
+        paper.method.outer_optimizer,
+        paper.method.batches,
+        paper.personalization.held_out_batch_size,
+    ) == ("adam_fresh", "independent", None)
 
 
 # ---- the baselines as the authors' code ran them ---------------------------------------------
 def baseline(method, *overrides):
     from fedmeta.algorithms import build_algorithm
 
-    cfg = compose([f"method={method}", "variant=authors", "model.conv_channels=[4,8]", "model.dense_units=[16]",
-                   "method.batch_size=6", *overrides])
+    cfg = compose(
+        [
+            f"method={method}",
+            "variant=authors",
+            "model.conv_channels=[4,8]",
+            "model.dense_units=[16]",
+            "method.batch_size=6",
+            *overrides,
+        ]
+    )
     torch.manual_seed(0)
     return build_algorithm(cfg, 3).double()
 
@@ -150,7 +204,9 @@ def test_authors_fedavg_trains_on_the_80_percent_in_drop_last_epochs_and_average
     assert [len(b.x) for b in data["epochs"]] == [6] * 10  # 35 images: 5 full batches an epoch, twice
     assert not set().union(*map(rows, data["epochs"])) & rows(client.batch("held_out", None))
     assert fedavg.update_weight(client) == 1.0
-    assert compose(["method=fedavg_ft", "variant=authors"]).personalization.held_out_batch_size == 30  # RMNIST's loader batch
+    assert (
+        compose(["method=fedavg_ft", "variant=authors"]).personalization.held_out_batch_size == 30
+    )  # RMNIST's loader batch
 
 
 def test_authors_ditto_trains_w_with_a_kept_adam_after_the_personal_models_batches():

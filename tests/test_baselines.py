@@ -27,7 +27,9 @@ def two_concepts(rmnist):
     upright = torch.nonzero(rmnist.groups == 0).squeeze(1)[:2400]
     x = torch.cat([rmnist.x[upright], rmnist.x[upright]])
     y = torch.cat([rmnist.y[upright], (rmnist.y[upright] + 5) % 10])
-    data = ImageDataset(x=x, y=y, num_classes=10, groups=torch.cat([torch.zeros(2400), torch.ones(2400)]).long())
+    data = ImageDataset(
+        x=x, y=y, num_classes=10, groups=torch.cat([torch.zeros(2400), torch.ones(2400)]).long()
+    )
     return build_federation(data, {"name": "groups"}, 10, 2, 0.2, seed=0)
 
 
@@ -68,7 +70,9 @@ def test_ditto_personal_model_moves_toward_global_as_lambda_grows(two_concepts):
     distances = []
     client = two_concepts.new_clients[0]
     for lam in (0.0, 0.1, 10.0):
-        cfg, ditto = algorithm_for("ditto", f"method.lam={lam}", "personalization.steps=15", "personalization.lr=0.05")
+        cfg, ditto = algorithm_for(
+            "ditto", f"method.lam={lam}", "personalization.steps=15", "personalization.lr=0.05"
+        )
         personal, _ = personalize_client(ditto, client, cfg.personalization)
         w = ditto.global_params()
         distances.append(sum(((personal[k] - w[k]) ** 2).sum() for k in w).sqrt().item())
@@ -86,7 +90,9 @@ def test_fedrep_never_averages_heads(two_concepts):
     assert all(not torch.equal(before[n], after[n]) for n in fedrep.body_names)
     assert len(fedrep.client_states) >= 4
     kept = next(iter(fedrep.client_states.values()))
-    assert not torch.equal(kept["head.weight"], after["head.weight"])  # the trained head stayed with its client
+    assert not torch.equal(
+        kept["head.weight"], after["head.weight"]
+    )  # the trained head stayed with its client
 
 
 @pytest.mark.parametrize("head_steps", [0, 3])
@@ -97,8 +103,11 @@ def test_fedrep_new_client_fits_its_head_on_the_frozen_body_first(two_concepts, 
     client = two_concepts.new_clients[0]
     after = {}
     for k in (head_steps, 5):  # the parameters after the head-only steps, and after all 5
-        personal, curve = personalize_client(fedrep, client, compose(
-            ["method=fedrep", *SMALL_MODEL, *steps, f"personalization.steps={k}"]).personalization)
+        personal, curve = personalize_client(
+            fedrep,
+            client,
+            compose(["method=fedrep", *SMALL_MODEL, *steps, f"personalization.steps={k}"]).personalization,
+        )
         after[k] = personal
     moved = {n for n in w if not torch.equal(after[head_steps][n], w[n])}
     assert moved == (set(fedrep.head_names) if head_steps else set())  # the body stays frozen
@@ -110,7 +119,9 @@ def test_perfedavg_finite_difference_hvp_matches_autograd(two_concepts):
     # A smooth model: across ReLU/max-pool kinks the gradient jumps, and no finite difference converges.
     cfg, _ = algorithm_for("perfedavg")
     torch.manual_seed(0)
-    perfedavg = PerFedAvg(nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.Tanh(), nn.Linear(16, 10)), cfg.method)
+    perfedavg = PerFedAvg(
+        nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.Tanh(), nn.Linear(16, 10)), cfg.method
+    )
     perfedavg.double()
     client = two_concepts.train_clients[0]
     x, y = client.batch("all", 20, client.generator(1))[:2]
@@ -118,7 +129,7 @@ def test_perfedavg_finite_difference_hvp_matches_autograd(two_concepts):
     w = {k: v.detach() for k, v in perfedavg.global_params().items()}
     g = torch.Generator().manual_seed(0)
     v = {k: torch.randn(p.shape, generator=g, dtype=p.dtype) for k, p in w.items()}
-    norm = torch.sqrt(sum((t ** 2).sum() for t in v.values()))
+    norm = torch.sqrt(sum((t**2).sum() for t in v.values()))
     v = {k: t / norm for k, t in v.items()}  # a unit direction, the scale of Per-FedAvg's gradients
 
     finite = perfedavg.hessian_vector_product(w, v, batch)
@@ -147,15 +158,32 @@ def test_local_never_communicates(two_concepts):
     assert all(torch.equal(before[k], v) for k, v in local.global_params().items())
 
 
-FAST = {"fedavg": ["method.local_epochs=1"], "ifca": ["method.local_epochs=1"], "ifca_ft": ["method.local_epochs=1"],
-        "ditto": ["method.local_epochs=1"], "fedrep": ["method.head_epochs=1"], "perfedavg": [], "local": []}
+FAST = {
+    "fedavg": ["method.local_epochs=1"],
+    "ifca": ["method.local_epochs=1"],
+    "ifca_ft": ["method.local_epochs=1"],
+    "ditto": ["method.local_epochs=1"],
+    "fedrep": ["method.head_epochs=1"],
+    "perfedavg": [],
+    "local": [],
+}
 
 
 @pytest.mark.parametrize("method", sorted(FAST))
 def test_every_baseline_trains_end_to_end(method, tmp_path, mnist_dir):
-    cfg = compose([f"method={method}", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "wandb.mode=disabled",
-                   "federation.rounds=2", "federation.num_new_clients=4", "personalization.steps=5", *SMALL_MODEL,
-                   *FAST[method]])
+    cfg = compose(
+        [
+            f"method={method}",
+            f"dataset.dir={mnist_dir}",
+            f"output.root={tmp_path}",
+            "wandb.mode=disabled",
+            "federation.rounds=2",
+            "federation.num_new_clients=4",
+            "personalization.steps=5",
+            *SMALL_MODEL,
+            *FAST[method],
+        ]
+    )
     summary = train(cfg, show_progress=False)
     assert len(summary["curve"]) == cfg.personalization.steps + 1
     assert 0 <= summary["accuracy"] <= 1

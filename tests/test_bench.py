@@ -40,28 +40,47 @@ def small_bench(tmp_path, monkeypatch, mnist_dir):
 
 def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     out = tmp_path / "bench.json"
-    result = bench.run(extra=["personalization.steps=3"], out=out, config=small_bench, profile=True, projection="paper")
+    result = bench.run(
+        extra=["personalization.steps=3"], out=out, config=small_bench, profile=True, projection="paper"
+    )
     assert json.loads(out.read_text()) == result
     cpu = result["peaks"]["cpu"]
     assert cpu["fp32"] > 0 and cpu["bf16"] > 0 and "tf32" not in cpu  # TF32 is a GPU's
     assert [(r["method"], r["variant"], r["clients"], r["capture"], r["seeds"]) for r in result["rows"]] == [
-        ("perfedavg", "paper", "sequential", "none", 1), ("perfedavg", "paper", "vmap", "none", 1),
+        ("perfedavg", "paper", "sequential", "none", 1),
+        ("perfedavg", "paper", "vmap", "none", 1),
         ("perfedavg", "paper", "vmap", "static", 1),
-        ("cafeme", "authors", "sequential", "none", 1), ("cafeme", "authors", "vmap", "none", 1),
-        ("cafeme", "authors", "vmap", "static", 1), ("perfedavg", "paper", "vmap", "none", 2)]
-    assert all(("evaluation_seconds" in r) == (r["method"] == "perfedavg" and r["seeds"] == 1) for r in result["rows"])
+        ("cafeme", "authors", "sequential", "none", 1),
+        ("cafeme", "authors", "vmap", "none", 1),
+        ("cafeme", "authors", "vmap", "static", 1),
+        ("perfedavg", "paper", "vmap", "none", 2),
+    ]
+    assert all(
+        ("evaluation_seconds" in r) == (r["method"] == "perfedavg" and r["seeds"] == 1)
+        for r in result["rows"]
+    )
     # each vmap row and the stacked-seed row against the sequential row of its method, and the fixed-layout
     # rows against the eager vmapped row too, all from this run
     ratios = {(s["method"], s["clients"], s["capture"], s["seeds"]): s for s in result["speedups"]}
-    assert set(ratios) == {("perfedavg", "vmap", "none", 1), ("perfedavg", "vmap", "static", 1), ("cafeme", "vmap", "none", 1),
-                           ("cafeme", "vmap", "static", 1), ("perfedavg", "vmap", "none", 2)}
+    assert set(ratios) == {
+        ("perfedavg", "vmap", "none", 1),
+        ("perfedavg", "vmap", "static", 1),
+        ("cafeme", "vmap", "none", 1),
+        ("cafeme", "vmap", "static", 1),
+        ("perfedavg", "vmap", "none", 2),
+    }
     assert all(s["round"] > 0 and s["personalize"] > 0 for s in ratios.values())
     assert ratios[("perfedavg", "vmap", "none", 1)]["evaluation"] > 0
-    assert ratios[("cafeme", "vmap", "static", 1)]["vs_eager"] > 0 and "vs_eager" not in ratios[("cafeme", "vmap", "none", 1)]
+    assert (
+        ratios[("cafeme", "vmap", "static", 1)]["vs_eager"] > 0
+        and "vs_eager" not in ratios[("cafeme", "vmap", "none", 1)]
+    )
     # the paper preset's cost on this machine, from the rows measured (RMNIST only, and only Per-FedAvg of the paper's methods)
     lines = result["projection"]["lines"]
     assert any(line.startswith("rmnist-shards: ") and "not measured: cafeme" in line for line in lines)
-    assert "cifar10-shards: not measured" in lines and lines[-1].startswith("total of the measured settings: ")
+    assert "cifar10-shards: not measured" in lines and lines[-1].startswith(
+        "total of the measured settings: "
+    )
     for row in result["rows"]:
         assert row["seconds_per_round"] > 0 and row["gflop_per_round"] > 0 and row["peak_rss_mb"] > 100
         assert row["gflops"] == pytest.approx(row["gflop_per_round"] / row["seconds_per_round"])
@@ -70,7 +89,9 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     # A CAFeMe client: 5 inner steps on 30 images + one outer step on 180, through base and modulator
     # (≈ 13–16 GFLOP a client, as counted for the authors' code). FLOPs are counted through the second-order inner loops too.
     assert 50 < result["rows"][3]["gflop_per_round"] < 100
-    assert result["rows"][6]["gflop_per_round"] == pytest.approx(result["rows"][0]["gflop_per_round"], rel=0.2)  # per seed
+    assert result["rows"][6]["gflop_per_round"] == pytest.approx(
+        result["rows"][0]["gflop_per_round"], rel=0.2
+    )  # per seed
     profile = result["rows"][3]["profile"]  # the convolutions are where a CAFeMe round's time goes
     assert len(profile) == bench.PROFILE_TOP and any("convolution" in op["op"] for op in profile[:3])
 
@@ -79,15 +100,20 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     assert memory[("perfedavg", 1000)]["data_mb"] == memory[("perfedavg", 100)]["data_mb"]
     assert memory[("perfedavg", 1000)]["peak_rss_mb"] < memory[("perfedavg", 100)]["peak_rss_mb"] + 150
     authors = memory[("cafeme", 1000)]
-    assert authors["clients_with_state"] == 5 and authors["state_mb_per_client"] > 0  # one round: 5 clients' Adam
+    assert (
+        authors["clients_with_state"] == 5 and authors["state_mb_per_client"] > 0
+    )  # one round: 5 clients' Adam
 
 
 def test_bench_skips_rows_whose_data_is_missing(small_bench, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FEDMETA_DATA", str(tmp_path / "nowhere"))
     monkeypatch.setenv("FEDMETA_CACHE", str(tmp_path / "cache"))
     config = tmp_path / "bench-cifar.yaml"
-    config.write_text(small_bench.read_text().replace("rmnist: [dataset=rmnist", "cifar10: [dataset=cifar10")
-                      .replace("extra_rows: [[method=cafeme, variant=authors]]\nmemory", "extra_rows: []\nmemory"))
+    config.write_text(
+        small_bench.read_text()
+        .replace("rmnist: [dataset=rmnist", "cifar10: [dataset=cifar10")
+        .replace("extra_rows: [[method=cafeme, variant=authors]]\nmemory", "extra_rows: []\nmemory")
+    )
     result = bench.run(memory=False, extra=["dataset.download=false"], out=tmp_path / "b.json", config=config)
     assert result["rows"] == [] and "cifar10" in result["skipped"][0]["reason"]
     assert "skipped" in capsys.readouterr().out

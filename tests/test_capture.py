@@ -24,13 +24,18 @@ def test_the_layout_only_grows_and_pads_every_round_to_it():
     first = {"steps": [index_batch(5), index_batch(5)], "outer": index_batch(4)}
     second = {"steps": [index_batch(3), index_batch(5), index_batch(5)], "outer": index_batch(4)}
     layout = merge_layouts(merge_layouts(None, layout_of(first)), layout_of(second))
-    assert layout == {"steps": [("batch", 5, True, False), ("batch", 5, False, False), ("batch", 5, True, True)],
-                      "outer": ("batch", 4, False, False)}  # equal sizes stay unmasked: the same kernels as before
+    assert layout == {
+        "steps": [("batch", 5, True, False), ("batch", 5, False, False), ("batch", 5, True, True)],
+        "outer": ("batch", 4, False, False),
+    }  # equal sizes stay unmasked: the same kernels as before
     for tree in (first, second):
         padded = pad_to(tree, layout)
         assert layout_of(padded) == layout  # every round the same shapes: one recording serves them all
     padded = pad_to(first, layout)
-    assert padded["steps"][2].active.tolist() == [False, False]  # a step the first round did not have: idled through
+    assert padded["steps"][2].active.tolist() == [
+        False,
+        False,
+    ]  # a step the first round did not have: idled through
     assert padded["steps"][0].mask.all()  # the first round's full batches, masked as the layout asks
     short = pad_to(second, layout)["steps"][0]
     assert short.x.shape == (2, 5) and short.mask.sum(1).tolist() == [3, 3]
@@ -49,17 +54,28 @@ def test_client_draws_as_indices_gather_the_same_batches(rmnist):
 
 def test_stacked_seeds_share_one_data_bank(rmnist):
     data = ImageDataset(x=rmnist.x[:600], y=rmnist.y[:600], num_classes=10)
-    federations = [build_federation(data, {"name": "shards", "shards_per_client": 2}, 6, 2, 0.25, seed=s) for s in (0, 1)]
-    federations[1].x = federations[1].x.flip(0)  # another seed's data set (RMNIST's rotations depend on the seed)
+    federations = [
+        build_federation(data, {"name": "shards", "shards_per_client": 2}, 6, 2, 0.25, seed=s) for s in (0, 1)
+    ]
+    federations[1].x = federations[1].x.flip(
+        0
+    )  # another seed's data set (RMNIST's rotations depend on the seed)
     expected = [f.x[[3, 7]] for f in federations]
     bank = DataBank(federations)
-    assert federations[1].x.data_ptr() == bank.x[1].data_ptr()  # the federations' tensors now live in the bank
+    assert (
+        federations[1].x.data_ptr() == bank.x[1].data_ptr()
+    )  # the federations' tensors now live in the bank
     picked = bank.gather({"b": Batch(torch.tensor([[3, 7], [3, 7]]), None)}, torch.tensor([0, 1]))["b"]
-    assert torch.equal(picked.x[0], expected[0]) and torch.equal(picked.x[1], expected[1]) and picked.y is None
+    assert (
+        torch.equal(picked.x[0], expected[0]) and torch.equal(picked.x[1], expected[1]) and picked.y is None
+    )
 
 
 def test_host_tensors_move_in_one_copy_per_dtype():
-    tree = {"a": [index_batch(3)], "b": Batch(torch.ones(2, 4, dtype=torch.long), None, torch.ones(2, 4, dtype=torch.bool))}
+    tree = {
+        "a": [index_batch(3)],
+        "b": Batch(torch.ones(2, 4, dtype=torch.long), None, torch.ones(2, 4, dtype=torch.bool)),
+    }
     assert to_device(tree, torch.device("cpu"))["b"].x is tree["b"].x  # already there: nothing copied
     meta = to_device(tree, torch.device("meta"))  # a device without data: shapes and dtypes only
     assert meta["a"][0].x.shape == (2, 3) and meta["b"].mask.dtype == torch.bool and meta["b"].y is None
@@ -67,12 +83,18 @@ def test_host_tensors_move_in_one_copy_per_dtype():
 
 def test_auto_engine_vmaps_and_records_on_a_gpu_and_not_on_a_cpu():
     cfg = compose(["wandb.mode=disabled"])
-    assert cfg.fabric.accelerator == "auto" and cfg.federation.vectorize == "auto" and cfg.federation.capture == "auto"
+    assert (
+        cfg.fabric.accelerator == "auto"
+        and cfg.federation.vectorize == "auto"
+        and cfg.federation.capture == "auto"
+    )
     assert resolve("auto", "auto", torch.device("cpu")) == (False, "none")
     assert resolve("auto", "auto", torch.device("cuda")) == (True, "graph")
     assert resolve(True, "auto", torch.device("cpu")) == (True, "none")
     assert resolve(False, "auto", torch.device("cuda")) == (False, "none")
-    engine = make_engine(compose(["federation.vectorize=true", "federation.capture=static"]), torch.device("cpu"))
+    engine = make_engine(
+        compose(["federation.vectorize=true", "federation.capture=static"]), torch.device("cpu")
+    )
     assert engine.vectorize and engine.capture.pads and engine.label() == "clients vmapped, fixed layout"
     with pytest.raises(Exception, match="needs a CUDA device"):
         make_engine(compose(["federation.capture=graph"]), torch.device("cpu"))
@@ -90,14 +112,30 @@ def test_a_computation_that_cannot_be_recorded_runs_eagerly_with_one_notice(capl
 def test_a_run_records_what_ran_in_its_summary(tmp_path, mnist_dir):
     from fedmeta.loop import train
 
-    summary = train(compose([*SMALL, f"dataset.dir={mnist_dir}", "federation.rounds=2", "federation.eval_every=2",
-                             "federation.num_new_clients=4", "federation.vectorize=true", "federation.capture=static",
-                             "method=fedavg_ft", "method.local_epochs=1", f"output.root={tmp_path}"]), show_progress=False)
+    summary = train(
+        compose(
+            [
+                *SMALL,
+                f"dataset.dir={mnist_dir}",
+                "federation.rounds=2",
+                "federation.eval_every=2",
+                "federation.num_new_clients=4",
+                "federation.vectorize=true",
+                "federation.capture=static",
+                "method=fedavg_ft",
+                "method.local_epochs=1",
+                f"output.root={tmp_path}",
+            ]
+        ),
+        show_progress=False,
+    )
     assert summary["vectorized"] is True and summary["capture"] == "static" and summary["fallback"] is None
     assert summary["device"] == "cpu"
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and compiled rounds need a CUDA device")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs and compiled rounds need a CUDA device"
+)
 
 
 @cuda
@@ -112,7 +150,9 @@ def test_recorded_rounds_equal_eager_rounds_on_the_gpu(method, mode, rmnist):
     data = ImageDataset(x=rmnist.x[:2400], y=rmnist.y[:2400], num_classes=10)
     results = []
     for capture in ("none", mode):
-        federation = build_federation(data, {"name": "dirichlet", "alpha": 0.5}, 12, 4, 0.25, seed=0, device=fabric.device)
+        federation = build_federation(
+            data, {"name": "dirichlet", "alpha": 0.5}, 12, 4, 0.25, seed=0, device=fabric.device
+        )
         federation.x = federation.x.double()
         fabric.seed_everything(0, verbose=False)
         from fedmeta.algorithms import build_algorithm
@@ -120,7 +160,9 @@ def test_recorded_rounds_equal_eager_rounds_on_the_gpu(method, mode, rmnist):
         algorithm = build_algorithm(cfg, 10).double().to(fabric.device)
         engine = Engine(True, capture=capture)
         losses = [federated_round(algorithm, federation, r, 4, seed=0, engine=engine).loss for r in (1, 2, 3)]
-        curves = evaluate_on_ranks(fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine)[0].curves
+        curves = evaluate_on_ranks(
+            fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine
+        )[0].curves
         assert engine.describe()["fallback"] is None, engine.describe()
         results.append((algorithm.global_params(), losses, curves))
     (eager_params, eager_losses, eager_curves), (params, losses, curves) = results
@@ -128,4 +170,3 @@ def test_recorded_rounds_equal_eager_rounds_on_the_gpu(method, mode, rmnist):
         torch.testing.assert_close(params[key], eager_params[key], rtol=1e-8, atol=1e-10)
     assert losses == pytest.approx(eager_losses, rel=1e-8)
     assert torch.equal(curves, eager_curves)
-

@@ -19,15 +19,26 @@ from fedmeta.errors import FedmetaError
 from fedmeta.loop import train
 
 # CAFeMe as the authors' code: per-client Adam state must survive the restart too.
-RUN = ["method=cafeme", "variant=authors", "federation.rounds=6", "federation.checkpoint_every=2",
-       "federation.eval_every=3", "federation.num_new_clients=4", "personalization.steps=5", "wandb.mode=disabled"]
+RUN = [
+    "method=cafeme",
+    "variant=authors",
+    "federation.rounds=6",
+    "federation.checkpoint_every=2",
+    "federation.eval_every=3",
+    "federation.num_new_clients=4",
+    "personalization.steps=5",
+    "wandb.mode=disabled",
+]
 
 
 def fedmeta(*args, root, data, wait=True, wandb_mode="disabled"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDMETA_DATA": str(data), "WANDB_MODE": wandb_mode}
     command = [sys.executable, "-m", "fedmeta.cli", "train", *RUN, f"output.root={root}", *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True) if wait else \
-        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return (
+        subprocess.run(command, env=env, capture_output=True, text=True)
+        if wait
+        else subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    )
 
 
 def run_dir(root):
@@ -54,18 +65,25 @@ def test_killed_run_resumes_to_exactly_the_same_result(tmp_path, mnist_dir):
     assert not (run_dir(killed) / "summary.json").exists()
     assert torch.load(run_dir(killed) / "checkpoint.ckpt", weights_only=True)["round"] == 2
 
-    resumed = fedmeta("wandb.mode=offline", "output.resume=true", root=killed, data=mnist_dir, wandb_mode="offline")
+    resumed = fedmeta(
+        "wandb.mode=offline", "output.resume=true", root=killed, data=mnist_dir, wandb_mode="offline"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "Traceback" not in resumed.stderr and list((run_dir(killed) / "wandb").glob("offline-run-*"))
     assert list((run_dir(killed) / "tensorboard").rglob("events.out.tfevents.*"))
     a, b = (json.loads((run_dir(r) / "summary.json").read_text()) for r in (straight, killed))
     assert b["resumed_at_round"] == 2 and a["accuracy"] == b["accuracy"] and a["curve"] == b["curve"]
-    ckpt_a, ckpt_b = (torch.load(run_dir(r) / "checkpoint.ckpt", weights_only=True) for r in (straight, killed))
+    ckpt_a, ckpt_b = (
+        torch.load(run_dir(r) / "checkpoint.ckpt", weights_only=True) for r in (straight, killed)
+    )
     model_a, model_b = ckpt_a["federation"]["model"], ckpt_b["federation"]["model"]
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
     states_a, states_b = (c["federation"]["client_states"] for c in (ckpt_a, ckpt_b))
     assert states_a.keys() == states_b.keys() and len(states_a) > 5
-    losses = [[row["train_loss"] for row in csv.DictReader(open(run_dir(r) / "metrics.csv"))] for r in (straight, killed)]
+    losses = [
+        [row["train_loss"] for row in csv.DictReader(open(run_dir(r) / "metrics.csv"))]
+        for r in (straight, killed)
+    ]
     assert losses[0] == losses[1] and len(losses[0]) == 6
 
     # Resuming a finished run is refused: its results are never replaced unless asked.
@@ -101,10 +119,22 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path, mnist_dir, monkeypa
         return update
 
     monkeypatch.setattr(FedAvg, "run_client", diverging_in_round_3)
-    cfg = compose(["method=fedavg", "method.local_epochs=1", "federation.rounds=6", "federation.checkpoint_every=2",
-                   "wandb.mode=disabled", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"])
-    with pytest.raises(FedmetaError, match=r"round 3: client \d+ produced a non-finite loss .*the last good checkpoint "
-                                           r"\(round 2\) is kept in .*resume with output.resume=true"):
+    cfg = compose(
+        [
+            "method=fedavg",
+            "method.local_epochs=1",
+            "federation.rounds=6",
+            "federation.checkpoint_every=2",
+            "wandb.mode=disabled",
+            f"dataset.dir={mnist_dir}",
+            f"output.root={tmp_path}",
+        ]
+    )
+    with pytest.raises(
+        FedmetaError,
+        match=r"round 3: client \d+ produced a non-finite loss .*the last good checkpoint "
+        r"\(round 2\) is kept in .*resume with output.resume=true",
+    ):
         train(cfg, show_progress=False)
     directory = tmp_path / "rmnist-shards" / "fedavg" / "seed0"
     assert torch.load(directory / "checkpoint.ckpt", weights_only=True)["round"] == 2

@@ -28,9 +28,15 @@ BAD = [
     (["method=fedavg", "method.train_split=test"], "method.train_split must be one of all, pers"),
     (["method=fedrep", "method.averaging=median"], "method.averaging must be one of samples, uniform"),
     (["method=fedrep", "method.head_batches=-1"], "method.head_batches must be an integer ≥ 0"),
-    (["personalization.held_out_batch_size=1"], "personalization.held_out_batch_size must be null (one pass) or ≥ 2"),
-    (["personalization.batches=loop"], "personalization.batches must be one of independent, stream, stream_fixed"),
-    (["variant=weird"], "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors', 'tuned']"),
+    (
+        ["personalization.held_out_batch_size=1"],
+        "personalization.held_out_batch_size must be null (one pass) or ≥ 2",
+    ),
+    (["personalization.batches=loop"], "personalization.batches must be independent or stream"),
+    (
+        ["variant=weird"],
+        "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors', 'tuned']",
+    ),
     (["seed"], "overrides must be key=value"),
     (["federation.eval_every=0"], "federation.eval_every must be ≥ 1"),
     (["federation.held_out_fraction=1.5"], "held_out_fraction must be in (0, 1)"),
@@ -125,7 +131,9 @@ def test_gpu_asked_on_a_machine_without_one(capsys, tmp_path):
 
 def test_missing_data_file_names_the_file(capsys, tmp_path, monkeypatch):
     empty = tmp_path / "nodata"
-    code = main(["train", f"dataset.dir={empty}", "dataset.download=false", f"output.root={tmp_path / 'runs'}"])
+    code = main(
+        ["train", f"dataset.dir={empty}", "dataset.download=false", f"output.root={tmp_path / 'runs'}"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"{empty}/mnist.npz not found" in err and "FEDMETA_DATA" in err
     assert err.count("\n") == 1
@@ -140,25 +148,40 @@ def test_corrupt_data_file_is_reported(capsys, tmp_path):
 
 
 def test_console_script_exits_nonzero_with_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "fedmeta.cli", "train", "method=nope", f"output.root={tmp_path}"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "fedmeta.cli", "train", "method=nope", f"output.root={tmp_path}"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'ditto', 'fedavg', 'fedavg_ft', 'fedrep', 'ifca', 'ifca_ft', 'local', 'perfedavg']"]
+        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'ditto', 'fedavg', 'fedavg_ft', 'fedrep', 'ifca', 'ifca_ft', 'local', 'perfedavg']"
+    ]
 
 
 def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path, mnist_dir):
-    code = main(["train", "method=fedavg", "method.local_epochs=1", "method.local_lr=1e6", "federation.rounds=3",
-                 f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"])
+    code = main(
+        [
+            "train",
+            "method=fedavg",
+            "method.local_epochs=1",
+            "method.local_lr=1e6",
+            "federation.rounds=3",
+            f"dataset.dir={mnist_dir}",
+            f"output.root={tmp_path}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert code == 2 and re.match(r"fedmeta: error: round \d: client \d+ produced a non-finite", err)
     assert not list(tmp_path.rglob("summary.json"))
 
 
 def test_data_describe_prints_statistics_and_saves_histograms(capsys, tmp_path, mnist_dir):
-    code = main(["data", "describe", "rmnist", "shards", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"])
+    code = main(
+        ["data", "describe", "rmnist", "shards", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"]
+    )
     out = capsys.readouterr().out
-    stats = json.loads(out[:out.rindex("}") + 1])
+    stats = json.loads(out[: out.rindex("}") + 1])
     assert code == 0 and stats["clients"] == 100 and stats["samples_per_client"]["min"] == 600
     assert stats["classes_per_client"]["mean"] <= 2.1
     png = tmp_path / "rmnist-shards" / "clients.png"
@@ -169,8 +192,20 @@ def test_data_describe_prints_statistics_and_saves_histograms(capsys, tmp_path, 
 
 def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path, mnist_dir, monkeypatch):
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
-    assert main(["train", "method=perfedavg", "federation.rounds=2", "personalization.steps=4", "model.conv_channels=[8,16]",
-                 "model.dense_units=[32]", f"output.root={tmp_path}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "method=perfedavg",
+                "federation.rounds=2",
+                "personalization.steps=4",
+                "model.conv_channels=[8,16]",
+                "model.dense_units=[32]",
+                f"output.root={tmp_path}",
+            ]
+        )
+        == 0
+    )
     run = tmp_path / "rmnist-shards" / "perfedavg" / "seed0"
     summary = json.loads((run / "summary.json").read_text())
 
@@ -200,18 +235,21 @@ def test_train_help_lists_every_choice_with_one_line(capsys):
     assert "\n  iid          An i.i.d. equal split" in text  # a sentence, not cut at an abbreviation
 
 
-@pytest.mark.parametrize("args,message", [
-    (["sweep", "method=local", "--executor", "slurm"], "--executor slurm needs SLURM's sbatch"),
-    (["sweep", "method=local", "--executor", "ray"], "--executor must be one of pool, local, slurm"),
-    (["sweep", "method=local,,fedavg"], "a sweep value is empty"),
-    (["sweep", "method.no_such_key=1,2"], "unknown or invalid config key"),
-    (["sweep", "method=local", "--executor", "local", "--slurm", "partition"], "--slurm takes key=value"),
-    (["tune", "nope"], "no search space for method 'nope'"),
-    (["tune", "cafeme", "--seed", "0"], "--seed 0 is a seed the presets score"),
-    (["tune", "cafeme", "--trials", "0"], "--trials and --rounds must be ≥ 1"),
-    (["tune", "cafeme", "--storage", "nosuchdb://x"], "cannot open the study database"),
-    (["tune", "fedavg"], "was written by hand, not by fedmeta tune: pass --overwrite"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["sweep", "method=local", "--executor", "slurm"], "--executor slurm needs SLURM's sbatch"),
+        (["sweep", "method=local", "--executor", "ray"], "--executor must be one of pool, local, slurm"),
+        (["sweep", "method=local,,fedavg"], "a sweep value is empty"),
+        (["sweep", "method.no_such_key=1,2"], "unknown or invalid config key"),
+        (["sweep", "method=local", "--executor", "local", "--slurm", "partition"], "--slurm takes key=value"),
+        (["tune", "nope"], "no search space for method 'nope'"),
+        (["tune", "cafeme", "--seed", "0"], "--seed 0 is a seed the presets score"),
+        (["tune", "cafeme", "--trials", "0"], "--trials and --rounds must be ≥ 1"),
+        (["tune", "cafeme", "--storage", "nosuchdb://x"], "cannot open the study database"),
+        (["tune", "fedavg"], "was written by hand, not by fedmeta tune: pass --overwrite"),
+    ],
+)
 def test_sweep_and_tune_bad_input_is_one_line(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("shutil.which", lambda name: None)  # no SLURM on this machine, whatever the CI has
@@ -220,12 +258,15 @@ def test_sweep_and_tune_bad_input_is_one_line(args, message, capsys, tmp_path, m
     assert message in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("args,message", [
-    (["flower", "sim", "--nodes", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
-    (["flower", "deploy", "--timeout", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
-    (["flower", "sim", "method=nope"], "unknown method 'nope'"),
-    (["flower", "deploy", "--print", "--port", "99999"], "--port must leave room"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["flower", "sim", "--nodes", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
+        (["flower", "deploy", "--timeout", "0"], "--nodes must be ≥ 1 and --timeout > 0"),
+        (["flower", "sim", "method=nope"], "unknown method 'nope'"),
+        (["flower", "deploy", "--print", "--port", "99999"], "--port must leave room"),
+    ],
+)
 def test_flower_bad_input_is_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -242,22 +283,33 @@ def test_flower_dp_out_of_range_is_one_line(capsys):
 def test_one_name_is_a_list_of_one(capsys):
     assert main(["train", "--print-config", "logger=tensorboard"]) == 0
     assert "logger:\n- tensorboard\n" in capsys.readouterr().out
-    assert main(["train", "--print-config", "model.dense_units=5"]) == 2  # a number is not a name: refused, with an example
+    assert (
+        main(["train", "--print-config", "model.dense_units=5"]) == 2
+    )  # a number is not a name: refused, with an example
     assert "model.dense_units must be a list, e.g. model.dense_units=[512]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["bench", "--datasets", "rmnsit", "fabric.accelerator=cpu", "--no-memory"], "--datasets rmnsit: not a data set of bench.yaml"),
-    (["bench", "--methods", "fedprox", "--no-memory"], "--methods fedprox: no such method"),
-    (["bench", "--datasets", "fabric.accelerator=cpu"], "--datasets needs at least one name"),
-    (["table", "--no-run", "--methods", "bogus"], "unknown method 'bogus'"),
-    (["table", "--no-run", "--methods", "fedrep-nope"], "method 'fedrep' has no variant 'nope'"),
-    (["table", "--no-run", "--executor", "bogus"], "--executor must be one of pool, local, slurm"),
-    (["table", "--no-run", "--datasets", "rmnsit", "federation.rounds=2"], "no setting of the preset is or uses ['rmnsit']"),
-    (["table", "--no-run", "--seeds", "0", "x"], "--seeds takes integers"),
-    (["sweep", "method=local", "output.root=elsewhere"], "a sweep's runs go under --root"),
-    (["tune", "fedrep", "--storage", ""], "--storage is empty"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["bench", "--datasets", "rmnsit", "fabric.accelerator=cpu", "--no-memory"],
+            "--datasets rmnsit: not a data set of bench.yaml",
+        ),
+        (["bench", "--methods", "fedprox", "--no-memory"], "--methods fedprox: no such method"),
+        (["bench", "--datasets", "fabric.accelerator=cpu"], "--datasets needs at least one name"),
+        (["table", "--no-run", "--methods", "bogus"], "unknown method 'bogus'"),
+        (["table", "--no-run", "--methods", "fedrep-nope"], "method 'fedrep' has no variant 'nope'"),
+        (["table", "--no-run", "--executor", "bogus"], "--executor must be one of pool, local, slurm"),
+        (
+            ["table", "--no-run", "--datasets", "rmnsit", "federation.rounds=2"],
+            "no setting of the preset is or uses ['rmnsit']",
+        ),
+        (["table", "--no-run", "--seeds", "0", "x"], "--seeds takes integers"),
+        (["sweep", "method=local", "output.root=elsewhere"], "a sweep's runs go under --root"),
+        (["tune", "fedrep", "--storage", ""], "--storage is empty"),
+    ],
+)
 def test_a_typo_in_a_command_is_one_line_and_writes_nothing(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     results = tmp_path / "results"
@@ -280,7 +332,9 @@ def test_overrides_after_a_list_option_are_overrides():
     parser = argparse.ArgumentParser()
     parser.add_argument("--datasets", nargs="+", action=Names)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(["--datasets", "rmnist", "cifar10-shards,femnist", "fabric.accelerator=cuda", "seed=1"])
+    args = parser.parse_args(
+        ["--datasets", "rmnist", "cifar10-shards,femnist", "fabric.accelerator=cuda", "seed=1"]
+    )
     assert args.datasets == ["rmnist", "cifar10-shards", "femnist"]
     assert args.moved_overrides == ["fabric.accelerator=cuda", "seed=1"]
 
@@ -296,7 +350,11 @@ def test_the_package_lists_every_subpackage_and_ships_the_configs():
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "fedmeta").rglob("__init__.py")}
     assert set(setuptools["packages"]) == found | {"fedmeta.configs"}
     assert setuptools["package-dir"] == {"fedmeta.configs": "configs"}
-    shipped = {p for pattern in setuptools["package-data"]["fedmeta.configs"] for p in (root / "configs").glob(pattern)}
+    shipped = {
+        p
+        for pattern in setuptools["package-data"]["fedmeta.configs"]
+        for p in (root / "configs").glob(pattern)
+    }
     assert shipped == set((root / "configs").rglob("*.yaml"))
 
 
@@ -305,8 +363,13 @@ def test_overrides_may_follow_options():
     are joined to the overrides (they were refused as unrecognized); other strays still are."""
     from fedmeta.cli import parse
 
-    assert parse(["tune", "ditto", "--trials", "30", "partition=dirichlet"]).overrides == ["partition=dirichlet"]
-    assert parse(["sweep", "seed=0,1", "--parallel", "2", "method=cafeme"]).values == ["seed=0,1", "method=cafeme"]
+    assert parse(["tune", "ditto", "--trials", "30", "partition=dirichlet"]).overrides == [
+        "partition=dirichlet"
+    ]
+    assert parse(["sweep", "seed=0,1", "--parallel", "2", "method=cafeme"]).values == [
+        "seed=0,1",
+        "method=cafeme",
+    ]
     assert main(["tune", "ditto", "--trials", "30", "--bogus"]) == 2
     assert main(["data", "download", "mnist", "seed=1"]) == 2
 
@@ -327,7 +390,9 @@ def test_every_key_a_method_accepts_is_read_by_that_method():
         cls = algorithms.ALGORITHMS[cfg.method.algorithm]
         source = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("fedmeta"))
         source += inspect.getsource(algorithms)  # the model builder
-        read = set(re.findall(r"cfg(?:\.method)?\.(\w+)", source)) | set(re.findall(r"""cfg\.get\(["'](\w+)""", source))
+        read = set(re.findall(r"cfg(?:\.method)?\.(\w+)", source)) | set(
+            re.findall(r"""cfg\.get\(["'](\w+)""", source)
+        )
         unread = {k for k in cfg.method if k not in read} - {"name", "algorithm"}
         assert unread == set(refused.get(cfg.method.algorithm, {})), (method, unread)
         for key, value in refused.get(cfg.method.algorithm, {}).items():

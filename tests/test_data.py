@@ -47,4 +47,6 @@ def test_the_authors_rmnist_is_torchvisions_nearest_rotation_of_unscaled_pixels(
     assert 0 <= theirs.x.min() and theirs.x.max() <= 1
     ours = build_rmnist(mnist_dir, seed=0)
     members = (ours.groups == 4).nonzero().flatten()[:50]
-    assert not torch.allclose(ours.x[members] * 0.3081 + 0.1307, theirs.x[members], atol=1e-3)  # bilinear differs
+    assert not torch.allclose(
+        ours.x[members] * 0.3081 + 0.1307, theirs.x[members], atol=1e-3
+    )  # bilinear differs

@@ -14,18 +14,39 @@ pytestmark = pytest.mark.slow  # make test-all; make test skips it
 
 def train(root, data, devices: int, method: str, *extra: str):
     strategy = "ddp" if devices > 1 else "auto"
-    command = [sys.executable, "-m", "fedmeta.cli", "train", f"method={method}", "federation.rounds=2",
-               "federation.eval_every=2", "federation.num_new_clients=3", "personalization.steps=2", "wandb.mode=disabled",
-               "fabric.accelerator=cpu", f"fabric.devices={devices}", f"fabric.strategy={strategy}", f"output.root={root}", *extra]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "FEDMETA_DATA": str(data)},
-                          capture_output=True, text=True, timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "fedmeta.cli",
+        "train",
+        f"method={method}",
+        "federation.rounds=2",
+        "federation.eval_every=2",
+        "federation.num_new_clients=3",
+        "personalization.steps=2",
+        "wandb.mode=disabled",
+        "fabric.accelerator=cpu",
+        f"fabric.devices={devices}",
+        f"fabric.strategy={strategy}",
+        f"output.root={root}",
+        *extra,
+    ]
+    done = subprocess.run(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "FEDMETA_DATA": str(data)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done
 
 
 # FedAvg with simulated drop-outs: failed clients' reasons travel between ranks too, the same ones fail
-@pytest.mark.parametrize("method,extra", [("cafeme", []), ("fedavg", ["federation.client_failure_rate=0.4"]),
-                                          ("ifca", []), ("fedrep", [])])
+@pytest.mark.parametrize(
+    "method,extra",
+    [("cafeme", []), ("fedavg", ["federation.client_failure_rate=0.4"]), ("ifca", []), ("fedrep", [])],
+)
 def test_two_processes_compute_the_single_process_model(tmp_path, mnist_dir, method, extra):
     one, two = tmp_path / "one", tmp_path / "two"
     train(one, mnist_dir, 1, method, *extra)
@@ -33,7 +54,10 @@ def test_two_processes_compute_the_single_process_model(tmp_path, mnist_dir, met
     assert done.stdout.count("new-client accuracy") == 1  # only the main process reports
 
     run = f"rmnist-shards/{method}/seed0"
-    models = [torch.load(root / run / "checkpoint.ckpt", weights_only=True)["federation"]["model"] for root in (one, two)]
+    models = [
+        torch.load(root / run / "checkpoint.ckpt", weights_only=True)["federation"]["model"]
+        for root in (one, two)
+    ]
     assert models[0].keys() == models[1].keys()
     assert all(torch.equal(models[0][name], models[1][name]) for name in models[0])
     summaries = [json.loads((root / run / "summary.json").read_text()) for root in (one, two)]

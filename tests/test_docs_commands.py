@@ -22,9 +22,16 @@ from fedmeta.tune import Study
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # placeholders in the prose's commands → an example value of their kind
-EXAMPLES = {"<rows>": "configs/bench.yaml", "NAME=...": "NAME=femnist", "data download NAME": "data download femnist",
-            "SETTING": "rmnist-shards", "SECONDS": "480", "BENCH_JSON": "results/bench.json", "tune METHOD": "tune fedrep",
-            "client_failure_rate=p": "client_failure_rate=0.1"}
+EXAMPLES = {
+    "<rows>": "configs/bench.yaml",
+    "NAME=...": "NAME=femnist",
+    "data download NAME": "data download femnist",
+    "SETTING": "rmnist-shards",
+    "SECONDS": "480",
+    "BENCH_JSON": "results/bench.json",
+    "tune METHOD": "tune fedrep",
+    "client_failure_rate=p": "client_failure_rate=0.1",
+}
 OTHER_PROGRAMS = {"pip", "tar", "wandb", "tensorboard"}  # not ours: shown for context, not checked here
 
 
@@ -39,7 +46,9 @@ def documented_commands() -> list[tuple[str, str]]:
                 line = re.sub(r"\s+#.*$", "", line).strip()
                 if line and not line.startswith("#"):
                     found.append((path.name, line))
-        found += [(path.name, " ".join(span.split())) for span in re.findall(r"`((?:fedmeta|make) [^`]+)`", text)]
+        found += [
+            (path.name, " ".join(span.split())) for span in re.findall(r"`((?:fedmeta|make) [^`]+)`", text)
+        ]
     commands = []
     for where, command in found:
         for placeholder, example in EXAMPLES.items():
@@ -54,8 +63,12 @@ COMMANDS = documented_commands()
 
 def make_runs(command: str) -> list[list[str]]:
     """The fedmeta command lines ``make`` would run for a documented make command."""
-    dry = subprocess.run(["make", "-n", "-o", ".venv/.ready", *shlex.split(command)[1:]], cwd=ROOT,
-                         capture_output=True, text=True)
+    dry = subprocess.run(
+        ["make", "-n", "-o", ".venv/.ready", *shlex.split(command)[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert dry.returncode == 0, dry.stderr
     lines = [shlex.split(line) for line in dry.stdout.replace("\\\n", " ").splitlines() if line.strip()]
     return [line[1:] for line in lines if line and line[0].endswith("bin/fedmeta")]
@@ -63,8 +76,11 @@ def make_runs(command: str) -> list[list[str]]:
 
 def overrides_in(argv: list[str]) -> list[str]:
     """The key=value words of a command line that are config overrides (not --slurm's parameters)."""
-    return [word for previous, word in zip(["", *argv], argv) if "=" in word and previous != "--slurm"
-            and not word.startswith("-")]
+    return [
+        word
+        for previous, word in zip(["", *argv], argv)
+        if "=" in word and previous != "--slurm" and not word.startswith("-")
+    ]
 
 
 def check_config(cfg, overrides: list[str]) -> None:
@@ -75,9 +91,12 @@ def check_config(cfg, overrides: list[str]) -> None:
         else:
             expected = OmegaConf.create({"v": OmegaConf.from_dotlist([f"v={value}"]).v}).v
             got = OmegaConf.select(cfg, key)
-            assert (list(got) if OmegaConf.is_list(got) else got) == \
-                (list(expected) if OmegaConf.is_list(expected) else expected) or [got] == [expected] or \
-                (OmegaConf.is_list(got) and list(got) == [expected]), f"{override}: the config has {got}"
+            assert (
+                (list(got) if OmegaConf.is_list(got) else got)
+                == (list(expected) if OmegaConf.is_list(expected) else expected)
+                or [got] == [expected]
+                or (OmegaConf.is_list(got) and list(got) == [expected])
+            ), f"{override}: the config has {got}"
 
 
 def dry_run(argv: list[str], tmp_path: Path) -> None:
@@ -92,32 +111,52 @@ def dry_run(argv: list[str], tmp_path: Path) -> None:
     if args.command == "train":
         check_config(compose(args.overrides), args.overrides)
     elif args.command == "evaluate":
-        assert all(o.startswith("personalization.") or o.split("=")[0] in TEST_TIME_KEYS for o in args.overrides)
+        assert all(
+            o.startswith("personalization.") or o.split("=")[0] in TEST_TIME_KEYS for o in args.overrides
+        )
         check_config(compose(args.overrides), args.overrides)
     elif args.command in ("table", "figures"):
         preset = grid.load_preset(args.preset)
         grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
-        jobs = grid.plan(preset, tmp_path / "runs", grids, args.datasets, args.methods, args.seeds, args.overrides)
+        jobs = grid.plan(
+            preset, tmp_path / "runs", grids, args.datasets, args.methods, args.seeds, args.overrides
+        )
         assert jobs or args.command == "figures"
         for job in jobs[:3]:
             check_config(compose(list(job.overrides)), args.overrides)
         if getattr(args, "estimate", None):
             assert _bench_rows(ROOT / args.estimate)
     elif args.command == "bench":
-        config = load_mapping(ROOT / args.config if args.config else bench.CONFIG_DIR / "bench.yaml", "a bench config")
+        config = load_mapping(
+            ROOT / args.config if args.config else bench.CONFIG_DIR / "bench.yaml", "a bench config"
+        )
         assert set(args.datasets or ()) <= set(config.datasets)
         compose(args.overrides)
         if args.project:
             grid.load_preset(args.project)
     elif args.command == "tune":
-        Study(args.method, args.overrides, args.trials, args.rounds, args.seed, args.storage, root=tmp_path / "tune")
+        Study(
+            args.method,
+            args.overrides,
+            args.trials,
+            args.rounds,
+            args.seed,
+            args.storage,
+            root=tmp_path / "tune",
+        )
     elif args.command == "flower":
         check_config(compose(args.overrides), args.overrides)
     elif args.command == "data":
         if args.data_command == "download":
             assert args.name in CATALOG or args.name in LEARN2LEARN
         else:
-            compose([f"dataset={args.dataset}", *([f"partition={args.partition}"] if args.partition else []), *args.overrides])
+            compose(
+                [
+                    f"dataset={args.dataset}",
+                    *([f"partition={args.partition}"] if args.partition else []),
+                    *args.overrides,
+                ]
+            )
 
 
 def test_the_docs_show_commands_of_every_kind():
@@ -147,10 +186,14 @@ def test_every_documented_command_parses_to_what_it_says(where, command, tmp_pat
     if program.endswith(".sh"):
         assert subprocess.run(["bash", "-n", ROOT / "scripts" / program]).returncode == 0
         settings = grid.load_preset("paper").settings
-        assert all(w in settings for w in words[1:] if not w.isdigit()), f"{words[1:]}: not settings of the paper preset"
+        assert all(w in settings for w in words[1:] if not w.isdigit()), (
+            f"{words[1:]}: not settings of the paper preset"
+        )
         return
     assert program == "fedmeta", command
-    if all(w.isalpha() for w in words[1:]) and len(words) <= 3 and words[1] != "bench":  # a command's name in the prose
+    if (
+        all(w.isalpha() for w in words[1:]) and len(words) <= 3 and words[1] != "bench"
+    ):  # a command's name in the prose
         with pytest.raises(SystemExit) as shown:
             parse([*words[1:], "--help"])
         assert shown.value.code == 0

@@ -91,9 +91,13 @@ def test_cifar_python_batches_are_converted(mirror, digits, tmp_path):
     rows = rgb.transpose(0, 3, 1, 2).reshape(120, 3072)
     with tarfile.open(folder / "cifar-10-python.tar.gz", "w:gz") as tar:
         for i, name in enumerate([f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]):
-            batch = {b"data": rows[20 * i:20 * (i + 1)], b"labels": y[20 * i:20 * (i + 1)].tolist()}
+            batch = {b"data": rows[20 * i : 20 * (i + 1)], b"labels": y[20 * i : 20 * (i + 1)].tolist()}
             add_bytes(tar, f"cifar-10-batches-py/{name}", pickle.dumps(batch))
-        add_bytes(tar, "cifar-10-batches-py/batches.meta", pickle.dumps({b"label_names": [str(i).encode() for i in range(10)]}))
+        add_bytes(
+            tar,
+            "cifar-10-batches-py/batches.meta",
+            pickle.dumps({b"label_names": [str(i).encode() for i in range(10)]}),
+        )
 
     assert download("cifar10", url, tmp_path, "--no-verify") == 0
     arrays = load_npz("cifar10", tmp_path, download=False)
@@ -109,7 +113,10 @@ def test_omniglot_zips_keep_alphabet_and_character_as_the_class(mirror, digits, 
             for a, alphabet in enumerate(alphabets):
                 for c in range(3):  # character01… repeats across alphabets
                     for k in range(4):
-                        z.writestr(f"{archive}/{alphabet}/character0{c + 1}/{a}{c}{k}.png", png(x[12 * a + 4 * c + k]))
+                        z.writestr(
+                            f"{archive}/{alphabet}/character0{c + 1}/{a}{c}{k}.png",
+                            png(x[12 * a + 4 * c + k]),
+                        )
 
     assert download("omniglot", url, tmp_path, "--no-verify") == 0
     arrays = load_npz("omniglot", tmp_path, download=False)
@@ -129,7 +136,14 @@ def test_gtsrb_ppm_images_of_any_size_become_32_by_32(mirror, digits, tmp_path):
 
     assert download("gtsrb32", url, tmp_path, "--no-verify") == 0
     arrays = load_npz("gtsrb32", tmp_path, download=False)
-    assert arrays["x"].shape == (6, 32, 32, 3) and arrays["y"].tolist() == [0, 1, 0, 1, 0, 1]  # folder 0000{k % 2}
+    assert arrays["x"].shape == (6, 32, 32, 3) and arrays["y"].tolist() == [
+        0,
+        1,
+        0,
+        1,
+        0,
+        1,
+    ]  # folder 0000{k % 2}
 
 
 def test_tff_femnist_keeps_writers_and_leaf_polarity(mirror, digits, tmp_path):
@@ -165,19 +179,48 @@ def test_image_folder_is_a_data_set_and_a_meta_dataset_source(digits, tmp_path, 
         Image.fromarray(x[i]).save(tree / "train" / f"class{y[i]}" / f"{i}.png")
     dataset = load_dataset("folder", tmp_path, seed=0, path=str(tree), channels=1, image_size=28)
     assert len(dataset) == 300 and dataset.num_classes == 10 and dataset.x.shape[1:] == (1, 28, 28)
-    federation = build_federation(dataset, {"name": "dirichlet", "alpha": 1.0, "min_samples": 5}, num_clients=10,
-                                  num_new_clients=2, held_out_fraction=0.2, seed=0)
+    federation = build_federation(
+        dataset,
+        {"name": "dirichlet", "alpha": 1.0, "min_samples": 5},
+        num_clients=10,
+        num_new_clients=2,
+        held_out_fraction=0.2,
+        seed=0,
+    )
     assert len(federation.train_clients) == 8 and len(federation.new_clients) == 2
 
     # Through the CLI, with no code: a grey 28×28 folder trains the CNN sized for it.
-    assert main(["train", "dataset=folder", f"dataset.options.path={tree}", "dataset.in_channels=1",
-                 "dataset.image_size=28", "method=fedavg_ft", "federation.num_clients=10", "federation.num_new_clients=2",
-                 "partition.min_samples=5", "federation.rounds=2", "personalization.steps=2",
-                 f"output.root={tmp_path / 'runs'}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "dataset=folder",
+                f"dataset.options.path={tree}",
+                "dataset.in_channels=1",
+                "dataset.image_size=28",
+                "method=fedavg_ft",
+                "federation.num_clients=10",
+                "federation.num_new_clients=2",
+                "partition.min_samples=5",
+                "federation.rounds=2",
+                "personalization.steps=2",
+                f"output.root={tmp_path / 'runs'}",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "runs" / "folder-dirichlet" / "fedavg_ft" / "seed0" / "summary.json").exists()
 
-    meta = load_dataset("meta_dataset", tmp_path, seed=0, download=False, sources=[str(tree)], num_clients=4,
-                        classes_per_client=5, images_per_client=40)
+    meta = load_dataset(
+        "meta_dataset",
+        tmp_path,
+        seed=0,
+        download=False,
+        sources=[str(tree)],
+        num_clients=4,
+        classes_per_client=5,
+        images_per_client=40,
+    )
     assert meta.x.shape == (160, 3, 32, 32) and meta.y.max() == 4
     assert len(list((tmp_path / "cache" / "trees").iterdir())) == 2  # decoded once per shape asked for
 
@@ -187,7 +230,17 @@ def test_a_corrupt_archive_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "broken.zip").write_bytes(b"PK\x03\x04" + b"\0" * 64)
     (tmp_path / "noise.tar").write_bytes(b"not an archive")
     for path in ("broken.zip", "noise.tar"):
-        assert main(["train", "dataset=folder", f"dataset.options.path={tmp_path / path}", f"output.root={tmp_path}"]) == 2
+        assert (
+            main(
+                [
+                    "train",
+                    "dataset=folder",
+                    f"dataset.options.path={tmp_path / path}",
+                    f"output.root={tmp_path}",
+                ]
+            )
+            == 2
+        )
         error = capsys.readouterr().err
         assert error.startswith("fedmeta: error:") and error.count("\n") == 1 and path in error
     assert not (tmp_path / "folder-dirichlet").exists()
@@ -249,16 +302,26 @@ def publisher_files(folder, digits):
     members = {f"fgvc-aircraft-2013b/data/images/{1000 + i}.jpg": jpeg(rgb(i)) for i in range(len(variants))}
     members["fgvc-aircraft-2013b/data/images_variant_trainval.txt"] = b""
     for part in ("train", "val", "test"):
-        members[f"fgvc-aircraft-2013b/data/images_variant_{part}.txt"] = (
-            "".join(f"{1000 + i} {v}\n" for i, v in enumerate(variants) if i % 3 == ("train", "val", "test").index(part)).encode())
+        members[f"fgvc-aircraft-2013b/data/images_variant_{part}.txt"] = "".join(
+            f"{1000 + i} {v}\n"
+            for i, v in enumerate(variants)
+            if i % 3 == ("train", "val", "test").index(part)
+        ).encode()
     tar_gz(folder / "fgvc-aircraft-2013b.tar.gz", members)
     birds = [c for split in ("train", "validation", "test") for c in cu_birds200.SPLITS[split]]
-    tar_gz(folder / "CUB_200_2011.tgz", {f"CUB_200_2011/images/{c}/{c}_0001.jpg": jpeg(rgb(i)) for i, c in enumerate(birds)})
+    tar_gz(
+        folder / "CUB_200_2011.tgz",
+        {f"CUB_200_2011/images/{c}/{c}_0001.jpg": jpeg(rgb(i)) for i, c in enumerate(birds)},
+    )
     with zipfile.ZipFile(folder / "cifar100.zip", "w") as archive:
         for i, name in enumerate(["apple", "bear", "cloud", "dolphin", "maple", "rocket", "tulip"]):
             for j in range(2):
                 archive.writestr(f"cifar100/data/{name}/{j}.png", png(rgb(i + j)))
-        for part, names in (("train", "apple\nbear\ncloud\n"), ("val", "dolphin\nmaple\n"), ("test", "rocket\ntulip\n")):
+        for part, names in (
+            ("train", "apple\nbear\ncloud\n"),
+            ("val", "dolphin\nmaple\n"),
+            ("test", "rocket\ntulip\n"),
+        ):
             archive.writestr(f"cifar100/splits/bertinetto/{part}.txt", names)
     for k, mode in enumerate(("train", "validation", "test")):
         images = np.stack([np.asarray(Image.fromarray(rgb(i)).resize((84, 84))) for i in range(6)])
@@ -266,9 +329,19 @@ def publisher_files(folder, digits):
         (folder / f"mini-imagenet-cache-{mode}.pkl").write_bytes(pickle.dumps(cache))
 
 
-@pytest.mark.parametrize("name,images,classes", [("vgg_flowers32", 102, 102), ("fgvc_aircraft32", 100, 100),
-                                                 ("cu_birds32", 200, 200), ("cifar_fs32", 14, 7), ("mini_imagenet32", 18, 9)])
-def test_learn2learn_sources_are_fetched_by_learn2learn_and_stored_canonically(name, images, classes, mirror, digits, tmp_path):
+@pytest.mark.parametrize(
+    "name,images,classes",
+    [
+        ("vgg_flowers32", 102, 102),
+        ("fgvc_aircraft32", 100, 100),
+        ("cu_birds32", 200, 200),
+        ("cifar_fs32", 14, 7),
+        ("mini_imagenet32", 18, 9),
+    ],
+)
+def test_learn2learn_sources_are_fetched_by_learn2learn_and_stored_canonically(
+    name, images, classes, mirror, digits, tmp_path
+):
     folder, url = mirror
     if not (folder / "102flowers.tgz").exists():
         publisher_files(folder, digits)
@@ -281,7 +354,13 @@ def test_learn2learn_sources_are_fetched_by_learn2learn_and_stored_canonically(n
 
 def test_a_learn2learn_source_that_cannot_be_fetched_is_one_line(mirror, tmp_path, capsys):
     _, url = mirror
-    assert main(["data", "download", "cu_birds32", "--dir", str(tmp_path), "--mirror", url + "nothing-here/"]) == 2
+    assert (
+        main(["data", "download", "cu_birds32", "--dir", str(tmp_path), "--mirror", url + "nothing-here/"])
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "fetching cu_birds32 through learn2learn's CUBirds200 failed" in err and len(err.strip().splitlines()) == 1
+    assert (
+        "fetching cu_birds32 through learn2learn's CUBirds200 failed" in err
+        and len(err.strip().splitlines()) == 1
+    )
     assert list(tmp_path.iterdir()) == []

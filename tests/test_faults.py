@@ -14,8 +14,18 @@ from fedmeta.loop import federated_round, setup, train
 
 
 def small(tmp_path, mnist_dir, *overrides):
-    return compose(["method=fedavg", "method.local_epochs=1", "federation.num_new_clients=4", "personalization.steps=3",
-                    "wandb.mode=disabled", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", *overrides])
+    return compose(
+        [
+            "method=fedavg",
+            "method.local_epochs=1",
+            "federation.num_new_clients=4",
+            "personalization.steps=3",
+            "wandb.mode=disabled",
+            f"dataset.dir={mnist_dir}",
+            f"output.root={tmp_path}",
+            *overrides,
+        ]
+    )
 
 
 def test_failing_and_nonfinite_clients_are_dropped_not_fatal(tmp_path, mnist_dir, monkeypatch):
@@ -51,8 +61,14 @@ def test_failing_and_nonfinite_clients_are_dropped_not_fatal(tmp_path, mnist_dir
 
 @pytest.mark.slow
 def test_failure_rate_drops_clients_reproducibly_and_still_learns(tmp_path, mnist_dir, caplog):
-    cfg = small(tmp_path, mnist_dir, "federation.rounds=6", "federation.eval_every=6", "federation.client_failure_rate=0.4",
-                "personalization.steps=10")
+    cfg = small(
+        tmp_path,
+        mnist_dir,
+        "federation.rounds=6",
+        "federation.eval_every=6",
+        "federation.client_failure_rate=0.4",
+        "personalization.steps=10",
+    )
     with caplog.at_level(logging.WARNING, logger="fedmeta"):
         summary = train(cfg, show_progress=False)
     rows = list(csv.DictReader(open(tmp_path / "rmnist-shards" / "fedavg" / "seed0" / "metrics.csv")))
@@ -63,5 +79,8 @@ def test_failure_rate_drops_clients_reproducibly_and_still_learns(tmp_path, mnis
 
     # the same seed drops the same clients
     _, federation, algorithm = setup(cfg)
-    again = [len(federated_round(algorithm, federation, r, 5, cfg.seed, failure_rate=0.4).dropped) for r in range(1, 7)]
+    again = [
+        len(federated_round(algorithm, federation, r, 5, cfg.seed, failure_rate=0.4).dropped)
+        for r in range(1, 7)
+    ]
     assert again == dropped

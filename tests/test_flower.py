@@ -19,8 +19,15 @@ from fedmeta.loop import train  # noqa: E402
 
 pytestmark = pytest.mark.slow  # make test-all; make test skips it
 
-SMALL = ["federation.rounds=3", "federation.eval_every=3", "personalization.steps=3", "federation.num_new_clients=4",
-         "model.conv_channels=[8,16]", "model.dense_units=[32]", "logger=[]"]
+SMALL = [
+    "federation.rounds=3",
+    "federation.eval_every=3",
+    "personalization.steps=3",
+    "federation.num_new_clients=4",
+    "model.conv_channels=[8,16]",
+    "model.dense_units=[32]",
+    "logger=[]",
+]
 
 
 def model_of(run_dir):
@@ -30,8 +37,12 @@ def model_of(run_dir):
 def simulate(overrides: list[str], *options: str) -> None:
     """``fedmeta flower sim`` in a process of its own: Ray and Flower change the logging and
     process state of whatever runs them, which the other tests share."""
-    done = subprocess.run([sys.executable, "-m", "fedmeta.cli", "flower", "sim", *options, *overrides],
-                          capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "fedmeta.cli", "flower", "sim", *options, *overrides],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -51,9 +62,17 @@ def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_pa
     assert (run / "metrics.csv").read_text().count("\n") == 4 and (run / "curves.csv").exists()
 
 
-TINY_FEDERATION = ["federation.num_clients=9", "federation.num_new_clients=3", "federation.clients_per_round=3",
-                   "federation.rounds=3", "federation.eval_every=3", "personalization.steps=3", "model.conv_channels=[8,16]",
-                   "model.dense_units=[32]", "logger=[]"]
+TINY_FEDERATION = [
+    "federation.num_clients=9",
+    "federation.num_new_clients=3",
+    "federation.clients_per_round=3",
+    "federation.rounds=3",
+    "federation.eval_every=3",
+    "personalization.steps=3",
+    "model.conv_channels=[8,16]",
+    "model.dense_units=[32]",
+    "logger=[]",
+]
 
 
 def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monkeypatch):
@@ -71,16 +90,25 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
     deployment = Deployment(nodes=3, folder=tmp_path, port=29391)
     deployment.start()
     try:
+
         def run(method: str, kill_in_round: int | None = None) -> Path:
             folder = tmp_path / "runs" / "rmnist-shards" / method / "seed0"
-            run_id = deployment.submit([f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION], timeout=75)  # a node starts a process per message: ~30 s on a busy 2-core machine
+            run_id = deployment.submit(
+                [f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION], timeout=75
+            )  # a node starts a process per message: ~30 s on a busy 2-core machine
             if kill_in_round is None:
                 deployment.wait(run_id, folder / "summary.json", limit=420)
                 return folder
             deadline = time.monotonic() + 420  # bounded: the test stops by itself
             while not (folder / "summary.json").exists():
-                assert time.monotonic() < deadline, f"no summary after 420 s: {sorted(p.name for p in tmp_path.glob('*.log'))}"
-                rounds = (folder / "metrics.csv").read_text().count("\n") - 1 if (folder / "metrics.csv").exists() else 0
+                assert time.monotonic() < deadline, (
+                    f"no summary after 420 s: {sorted(p.name for p in tmp_path.glob('*.log'))}"
+                )
+                rounds = (
+                    (folder / "metrics.csv").read_text().count("\n") - 1
+                    if (folder / "metrics.csv").exists()
+                    else 0
+                )
                 if rounds == kill_in_round - 1 and deployment.supernodes[2].poll() is None:
                     deployment.kill(deployment.supernodes[2])  # during round kill_in_round
                 time.sleep(0.5)
@@ -90,7 +118,10 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
         summary = json.loads((cafeme / "summary.json").read_text())
         assert summary["rounds"] == 3 and summary["new_clients"] == 3 and summary["accuracy"] > 0
         traffic = json.loads((cafeme / "flower.json").read_text())
-        assert traffic["messages"] == 3 * 3 + 3 and traffic["model_bytes_sent"] > traffic["update_bytes_received"] > 0
+        assert (
+            traffic["messages"] == 3 * 3 + 3
+            and traffic["model_bytes_sent"] > traffic["update_bytes_received"] > 0
+        )
 
         fedavg_ft = run("fedavg_ft", kill_in_round=2)
         rows = list(csv.DictReader(open(fedavg_ft / "metrics.csv")))
@@ -101,7 +132,9 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
 
         cfg = compose(["method=fedavg_ft", *TINY_FEDERATION])
         federation, _ = build(make_fabric(cfg), cfg)
-        alive = [c.id for c in federation.new_clients if c.id % 3 != 2]  # node 2 held the clients with ids ≡ 2 (mod 3)
+        alive = [
+            c.id for c in federation.new_clients if c.id % 3 != 2
+        ]  # node 2 held the clients with ids ≡ 2 (mod 3)
         assert summary["new_clients"] == len(alive) and summary["accuracy"] > 0
     finally:
         deployment.stop()
@@ -115,12 +148,19 @@ def test_local_differential_privacy_clips_every_update(tmp_path, mnist_dir):
     from fedmeta.loop import build, make_fabric
 
     clip = 0.01
-    overrides = ["method=fedavg_ft", f"dataset.dir={mnist_dir}", *SMALL, "federation.rounds=2", "federation.eval_every=2",
-                 f"output.root={tmp_path}"]
+    overrides = [
+        "method=fedavg_ft",
+        f"dataset.dir={mnist_dir}",
+        *SMALL,
+        "federation.rounds=2",
+        "federation.eval_every=2",
+        f"output.root={tmp_path}",
+    ]
     cfg = compose(overrides)
     _, algorithm = build(make_fabric(cfg), cfg)
     start = {k: v.clone() for k, v in algorithm.model.state_dict().items()}
     simulate(overrides, "--nodes", "2", "--dp", str(clip), "0", "1", "1e-5")
+
     def moved(run_dir) -> float:
         end = model_of(run_dir / "rmnist-shards" / "fedavg_ft" / "seed0")
         return torch.sqrt(sum(((end[k] - start[k]) ** 2).sum() for k in start)).item()

@@ -16,13 +16,21 @@ TINY = ["federation.rounds=2", "federation.eval_every=1", "personalization.steps
 def test_presets_cover_the_papers_table_and_figures():
     quick, paper = load_preset("quick"), load_preset("paper")
     table = {name for name, s in paper.settings.items() if s.grid == "table"}
-    assert table == {"cifar10-shards", "cifar10-dirichlet", "rmnist-shards", "rmnist-dirichlet", "femnist-writers",
-                     "meta_dataset-sources"}
+    assert table == {
+        "cifar10-shards",
+        "cifar10-dirichlet",
+        "rmnist-shards",
+        "rmnist-dirichlet",
+        "femnist-writers",
+        "meta_dataset-sources",
+    }
     assert list(quick.settings) == list(paper.settings) and len(quick.seeds) >= 3
     jobs = plan(quick, root=Path("runs/quick"), grids=["table"], datasets=["rmnist"])
     assert len(jobs) == 2 * len(quick.methods) * len(quick.seeds)
     assert "federation.rounds=20" in jobs[0].overrides and "output.setting=rmnist-shards" in jobs[0].overrides
-    assert [j.seed for j in jobs[:len(quick.methods)]] == [0] * len(quick.methods)  # every method of seed 0 first
+    assert [j.seed for j in jobs[: len(quick.methods)]] == [0] * len(
+        quick.methods
+    )  # every method of seed 0 first
     one_setting = plan(quick, root=Path("runs/quick"), grids=["table"], datasets=["cifar10-shards"])
     assert {j.setting for j in one_setting} == {"cifar10-shards"} and len(one_setting) == len(jobs) // 2
     with pytest.raises(FedmetaError, match="cifar100"):
@@ -33,13 +41,28 @@ def test_presets_cover_the_papers_table_and_figures():
 def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
-    args = ["table", "--datasets", "rmnist", "--methods", "local", "perfedavg", "--seeds", "0", "1", "--parallel", "2", *TINY]
+    args = [
+        "table",
+        "--datasets",
+        "rmnist",
+        "--methods",
+        "local",
+        "perfedavg",
+        "--seeds",
+        "0",
+        "1",
+        "--parallel",
+        "2",
+        *TINY,
+    ]
     assert main(args) == 0
     runs = sorted(tmp_path.glob("runs/quick/*/*/seed*/summary.json"))
     assert len(runs) == 8
     table = (tmp_path / "results" / "TABLES.md").read_text()
     perfedavg = next(line for line in table.splitlines() if line.startswith("| Per-FedAvg"))
-    accuracies = [json.loads(p.read_text())["accuracy"] for p in runs if "perfedavg" in str(p) and "shards" in str(p)]
+    accuracies = [
+        json.loads(p.read_text())["accuracy"] for p in runs if "perfedavg" in str(p) and "shards" in str(p)
+    ]
     mean = 100 * sum(accuracies) / 2
     assert f"**{mean:.2f} ± " in perfedavg and "paper 83.86 ± 1.74" in perfedavg and "(n=2)" in perfedavg
     assert "| rmnist-dirichlet | local | 0,1 | 2 |" in table
@@ -58,29 +81,54 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
 
     # A fresh clone has results/runs/ (committed, small files only) and no runs/: --no-run rebuilds the same table.
     kept = sorted(tmp_path.glob("results/runs/quick/*/*/seed*/*"))
-    assert {p.name for p in kept} == {"config.yaml", "metrics.csv", "curves.csv", "summary.json"} and len(kept) == 32
+    assert {p.name for p in kept} == {"config.yaml", "metrics.csv", "curves.csv", "summary.json"} and len(
+        kept
+    ) == 32
     before = table.split("Written")[1].split("\n", 1)[1]
     shutil.rmtree(tmp_path / "runs")
     assert main(["table", "--no-run"]) == 0
     assert (tmp_path / "results" / "TABLES.md").read_text().split("Written")[1].split("\n", 1)[1] == before
     capsys.readouterr()
     assert main(args) == 0  # and the grid counts the kept runs as finished: nothing runs again
-    assert "8 of 8 runs already finished" in capsys.readouterr().out and not (tmp_path / "runs" / "quick" / "rmnist-shards").exists()
+    assert (
+        "8 of 8 runs already finished" in capsys.readouterr().out
+        and not (tmp_path / "runs" / "quick" / "rmnist-shards").exists()
+    )
 
 
 @pytest.mark.slow
 def test_vectorized_grid_stacks_each_methods_seeds_in_one_process(tmp_path, monkeypatch, mnist_dir, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
-    args = ["table", "--datasets", "rmnist-shards", "--methods", "local", "perfedavg", "--seeds", "0", "1", "--parallel", "1",
-            *TINY, "federation.vectorize=true"]
+    args = [
+        "table",
+        "--datasets",
+        "rmnist-shards",
+        "--methods",
+        "local",
+        "perfedavg",
+        "--seeds",
+        "0",
+        "1",
+        "--parallel",
+        "1",
+        *TINY,
+        "federation.vectorize=true",
+    ]
     assert main(args) == 0
     assert "4 to run in 2 processes" in capsys.readouterr().out
     logs = sorted(p.name for p in tmp_path.glob("runs/quick/logs/*.log"))
     assert logs == ["rmnist-shards-local-seeds0-1.log", "rmnist-shards-perfedavg-seeds0-1.log"]
-    summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("runs/quick/rmnist-shards/*/seed*/summary.json"))]
+    summaries = [
+        json.loads(p.read_text())
+        for p in sorted(tmp_path.glob("runs/quick/rmnist-shards/*/seed*/summary.json"))
+    ]
     assert [(s["method"], s["seed"], s["seeds_stacked"]) for s in summaries] == [
-        ("local", 0, 2), ("local", 1, 2), ("perfedavg", 0, 2), ("perfedavg", 1, 2)]
+        ("local", 0, 2),
+        ("local", 1, 2),
+        ("perfedavg", 0, 2),
+        ("perfedavg", 1, 2),
+    ]
     assert "| Per-FedAvg |" in (tmp_path / "results" / "TABLES.md").read_text()
 
 
@@ -90,19 +138,32 @@ def test_parallel_must_be_positive(capsys):
 
 
 @pytest.mark.slow
-def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_failures(tmp_path, monkeypatch, mnist_dir, capsys):
+def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_failures(
+    tmp_path, monkeypatch, mnist_dir, capsys
+):
     """fedmeta sweep: every combination of the comma-separated values, each point in its own
     folder, run as submitit jobs (its local executor: the jobs SLURM would get), a table of the
     points; run again, nothing runs; a point that fails is reported in one line with its log."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
-    args = ["sweep", "method=local", "personalization.lr=0.01,0.05", *TINY, "--executor", "local", "--parallel", "2"]
+    args = [
+        "sweep",
+        "method=local",
+        "personalization.lr=0.01,0.05",
+        *TINY,
+        "--executor",
+        "local",
+        "--parallel",
+        "2",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "2 to run in 2 processes, 2 at a time (local)" in out
     summaries = sorted(tmp_path.glob("runs/sweep/*/rmnist-shards/local/seed0/summary.json"))
     assert [p.parts[-5] for p in summaries] == ["personalization.lr=0.01", "personalization.lr=0.05"]
-    assert [json.loads((p.parent / "config.yaml").read_text().split("lr: ")[1].split()[0]) for p in summaries] == [0.01, 0.05]
+    assert [
+        json.loads((p.parent / "config.yaml").read_text().split("lr: ")[1].split()[0]) for p in summaries
+    ] == [0.01, 0.05]
     assert len(list(tmp_path.glob("runs/sweep/logs/submitit/*/*_result.pkl"))) == 2  # ran as submitit jobs
     table = (tmp_path / "runs" / "sweep" / "sweep.md").read_text()
     for path in summaries:
@@ -112,27 +173,65 @@ def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_f
     assert main(args) == 0
     assert "2 of 2 runs already finished" in capsys.readouterr().out
 
-    bad = ["sweep", "method=local", f"dataset.dir={mnist_dir},{tmp_path / 'nowhere'}", *TINY, "--executor", "local"]
+    bad = [
+        "sweep",
+        "method=local",
+        f"dataset.dir={mnist_dir},{tmp_path / 'nowhere'}",
+        *TINY,
+        "--executor",
+        "local",
+    ]
     assert main(bad) == 1
     err = capsys.readouterr().err
     assert err.count("fedmeta: failed run:") == 1 and "exit 2" in err and "nowhere" in err
 
 
 @pytest.mark.slow
-def test_a_lease_budget_starts_only_the_units_that_fit_and_tables_keep_each_presets_section(tmp_path, monkeypatch, mnist_dir,
-                                                                                               capsys):
+def test_a_lease_budget_starts_only_the_units_that_fit_and_tables_keep_each_presets_section(
+    tmp_path, monkeypatch, mnist_dir, capsys
+):
     """fedmeta table --budget S --estimate BENCH_JSON (scripts/gpu_table.sh): a unit whose estimate
     does not fit is not started, and says so; a preset's section of TABLES.md is written beside the
     other presets' sections, never over them."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
-    row = {"dataset": "rmnist", "variant": "paper", "precision": "32-true", "matmul_precision": "highest",
-           "personalize_seconds_per_client": 0.01, "new_clients": 2}
+    row = {
+        "dataset": "rmnist",
+        "variant": "paper",
+        "precision": "32-true",
+        "matmul_precision": "highest",
+        "personalize_seconds_per_client": 0.01,
+        "new_clients": 2,
+    }
     estimate = tmp_path / "bench.json"
-    estimate.write_text(json.dumps({"rows": [{**row, "method": "local", "seconds_per_round": 0.01},
-                                             {**row, "method": "perfedavg", "seconds_per_round": 1000.0}]}))
-    args = ["table", "--datasets", "rmnist-shards", "--methods", "local", "perfedavg", "fedavg", "--seeds", "0", "1", *TINY,
-            "federation.vectorize=true", "--budget", "100", "--estimate", str(estimate)]
+    estimate.write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {**row, "method": "local", "seconds_per_round": 0.01},
+                    {**row, "method": "perfedavg", "seconds_per_round": 1000.0},
+                ]
+            }
+        )
+    )
+    args = [
+        "table",
+        "--datasets",
+        "rmnist-shards",
+        "--methods",
+        "local",
+        "perfedavg",
+        "fedavg",
+        "--seeds",
+        "0",
+        "1",
+        *TINY,
+        "federation.vectorize=true",
+        "--budget",
+        "100",
+        "--estimate",
+        str(estimate),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "starting rmnist-shards/local/seeds0-1: ~61 s" in out
@@ -144,7 +243,7 @@ def test_a_lease_budget_starts_only_the_units_that_fit_and_tables_keep_each_pres
     assert main(["table", "--preset", "paper", "--no-run"]) == 0
     both = (tmp_path / "results" / "TABLES.md").read_text()
     assert both.startswith("# Results\n") and "## Preset `quick`" in both and "## Preset `paper`" in both
-    section = quick[quick.index("<!-- preset quick -->"):quick.index("<!-- end of preset quick -->")]
+    section = quick[quick.index("<!-- preset quick -->") : quick.index("<!-- end of preset quick -->")]
     assert section in both  # the quick section untouched by the paper one
     assert main(["table", "--no-run", "--budget", "10"]) == 2
     assert "--budget SECONDS and --estimate BENCH_JSON go together" in capsys.readouterr().err
@@ -155,15 +254,33 @@ def test_the_published_chain_hands_each_model_to_the_next_method_in_the_authors_
     the published preset starts from the final model of the one before, in their order."""
     preset = load_preset("published")
     jobs = plan(preset, root=Path("runs/published"), grids=["table"], datasets=["rmnist-shards"], seeds=[0])
-    source = {j.method: next((o.split("/")[-2] for o in j.overrides if o.startswith("model.init_from=")), None) for j in jobs}
-    assert source == {"cafeme-authors": None, "perfedavg-authors": None, "fedavg-authors": "perfedavg-authors",
-                      "fedavg_ft-authors": "fedavg-authors", "ifca-published": "fedavg-authors",
-                      "ifca_ft-published": "ifca-published", "ifca-published_sharing": "ifca-published",
-                      "ditto-authors": "ifca-published_sharing", "fedrep-authors": "ditto-authors"}
+    source = {
+        j.method: next((o.split("/")[-2] for o in j.overrides if o.startswith("model.init_from=")), None)
+        for j in jobs
+    }
+    assert source == {
+        "cafeme-authors": None,
+        "perfedavg-authors": None,
+        "fedavg-authors": "perfedavg-authors",
+        "fedavg_ft-authors": "fedavg-authors",
+        "ifca-published": "fedavg-authors",
+        "ifca_ft-published": "ifca-published",
+        "ifca-published_sharing": "ifca-published",
+        "ditto-authors": "ifca-published_sharing",
+        "fedrep-authors": "ditto-authors",
+    }
     stage = {j.method: j.stage for j in jobs}
     assert all(stage[m] == stage[s] + 1 for m, s in source.items() if s) and stage["fedrep-authors"] == 5
-    init = next(o for j in jobs if j.method == "fedrep-authors" for o in j.overrides if o.startswith("model.init_from="))
-    assert init == "model.init_from=runs/published/rmnist-shards/ditto-authors/seed{seed}"  # the same seed's model
+    init = next(
+        o
+        for j in jobs
+        if j.method == "fedrep-authors"
+        for o in j.overrides
+        if o.startswith("model.init_from=")
+    )
+    assert (
+        init == "model.init_from=runs/published/rmnist-shards/ditto-authors/seed{seed}"
+    )  # the same seed's model
     scored_only = [j.method for j in jobs if j.overrides[-1] == "federation.rounds=0"]
     assert scored_only == ["fedavg_ft-authors", "ifca_ft-published"]  # FT scored on their source's model
     from fedmeta.config import compose
@@ -171,7 +288,13 @@ def test_the_published_chain_hands_each_model_to_the_next_method_in_the_authors_
     ifca = compose(["method=ifca", "variant=published"])
     assert (ifca.method.clusters, ifca.method.share_body) == (1, False)  # their k references to one model
     with pytest.raises(FedmetaError, match="add those too"):
-        plan(preset, root=Path("runs/published"), grids=["table"], datasets=["rmnist-shards"], methods=["fedrep-authors"])
+        plan(
+            preset,
+            root=Path("runs/published"),
+            grids=["table"],
+            datasets=["rmnist-shards"],
+            methods=["fedrep-authors"],
+        )
 
 
 @pytest.mark.slow
@@ -179,10 +302,32 @@ def test_the_published_chain_runs_stage_after_stage(tmp_path, monkeypatch, mnist
     import torch
 
     monkeypatch.chdir(tmp_path)
-    tiny = [*TINY, "federation.num_new_clients=2", "federation.clients_per_round=2", "method.batch_size=10",
-            "personalization.batch_size=10", "logger=[]", f"dataset.dir={mnist_dir}"]
-    assert main(["table", "--preset", "published", "--datasets", "rmnist-shards", "--seeds", "0", "--parallel", "2",
-                 *tiny]) == 0
+    tiny = [
+        *TINY,
+        "federation.num_new_clients=2",
+        "federation.clients_per_round=2",
+        "method.batch_size=10",
+        "personalization.batch_size=10",
+        "logger=[]",
+        f"dataset.dir={mnist_dir}",
+    ]
+    assert (
+        main(
+            [
+                "table",
+                "--preset",
+                "published",
+                "--datasets",
+                "rmnist-shards",
+                "--seeds",
+                "0",
+                "--parallel",
+                "2",
+                *tiny,
+            ]
+        )
+        == 0
+    )
     runs = tmp_path / "runs" / "published" / "rmnist-shards"
     summaries = {p.parent.parent.name: json.loads(p.read_text()) for p in runs.glob("*/seed0/summary.json")}
     assert len(summaries) == 9
@@ -190,8 +335,16 @@ def test_the_published_chain_runs_stage_after_stage(tmp_path, monkeypatch, mnist
     while summaries[method]["init_from"]:
         method = Path(summaries[method]["init_from"]["run"]).parent.name
         hops.append(method)
-    assert hops == ["ditto-authors", "ifca-published_sharing", "ifca-published", "fedavg-authors", "perfedavg-authors"]
-    model = {m: torch.load(runs / m / "seed0" / "checkpoint.ckpt", weights_only=True)["federation"]["model"]
-             for m in ("fedavg-authors", "fedavg_ft-authors")}
+    assert hops == [
+        "ditto-authors",
+        "ifca-published_sharing",
+        "ifca-published",
+        "fedavg-authors",
+        "perfedavg-authors",
+    ]
+    model = {
+        m: torch.load(runs / m / "seed0" / "checkpoint.ckpt", weights_only=True)["federation"]["model"]
+        for m in ("fedavg-authors", "fedavg_ft-authors")
+    }
     assert summaries["fedavg_ft-authors"]["rounds"] == 0
     assert all(torch.equal(model["fedavg-authors"][k], v) for k, v in model["fedavg_ft-authors"].items())

@@ -14,22 +14,49 @@ from fedmeta.models import ConvNet, ModulatedNet, Modulator, modulate
 TINY = dict(in_channels=1, image_size=8, num_classes=3, conv_channels=[2], kernel_size=3, padding=1)
 
 
-def tiny_cafeme(modulation="c1", use_labels=True, first_order=False, seed=0, outer_optimizer="adam_fresh",
-                batches="independent", eval_batch_size=None) -> CAFeMe:
+def tiny_cafeme(
+    modulation="c1",
+    use_labels=True,
+    first_order=False,
+    seed=0,
+    outer_optimizer="adam_fresh",
+    batches="independent",
+    eval_batch_size=None,
+) -> CAFeMe:
     torch.manual_seed(seed)
     base = ConvNet(**TINY, dense_units=[4])
-    modulator = Modulator(**TINY, before_mean=[5], after_mean=[5], layer_sizes=base.hidden_sizes(),
-                          modulation=modulation, use_labels=use_labels)
-    cfg = OmegaConf.create(dict(inner_steps=2, inner_lr=0.3, outer_lr=1e-3, batch_size=6, eval_batch_size=eval_batch_size,
-                                context="labelled" if use_labels else "transductive", first_order=first_order,
-                                outer_optimizer=outer_optimizer, batches=batches, client_state_dtype="float32"))
+    modulator = Modulator(
+        **TINY,
+        before_mean=[5],
+        after_mean=[5],
+        layer_sizes=base.hidden_sizes(),
+        modulation=modulation,
+        use_labels=use_labels,
+    )
+    cfg = OmegaConf.create(
+        dict(
+            inner_steps=2,
+            inner_lr=0.3,
+            outer_lr=1e-3,
+            batch_size=6,
+            eval_batch_size=eval_batch_size,
+            context="labelled" if use_labels else "transductive",
+            first_order=first_order,
+            outer_optimizer=outer_optimizer,
+            batches=batches,
+            client_state_dtype="float32",
+        )
+    )
     return CAFeMe(ModulatedNet(base, modulator).double(), cfg)
 
 
 def tiny_client(seed=0):
     g = torch.Generator().manual_seed(seed)
-    data = ImageDataset(x=torch.randn(40, 1, 8, 8, generator=g, dtype=torch.float64),
-                        y=torch.randint(0, 3, (40,), generator=g), num_classes=3)
+    data = ImageDataset(
+        x=torch.randn(40, 1, 8, 8, generator=g, dtype=torch.float64),
+        y=torch.randint(0, 3, (40,), generator=g),
+        num_classes=3,
+    )
     return build_federation(data, {"name": "iid"}, 2, 1, 0.3, seed=seed).train_clients[0]
 
 
@@ -68,6 +95,7 @@ def _meta_gradient(algorithm, client):
 def _directional_derivative(algorithm, omega, data, direction, eps=1e-5):
     def loss_at(t):
         return algorithm.meta_loss({k: v + t * direction[k] for k, v in omega.items()}, data).item()
+
     return (loss_at(eps) - loss_at(-eps)) / (2 * eps)
 
 
@@ -94,7 +122,10 @@ def test_masked_batch_statistics_equal_those_of_the_unpadded_batch():
     """A padded client (vectorized rounds) computes exactly what it computes alone."""
     model = tiny_cafeme().model
     x, y = torch.randn(7, 1, 8, 8, dtype=torch.float64), torch.randint(0, 3, (7,))
-    padded_x, padded_y = torch.cat([x, torch.zeros(3, 1, 8, 8, dtype=torch.float64)]), torch.cat([y, torch.zeros(3, dtype=torch.long)])
+    padded_x, padded_y = (
+        torch.cat([x, torch.zeros(3, 1, 8, 8, dtype=torch.float64)]),
+        torch.cat([y, torch.zeros(3, dtype=torch.long)]),
+    )
     mask = torch.arange(10) < 7
     alone = model(x, x, y)
     padded = model(padded_x, padded_x, padded_y, mask, mask)
@@ -153,24 +184,42 @@ def test_authors_client_adam_state_is_kept_compactly_and_resumed(dtype, bytes_pe
     state = algorithm.client_states[client.id]["adam"]
     numbers = sum(p.numel() for p in algorithm.model.parameters())
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and int(state["step"]) == 1
-    assert sum(m.nbytes for key in ("exp_avg", "exp_avg_sq") for m in state[key].values()) == 2 * numbers * bytes_per_number
+    assert (
+        sum(m.nbytes for key in ("exp_avg", "exp_avg_sq") for m in state[key].values())
+        == 2 * numbers * bytes_per_number
+    )
 
     before = {k: p.detach().clone() for k, p in algorithm.model.named_parameters()}
     update = algorithm.run_client(client, 2)  # the second visit continues the client's Adam: step 2
     algorithm.aggregate([update])
     assert int(algorithm.client_states[client.id]["adam"]["step"]) == 2
-    assert all(torch.isfinite(update.params[k]).all() and not torch.equal(update.params[k], before[k]) for k in before)
+    assert all(
+        torch.isfinite(update.params[k]).all() and not torch.equal(update.params[k], before[k])
+        for k in before
+    )
 
 
 def test_functional_adam_and_sgd_match_torch_optim():
     g = torch.Generator().manual_seed(0)
-    start = {"w": torch.randn(5, 3, generator=g, dtype=torch.float64), "b": torch.randn(3, generator=g, dtype=torch.float64)}
-    grads = [{k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in start.items()} for _ in range(3)]
-    for make, step in [(lambda p: torch.optim.Adam(p, lr=0.01), lambda p, gr, s: adam(p, gr, s, 0.01)),
-                       (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p, gr, s: sgd(p, gr, 0.1, 0.9, s))]:
+    start = {
+        "w": torch.randn(5, 3, generator=g, dtype=torch.float64),
+        "b": torch.randn(3, generator=g, dtype=torch.float64),
+    }
+    grads = [
+        {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in start.items()} for _ in range(3)
+    ]
+    for make, step in [
+        (lambda p: torch.optim.Adam(p, lr=0.01), lambda p, gr, s: adam(p, gr, s, 0.01)),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p, gr, s: sgd(p, gr, 0.1, 0.9, s)),
+    ]:
         leaves = {k: v.clone().requires_grad_() for k, v in start.items()}
         optimizer = make(leaves.values())
-        params, state = dict(start), adam_state(start) if "Adam" in str(make(leaves.values())) else {k: torch.zeros_like(v) for k, v in start.items()}
+        params, state = (
+            dict(start),
+            adam_state(start)
+            if "Adam" in str(make(leaves.values()))
+            else {k: torch.zeros_like(v) for k, v in start.items()},
+        )
         for gr in grads:
             for k, p in leaves.items():
                 p.grad = gr[k].clone()

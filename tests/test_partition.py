@@ -11,8 +11,16 @@ def labels(rmnist):
     return rmnist.y.numpy()
 
 
-@pytest.mark.parametrize("name,params", [("shards", {}), ("dirichlet", {"alpha": 0.3}), ("dirichlet", {"alpha": 0.3, "balance": True}),
-                                         ("iid", {}), ("groups", {})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("shards", {}),
+        ("dirichlet", {"alpha": 0.3}),
+        ("dirichlet", {"alpha": 0.3, "balance": True}),
+        ("iid", {}),
+        ("groups", {}),
+    ],
+)
 def test_partitions_cover_disjoint_and_are_deterministic(rmnist, labels, name, params):
     groups = rmnist.groups.numpy()
     parts = partition(name, labels, groups, 100, seed=0, **params)
@@ -85,12 +93,15 @@ def torch_equal(a, b):
     return bool((a == b).all())
 
 
-@pytest.mark.parametrize("name,params,message", [
-    ("dirichlet", {"alpha": 0.0}, "alpha must be > 0"),
-    ("dirichlet", {"alpha": -1.0}, "alpha must be > 0"),
-    ("shards", {"shards_per_client": 1000}, "cannot be cut"),
-    ("nope", {}, "unknown partition"),
-])
+@pytest.mark.parametrize(
+    "name,params,message",
+    [
+        ("dirichlet", {"alpha": 0.0}, "alpha must be > 0"),
+        ("dirichlet", {"alpha": -1.0}, "alpha must be > 0"),
+        ("shards", {"shards_per_client": 1000}, "cannot be cut"),
+        ("nope", {}, "unknown partition"),
+    ],
+)
 def test_impossible_partitions_are_refused(labels, name, params, message):
     with pytest.raises(FedmetaError, match=message):
         partition(name, labels, None, 100, seed=0, **params)

@@ -51,6 +51,7 @@ def no_work(monkeypatch):
 
 def run_main(argv: list[str], seconds: int = 120) -> tuple[object, str]:
     """(exit code or "ran", stderr) of fedmeta in this process; a hang fails after ``seconds``."""
+
     def hung(*_):
         raise TimeoutError(f"fedmeta {' '.join(argv)} ran over {seconds} s")
 
@@ -83,31 +84,122 @@ def snapshot(*folders: Path) -> dict[str, int]:
 # --- command lines -------------------------------------------------------------------------------------------
 
 JUNK = st.text("ab/.-_0129[],x=${} ", max_size=10)
-NAMES = st.sampled_from(["rmnist", "cifar10", "rmnist-shards", "cafeme", "fedavg_ft", "fedrep-tuned", "fedrep-nope",
-                         "bogus", "../x", "a,b", "0", "-1", "quick", "paper", "x=1", "folder"]) | JUNK
+NAMES = (
+    st.sampled_from(
+        [
+            "rmnist",
+            "cifar10",
+            "rmnist-shards",
+            "cafeme",
+            "fedavg_ft",
+            "fedrep-tuned",
+            "fedrep-nope",
+            "bogus",
+            "../x",
+            "a,b",
+            "0",
+            "-1",
+            "quick",
+            "paper",
+            "x=1",
+            "folder",
+        ]
+    )
+    | JUNK
+)
 NUMBERS = st.sampled_from(["0", "1", "2", "-3", "1e9", "nan", "inf", "abc", "", "1.5"])
-OVERRIDES = st.tuples(st.sampled_from(["federation.rounds", "seed", "method", "dataset", "partition", "variant",
-                                       "fabric.accelerator", "personalization.lr", "output.root", "no.such", "logger",
-                                       "federation.vectorize", "output.setting"]),
-                      st.sampled_from(["1", "0", "-1", "cafeme", "rmnist", "dirichlet", "authors", "cpu", "cuda", "[]",
-                                       "x/../../y", "${oc.env:HOME}", "true", "auto", "[csv]", "2.5", ""]) | JUNK
-                      ).map(lambda kv: f"{kv[0]}={kv[1]}")
-GRID_OPTIONS = {"--preset": NAMES, "--datasets": NAMES, "--methods": NAMES, "--seeds": NUMBERS, "--parallel": NUMBERS,
-                "--executor": st.sampled_from(["pool", "local", "slurm", "ray"]), "--slurm": JUNK}
+OVERRIDES = st.tuples(
+    st.sampled_from(
+        [
+            "federation.rounds",
+            "seed",
+            "method",
+            "dataset",
+            "partition",
+            "variant",
+            "fabric.accelerator",
+            "personalization.lr",
+            "output.root",
+            "no.such",
+            "logger",
+            "federation.vectorize",
+            "output.setting",
+        ]
+    ),
+    st.sampled_from(
+        [
+            "1",
+            "0",
+            "-1",
+            "cafeme",
+            "rmnist",
+            "dirichlet",
+            "authors",
+            "cpu",
+            "cuda",
+            "[]",
+            "x/../../y",
+            "${oc.env:HOME}",
+            "true",
+            "auto",
+            "[csv]",
+            "2.5",
+            "",
+        ]
+    )
+    | JUNK,
+).map(lambda kv: f"{kv[0]}={kv[1]}")
+GRID_OPTIONS = {
+    "--preset": NAMES,
+    "--datasets": NAMES,
+    "--methods": NAMES,
+    "--seeds": NUMBERS,
+    "--parallel": NUMBERS,
+    "--executor": st.sampled_from(["pool", "local", "slurm", "ray"]),
+    "--slurm": JUNK,
+}
 COMMANDS = {
-    ("table",): ({**GRID_OPTIONS, "--no-run": None, "--budget": NUMBERS,
-                  "--estimate": st.sampled_from(["bench.json", "nope.json", ""]), "--out": JUNK}, []),
+    ("table",): (
+        {
+            **GRID_OPTIONS,
+            "--no-run": None,
+            "--budget": NUMBERS,
+            "--estimate": st.sampled_from(["bench.json", "nope.json", ""]),
+            "--out": JUNK,
+        },
+        [],
+    ),
     ("figures",): ({**GRID_OPTIONS, "--run": None, "--out-dir": JUNK}, []),
-    ("sweep",): ({"--root": JUNK, "--parallel": NUMBERS, "--executor": GRID_OPTIONS["--executor"]}, [OVERRIDES]),
-    ("tune",): ({"--trials": NUMBERS, "--rounds": NUMBERS, "--seed": NUMBERS, "--storage": JUNK, "--overwrite": None},
-                [NAMES]),
-    ("bench",): ({"--datasets": NAMES, "--methods": NAMES, "--no-memory": None, "--profile": None, "--project": NAMES,
-                  "--out": JUNK, "--config": st.sampled_from([str(ROOT / "configs/bench.yaml"), "nope.yaml", "bench.json"])},
-                 []),
+    ("sweep",): (
+        {"--root": JUNK, "--parallel": NUMBERS, "--executor": GRID_OPTIONS["--executor"]},
+        [OVERRIDES],
+    ),
+    ("tune",): (
+        {"--trials": NUMBERS, "--rounds": NUMBERS, "--seed": NUMBERS, "--storage": JUNK, "--overwrite": None},
+        [NAMES],
+    ),
+    ("bench",): (
+        {
+            "--datasets": NAMES,
+            "--methods": NAMES,
+            "--no-memory": None,
+            "--profile": None,
+            "--project": NAMES,
+            "--out": JUNK,
+            "--config": st.sampled_from([str(ROOT / "configs/bench.yaml"), "nope.yaml", "bench.json"]),
+        },
+        [],
+    ),
     ("data", "describe"): ({}, [NAMES, NAMES]),
     ("data", "download"): ({"--dir": JUNK, "--mirror": JUNK, "--no-verify": None}, [NAMES]),
-    ("flower", "sim"): ({"--nodes": NUMBERS, "--timeout": NUMBERS, "--dp": st.lists(NUMBERS, min_size=4, max_size=4)
-                         .map(" ".join)}, []),
+    ("flower", "sim"): (
+        {
+            "--nodes": NUMBERS,
+            "--timeout": NUMBERS,
+            "--dp": st.lists(NUMBERS, min_size=4, max_size=4).map(" ".join),
+        },
+        [],
+    ),
     ("flower", "deploy"): ({"--nodes": NUMBERS, "--port": NUMBERS, "--print": None, "--folder": JUNK}, []),
     ("evaluate",): ({"--unfinished": None}, [JUNK]),
     ("train",): ({"--print-config": None}, []),
@@ -118,11 +210,13 @@ COMMANDS = {
 def command_lines(draw) -> list[str]:
     words = draw(st.sampled_from(sorted(COMMANDS)))
     options, positionals = COMMANDS[words]
-    argv = list(words) + [draw(p) for p in positionals[:draw(st.integers(0, len(positionals)))]]
+    argv = list(words) + [draw(p) for p in positionals[: draw(st.integers(0, len(positionals)))]]
     for option in draw(st.lists(st.sampled_from(sorted(options) or [""]), max_size=3, unique=True)):
         if option:
             value = options[option]
-            argv += [option] + ([] if value is None else draw(value).split(" ") if option == "--dp" else [draw(value)])
+            argv += [option] + (
+                [] if value is None else draw(value).split(" ") if option == "--dp" else [draw(value)]
+            )
     return argv + draw(st.lists(OVERRIDES, max_size=3))
 
 
@@ -138,13 +232,23 @@ def test_generated_command_lines_exit_0_or_2_in_one_line(tmp_path, monkeypatch, 
     code, err = run_main(argv)
     event(f"{argv[0]}: {code}")
     assert_exit_0_or_one_line(code, err)
-    assert snapshot(ROOT / "results", ROOT / "configs") == before  # the checkout's results and configs untouched
+    assert (
+        snapshot(ROOT / "results", ROOT / "configs") == before
+    )  # the checkout's results and configs untouched
 
 
 # --- run folders ---------------------------------------------------------------------------------------------
 
-RUN = ["method=local", "federation.rounds=2", "federation.eval_every=2", "federation.num_new_clients=2",
-       "federation.num_clients=12", "federation.clients_per_round=3", "personalization.steps=1", "logger=[csv]"]
+RUN = [
+    "method=local",
+    "federation.rounds=2",
+    "federation.eval_every=2",
+    "federation.num_new_clients=2",
+    "federation.num_clients=12",
+    "federation.clients_per_round=3",
+    "personalization.steps=1",
+    "logger=[csv]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +264,24 @@ DAMAGE = st.sampled_from(["missing", "empty", "cut", "list", "garbage", "link", 
 
 @pytest.mark.slow
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(st.sampled_from(["config.yaml", "checkpoint.ckpt", "summary.json", "metrics.csv", "curves.csv",
-                                        "evaluations.jsonl"]), DAMAGE, min_size=1, max_size=3),
-       st.sampled_from(["evaluate", "evaluate --unfinished", "resume", "overwrite"]))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "config.yaml",
+                "checkpoint.ckpt",
+                "summary.json",
+                "metrics.csv",
+                "curves.csv",
+                "evaluations.jsonl",
+            ]
+        ),
+        DAMAGE,
+        min_size=1,
+        max_size=3,
+    ),
+    st.sampled_from(["evaluate", "evaluate --unfinished", "resume", "overwrite"]),
+)
 def test_generated_run_folders_are_used_or_refused_in_one_line(tmp_path, finished_run, damage, command):
     source, args = finished_run
     root = tmp_path / "root"
@@ -185,11 +304,20 @@ def test_generated_run_folders_are_used_or_refused_in_one_line(tmp_path, finishe
         elif how == "fifo":
             os.mkfifo(path)
         else:
-            path.write_bytes({"empty": b"", "cut": data[:len(data) // 2], "list": b"- a\n- b\n",
-                              "garbage": b"\x00\xff{[: not this"}[how])
-    argv = {"evaluate": ["evaluate", str(run)], "evaluate --unfinished": ["evaluate", str(run), "--unfinished"],
-            "resume": ["train", *args[:-1], f"output.root={root}", "output.resume=true"],
-            "overwrite": ["train", *args[:-1], f"output.root={root}", "output.overwrite=true"]}[command]
+            path.write_bytes(
+                {
+                    "empty": b"",
+                    "cut": data[: len(data) // 2],
+                    "list": b"- a\n- b\n",
+                    "garbage": b"\x00\xff{[: not this",
+                }[how]
+            )
+    argv = {
+        "evaluate": ["evaluate", str(run)],
+        "evaluate --unfinished": ["evaluate", str(run), "--unfinished"],
+        "resume": ["train", *args[:-1], f"output.root={root}", "output.resume=true"],
+        "overwrite": ["train", *args[:-1], f"output.root={root}", "output.overwrite=true"],
+    }[command]
     code, err = run_main(argv, seconds=180)
     event(f"{command}: {code}")
     assert_exit_0_or_one_line(code, err)

@@ -11,8 +11,12 @@ from fedmeta.loop import train
 
 pytestmark = pytest.mark.slow  # make test-all; make test skips it
 
-SMALL_32 = ["model.conv_channels=[8,8,8]", "model.dense_units=[32,32]", "model.modulator.before_mean=[16,16,16]",
-            "model.modulator.after_mean=[16]"]
+SMALL_32 = [
+    "model.conv_channels=[8,8,8]",
+    "model.dense_units=[32,32]",
+    "model.modulator.before_mean=[16,16,16]",
+    "model.modulator.after_mean=[16]",
+]
 
 
 def require(name):
@@ -51,9 +55,19 @@ def test_cifar10_shards_and_dirichlet(cifar10):
 
 
 def test_cafeme_runs_on_cifar10(cifar10, cache, tmp_path):
-    cfg = compose(["dataset=cifar10", "partition=dirichlet", "method=cafeme", f"output.root={tmp_path}",
-                   "wandb.mode=disabled", "federation.rounds=2", "federation.num_new_clients=4",
-                   "personalization.steps=5", *SMALL_32])
+    cfg = compose(
+        [
+            "dataset=cifar10",
+            "partition=dirichlet",
+            "method=cafeme",
+            f"output.root={tmp_path}",
+            "wandb.mode=disabled",
+            "federation.rounds=2",
+            "federation.num_new_clients=4",
+            "personalization.steps=5",
+            *SMALL_32,
+        ]
+    )
     summary = train(cfg, show_progress=False)
     assert len(summary["curve"]) == 6 and summary["accuracy"] > summary["curve"][0]
 
@@ -67,7 +81,9 @@ def femnist():
 def test_femnist_writers_are_clients(femnist):
     assert femnist.num_classes == 62 and femnist.x.shape[1:] == (1, 28, 28)
     fed = build_federation(femnist, {"name": "writers", "min_samples": 20}, 100, 20, 0.2, seed=0)
-    writers = [np.unique(femnist.groups[c.indices("all")].numpy()) for c in fed.train_clients + fed.new_clients]
+    writers = [
+        np.unique(femnist.groups[c.indices("all")].numpy()) for c in fed.train_clients + fed.new_clients
+    ]
     assert all(len(w) == 1 for w in writers)  # one writer per client
     assert len({int(w[0]) for w in writers}) == 100  # no writer twice
     assert all(c.num_samples >= 20 for c in fed.train_clients)
@@ -79,9 +95,20 @@ def test_femnist_refuses_more_writers_than_it_has(femnist):
 
 
 def test_fedavg_ft_runs_on_femnist(femnist, tmp_path):
-    cfg = compose(["dataset=femnist", "method=fedavg_ft", "variant=tuned", f"output.root={tmp_path}",
-                   "wandb.mode=disabled", "federation.rounds=3", "federation.num_new_clients=4",
-                   "personalization.steps=5", "model.conv_channels=[8,16]", "model.dense_units=[32]"])
+    cfg = compose(
+        [
+            "dataset=femnist",
+            "method=fedavg_ft",
+            "variant=tuned",
+            f"output.root={tmp_path}",
+            "wandb.mode=disabled",
+            "federation.rounds=3",
+            "federation.num_new_clients=4",
+            "personalization.steps=5",
+            "model.conv_channels=[8,16]",
+            "model.dense_units=[32]",
+        ]
+    )
     summary = train(cfg, show_progress=False)
     assert 0 <= summary["accuracy"] <= 1 and len(summary["curve"]) == 6
 
@@ -112,21 +139,42 @@ def test_meta_dataset_refuses_more_classes_than_a_source_has():
 def test_cafeme_runs_on_meta_dataset(tmp_path):
     for name in ("omniglot.npz", "gtsrb32.npz", "dtd32.npz"):
         require(name)
-    cfg = compose(["dataset=meta_dataset", "dataset.options.sources=[omniglot,gtsrb32,dtd32]", "federation.num_clients=20",
-                   "federation.num_new_clients=4", "federation.clients_per_round=3", f"output.root={tmp_path}",
-                   "wandb.mode=disabled", "federation.rounds=2", "personalization.steps=5", *SMALL_32])
+    cfg = compose(
+        [
+            "dataset=meta_dataset",
+            "dataset.options.sources=[omniglot,gtsrb32,dtd32]",
+            "federation.num_clients=20",
+            "federation.num_new_clients=4",
+            "federation.clients_per_round=3",
+            f"output.root={tmp_path}",
+            "wandb.mode=disabled",
+            "federation.rounds=2",
+            "personalization.steps=5",
+            *SMALL_32,
+        ]
+    )
     summary = train(cfg, show_progress=False)
     assert len(summary["curve"]) == 6 and 0 <= summary["accuracy"] <= 1
 
 
-SMALL_28 = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "model.modulator.before_mean=[16,16]",
-            "model.modulator.after_mean=[16]"]
+SMALL_28 = [
+    "model.conv_channels=[8,16]",
+    "model.dense_units=[32]",
+    "model.modulator.before_mean=[16,16]",
+    "model.modulator.after_mean=[16]",
+]
 SETTINGS = {  # data set → (files it needs, overrides): every method must run on each
     "cifar10": (["cifar10-jpeg.tar.gz"], ["dataset=cifar10", "partition=dirichlet", *SMALL_32]),
     "femnist": (["femnist.npz"], ["dataset=femnist", *SMALL_28]),
-    "meta_dataset": (["omniglot.npz", "gtsrb32.npz", "dtd32.npz"],
-                     ["dataset=meta_dataset", "dataset.options.sources=[omniglot,gtsrb32,dtd32]",
-                      "dataset.options.images_per_client=100", *SMALL_32]),
+    "meta_dataset": (
+        ["omniglot.npz", "gtsrb32.npz", "dtd32.npz"],
+        [
+            "dataset=meta_dataset",
+            "dataset.options.sources=[omniglot,gtsrb32,dtd32]",
+            "dataset.options.images_per_client=100",
+            *SMALL_32,
+        ],
+    ),
 }
 
 
@@ -136,8 +184,18 @@ def test_every_method_runs_on_every_data_set(dataset, cache, tmp_path):
     for name in files:
         require(name)
     for method in group_choices("method"):
-        cfg = compose([*overrides, f"method={method}", "federation.num_clients=12", "federation.num_new_clients=2",
-                       "federation.clients_per_round=2", "federation.rounds=1", "personalization.steps=2",
-                       f"output.root={tmp_path}", "wandb.mode=disabled"])
+        cfg = compose(
+            [
+                *overrides,
+                f"method={method}",
+                "federation.num_clients=12",
+                "federation.num_new_clients=2",
+                "federation.clients_per_round=2",
+                "federation.rounds=1",
+                "personalization.steps=2",
+                f"output.root={tmp_path}",
+                "wandb.mode=disabled",
+            ]
+        )
         summary = train(cfg, show_progress=False)
         assert summary["method"] == method and len(summary["curve"]) == 3 and 0 <= summary["accuracy"] <= 1

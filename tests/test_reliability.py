@@ -19,8 +19,14 @@ from fedmeta.data.sources import _fingerprint, read_canonical
 from fedmeta.errors import FedmetaError
 from fedmeta.loop import train
 
-QUICK = ["method=local", "federation.rounds=2", "federation.eval_every=2", "federation.num_new_clients=2",
-         "personalization.steps=1", "wandb.mode=disabled"]
+QUICK = [
+    "method=local",
+    "federation.rounds=2",
+    "federation.eval_every=2",
+    "federation.num_new_clients=2",
+    "personalization.steps=1",
+    "wandb.mode=disabled",
+]
 
 
 def run_args(tmp_path, mnist_dir, *extra):
@@ -43,7 +49,9 @@ def test_rerunning_an_interrupted_run_keeps_its_checkpoint(tmp_path, mnist_dir, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "output.resume=true" in err and "output.overwrite=true" in err
     assert (run / "checkpoint.ckpt").read_bytes() == checkpoint  # nothing was deleted
-    assert main(run_args(tmp_path, mnist_dir, "output.overwrite=true")) == 0 and (run / "summary.json").exists()
+    assert (
+        main(run_args(tmp_path, mnist_dir, "output.overwrite=true")) == 0 and (run / "summary.json").exists()
+    )
 
 
 def test_a_locked_run_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, mnist_dir, capsys):
@@ -81,19 +89,27 @@ def test_resume_at_the_checkpoints_round_evaluates_and_finishes(tmp_path, mnist_
     run = tmp_path / "rmnist-shards" / "local" / "seed0"
     (run / "checkpoint.ckpt.tmp").write_bytes(b"x" * 1000)  # a checkpoint write cut off by a kill
     assert not (run.parent / "seed0.lock").exists()  # the interrupted run let go of its folder
-    summary = train(compose([*args, "federation.rounds=2", "federation.eval_every=4", "output.resume=true"]), show_progress=False)
+    summary = train(
+        compose([*args, "federation.rounds=2", "federation.eval_every=4", "output.resume=true"]),
+        show_progress=False,
+    )
     assert summary["resumed_at_round"] == 2 and summary["rounds"] == 2 and 0 <= summary["accuracy"] <= 1
     assert not (run / "checkpoint.ckpt.tmp").exists()
 
 
-def test_evaluate_refuses_unfinished_runs_unknown_keys_and_bad_values(tmp_path, mnist_dir, capsys, monkeypatch):
+def test_evaluate_refuses_unfinished_runs_unknown_keys_and_bad_values(
+    tmp_path, mnist_dir, capsys, monkeypatch
+):
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
     run = unfinished_run(tmp_path, mnist_dir)
     capsys.readouterr()
-    for extra, message in [([], "holds an unfinished run"), (["personalization.stepz=1", "--unfinished"], "personalization.stepz"),
-                           (["personalization.lr=-1", "--unfinished"], "lr > 0"),
-                           (["personalization.steps=abc", "--unfinished"], "must be an integer"),
-                           (["federation.rounds=5", "--unfinished"], "evaluate changes only personalization.*")]:
+    for extra, message in [
+        ([], "holds an unfinished run"),
+        (["personalization.stepz=1", "--unfinished"], "personalization.stepz"),
+        (["personalization.lr=-1", "--unfinished"], "lr > 0"),
+        (["personalization.steps=abc", "--unfinished"], "must be an integer"),
+        (["federation.rounds=5", "--unfinished"], "evaluate changes only personalization.*"),
+    ]:
         assert main(["evaluate", str(run), *extra]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, (extra, err)
@@ -106,18 +122,39 @@ def canonical(tmp_path, **arrays):
     return path
 
 
-@pytest.mark.parametrize("arrays,message", [
-    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 2, 0, 1, 2.5])), "labels y must be one integer per image"),
-    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, -1, 0, 1, 0])), "labels y must be ≥ 0"),
-    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.zeros(6, np.int64)), "at least 2 classes"),
-    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 5, 0, 1, 0]), classes=np.array(["a", "b"])), "has no entry"),
-    (dict(x=np.zeros((6, 8, 8, 4), np.uint8), y=np.array([0, 1, 0, 1, 0, 1])), "N×H×W×3"),
-    (dict(x=np.zeros((6, 8, 8), np.float32), y=np.array([0, 1, 0, 1, 0, 1])), "uint8 images"),
-    # labels name the model's outputs: a stray 200000 would build a 200,001-class model
-    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 200000, 0, 1, 0])), "labels must be 0…K−1"),
-    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 0, 1, 0, 1]), split=np.zeros(4, np.uint8)), "split must hold one"),
-    (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 0, 1, 0, 1]), split=np.zeros(6, np.float32)), "split must hold one"),
-])
+@pytest.mark.parametrize(
+    "arrays,message",
+    [
+        (
+            dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 2, 0, 1, 2.5])),
+            "labels y must be one integer per image",
+        ),
+        (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, -1, 0, 1, 0])), "labels y must be ≥ 0"),
+        (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.zeros(6, np.int64)), "at least 2 classes"),
+        (
+            dict(
+                x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 5, 0, 1, 0]), classes=np.array(["a", "b"])
+            ),
+            "has no entry",
+        ),
+        (dict(x=np.zeros((6, 8, 8, 4), np.uint8), y=np.array([0, 1, 0, 1, 0, 1])), "N×H×W×3"),
+        (dict(x=np.zeros((6, 8, 8), np.float32), y=np.array([0, 1, 0, 1, 0, 1])), "uint8 images"),
+        # labels name the model's outputs: a stray 200000 would build a 200,001-class model
+        (dict(x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 200000, 0, 1, 0])), "labels must be 0…K−1"),
+        (
+            dict(
+                x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 0, 1, 0, 1]), split=np.zeros(4, np.uint8)
+            ),
+            "split must hold one",
+        ),
+        (
+            dict(
+                x=np.zeros((6, 8, 8), np.uint8), y=np.array([0, 1, 0, 1, 0, 1]), split=np.zeros(6, np.float32)
+            ),
+            "split must hold one",
+        ),
+    ],
+)
 def test_data_files_are_validated_when_loaded(tmp_path, arrays, message):
     with pytest.raises(FedmetaError, match=message):
         read_canonical(canonical(tmp_path, **arrays))
@@ -149,11 +186,30 @@ def test_an_edit_inside_an_image_tree_changes_its_cache_key(tmp_path):
     assert _fingerprint(tmp_path / "tree") != before
 
 
-KEYS = ["federation.rounds", "federation.num_clients", "federation.clients_per_round", "federation.held_out_fraction",
-        "personalization.lr", "personalization.steps", "seed", "seeds", "method.inner_lr", "partition.shards_per_client",
-        "output.setting", "fabric.precision", "model.dense_units", "federation.vectorize", "no.such.key"]
-VALUES = st.one_of(st.integers(-5, 10**6), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
-                   st.text("ab/.-_0129[],x ", max_size=12), st.lists(st.integers(-2, 64), max_size=3).map(str))
+KEYS = [
+    "federation.rounds",
+    "federation.num_clients",
+    "federation.clients_per_round",
+    "federation.held_out_fraction",
+    "personalization.lr",
+    "personalization.steps",
+    "seed",
+    "seeds",
+    "method.inner_lr",
+    "partition.shards_per_client",
+    "output.setting",
+    "fabric.precision",
+    "model.dense_units",
+    "federation.vectorize",
+    "no.such.key",
+]
+VALUES = st.one_of(
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.text("ab/.-_0129[],x ", max_size=12),
+    st.lists(st.integers(-2, 64), max_size=3).map(str),
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -171,9 +227,13 @@ def test_generated_configs_give_exit_0_or_one_line(tmp_path, overrides):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.integers(0, 5), st.sampled_from([(8, 8), (8, 8, 3), (8, 8, 4), (0,), ()]),
-       st.sampled_from(["uint8", "float32", "int64"]), st.lists(st.integers(-2, 4), max_size=6),
-       st.sampled_from(["int64", "float64", "int8"]))
+@given(
+    st.integers(0, 5),
+    st.sampled_from([(8, 8), (8, 8, 3), (8, 8, 4), (0,), ()]),
+    st.sampled_from(["uint8", "float32", "int64"]),
+    st.lists(st.integers(-2, 4), max_size=6),
+    st.sampled_from(["int64", "float64", "int8"]),
+)
 def test_generated_data_files_load_or_are_refused_in_one_line(tmp_path, n, shape, x_dtype, labels, y_dtype):
     path = canonical(tmp_path, x=np.zeros((n, *shape), x_dtype), y=np.array(labels, y_dtype))
     try:
@@ -195,7 +255,11 @@ def test_run_folder_files_are_never_followed_out_of_it(tmp_path, mnist_dir, caps
     capsys.readouterr()
     assert main(run_args(tmp_path / "runs", mnist_dir, "output.resume=true")) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "metrics.csv is a symbolic link" in err and elsewhere.read_text() == "precious\n"
+    assert (
+        err.count("\n") == 1
+        and "metrics.csv is a symbolic link" in err
+        and elsewhere.read_text() == "precious\n"
+    )
     (run / "metrics.csv").unlink()
     os.mkfifo(run / "checkpoint.ckpt.tmp")
     assert main(run_args(tmp_path / "runs", mnist_dir, "output.resume=true")) == 2
@@ -203,7 +267,10 @@ def test_run_folder_files_are_never_followed_out_of_it(tmp_path, mnist_dir, caps
     (run / "checkpoint.ckpt.tmp").unlink()
     (run / "evaluations.jsonl").symlink_to(elsewhere)
     assert main(["evaluate", str(run), "--unfinished"]) == 2
-    assert "evaluations.jsonl is a symbolic link" in capsys.readouterr().err and elsewhere.read_text() == "precious\n"
+    assert (
+        "evaluations.jsonl is a symbolic link" in capsys.readouterr().err
+        and elsewhere.read_text() == "precious\n"
+    )
 
 
 def test_a_name_never_deletes_what_fedmeta_did_not_write(tmp_path, mnist_dir):
@@ -227,10 +294,23 @@ def test_evaluate_and_resume_check_whose_checkpoint_it_is(tmp_path, mnist_dir, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "belongs to another experiment (seed: 1 there, 0 here)" in err
     (runs / "seed1" / "summary.json").unlink()
-    assert main(run_args(tmp_path, mnist_dir, "seed=1", "output.resume=true", "fabric.precision=64-true")) == 2
+    assert (
+        main(run_args(tmp_path, mnist_dir, "seed=1", "output.resume=true", "fabric.precision=64-true")) == 2
+    )
     assert "was trained in fabric.precision=32-true" in capsys.readouterr().err
-    assert main(run_args(tmp_path, mnist_dir, "seed=1", "output.resume=true", "fabric.precision=64-true",
-                         "output.change_precision=true")) == 0
+    assert (
+        main(
+            run_args(
+                tmp_path,
+                mnist_dir,
+                "seed=1",
+                "output.resume=true",
+                "fabric.precision=64-true",
+                "output.change_precision=true",
+            )
+        )
+        == 0
+    )
 
 
 def test_ctrl_c_is_one_line_exit_130_and_the_lock_is_released(tmp_path, mnist_dir, capsys, monkeypatch):
@@ -242,7 +322,10 @@ def test_ctrl_c_is_one_line_exit_130_and_the_lock_is_released(tmp_path, mnist_di
     monkeypatch.setattr(fedmeta.loop, "federated_rounds", interrupted_round)
     assert main(run_args(tmp_path, mnist_dir)) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "fedmeta: interrupted; resume with the same command and output.resume=true (make train RESUME=1)"
+    assert (
+        err[-1]
+        == "fedmeta: interrupted; resume with the same command and output.resume=true (make train RESUME=1)"
+    )
     assert not list(tmp_path.rglob("*.lock"))
 
 
@@ -256,7 +339,11 @@ def test_files_others_read_are_refused_or_skipped_in_one_line(tmp_path, capsys, 
         (seed / "summary.json").write_text(text)
     assert main(["table", "--no-run"]) == 0
     err = capsys.readouterr().err
-    assert caplog.text.count("skipping ") == 3 and "Traceback" not in err and (tmp_path / "results" / "TABLES.md").exists()
+    assert (
+        caplog.text.count("skipping ") == 3
+        and "Traceback" not in err
+        and (tmp_path / "results" / "TABLES.md").exists()
+    )
 
     (tmp_path / "bad.yaml").write_text("a: [\n")
     (tmp_path / "list.yaml").write_text("- a\n")
@@ -268,8 +355,11 @@ def test_files_others_read_are_refused_or_skipped_in_one_line(tmp_path, capsys, 
     run.mkdir()
     (run / "checkpoint.ckpt").write_bytes(b"")
     (run / "summary.json").write_text("{}")
-    for text, message in (("- a\n", "is not a mapping"), ("a: [\n", "does not parse as YAML"),
-                          ("a: 1\n", "does not name its dataset")):
+    for text, message in (
+        ("- a\n", "is not a mapping"),
+        ("a: [\n", "does not parse as YAML"),
+        ("a: 1\n", "does not name its dataset"),
+    ):
         (run / "config.yaml").write_text(text)
         assert main(["evaluate", str(run)]) == 2
         err = capsys.readouterr().err
@@ -285,7 +375,9 @@ def test_an_image_claiming_ten_billion_pixels_is_one_line(tmp_path):
     from fedmeta.data.sources import _converted_tree
 
     header = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
-    chunk = struct.pack(">I", len(header)) + b"IHDR" + header + struct.pack(">I", zlib.crc32(b"IHDR" + header))
+    chunk = (
+        struct.pack(">I", len(header)) + b"IHDR" + header + struct.pack(">I", zlib.crc32(b"IHDR" + header))
+    )
     image = tmp_path / "tree" / "train" / "cat" / "bomb.png"
     image.parent.mkdir(parents=True)
     image.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk)

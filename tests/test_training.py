@@ -19,8 +19,15 @@ def config(tmp_path, mnist_dir, *overrides):
 @pytest.fixture(scope="module")
 def cafeme_run(tmp_path_factory, mnist_dir):
     root = tmp_path_factory.mktemp("runs")
-    cfg = config(root, mnist_dir, "method=cafeme", "federation.rounds=8", "federation.eval_every=4",
-                 "federation.num_new_clients=10", "personalization.steps=20")
+    cfg = config(
+        root,
+        mnist_dir,
+        "method=cafeme",
+        "federation.rounds=8",
+        "federation.eval_every=4",
+        "federation.num_new_clients=10",
+        "personalization.steps=20",
+    )
     return cfg, train(cfg, show_progress=False)
 
 
@@ -58,15 +65,30 @@ def test_run_folder_holds_config_metrics_summary_and_checkpoint(cafeme_run):
 @pytest.mark.slow  # the module's 8-round CAFeMe run: 1.5 min
 def test_finished_run_is_not_overwritten(cafeme_run, capsys):
     cfg, _ = cafeme_run
-    code = main(["train", "method=cafeme", f"dataset.dir={cfg.dataset.dir}", f"output.root={cfg.output.root}"])
+    code = main(
+        ["train", "method=cafeme", f"dataset.dir={cfg.dataset.dir}", f"output.root={cfg.output.root}"]
+    )
     assert code == 2 and "already holds a finished run" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_fedavg_ft_fine_tunes_and_fedavg_does_not(tmp_path, mnist_dir):
-    local = ["method.local_lr=0.05", "method.local_epochs=1", "federation.rounds=5"]  # the same training for both
-    fedavg_ft = train(config(tmp_path, mnist_dir, "method=fedavg_ft", *local, "personalization.steps=20",
-                             "personalization.lr=0.01"), show_progress=False)
+    local = [
+        "method.local_lr=0.05",
+        "method.local_epochs=1",
+        "federation.rounds=5",
+    ]  # the same training for both
+    fedavg_ft = train(
+        config(
+            tmp_path,
+            mnist_dir,
+            "method=fedavg_ft",
+            *local,
+            "personalization.steps=20",
+            "personalization.lr=0.01",
+        ),
+        show_progress=False,
+    )
     assert len(fedavg_ft["curve"]) == 21
     assert fedavg_ft["accuracy"] > fedavg_ft["curve"][0] + 0.1 and fedavg_ft["accuracy"] > 0.4
     fedavg = train(config(tmp_path, mnist_dir, "method=fedavg", *local), show_progress=False)
@@ -96,13 +118,21 @@ def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, metho
 
     outcomes = []
     for threads in (1, 2):
-        cfg = config(tmp_path, mnist_dir, *method.replace("cafeme", "method=cafeme").replace("fedavg", "method=fedavg").split(),
-                     "federation.num_new_clients=4", "personalization.steps=3", f"federation.client_threads={threads}")
+        cfg = config(
+            tmp_path,
+            mnist_dir,
+            *method.replace("cafeme", "method=cafeme").replace("fedavg", "method=fedavg").split(),
+            "federation.num_new_clients=4",
+            "personalization.steps=3",
+            f"federation.client_threads={threads}",
+        )
         fabric, federation, algorithm = setup(cfg)
         engine = make_engine(cfg, fabric.device)
         for round_ in (1, 2):
             federated_round(algorithm, federation, round_, 5, seed=0, engine=engine)
-        result = evaluate_on_ranks(fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine)[0]
+        result = evaluate_on_ranks(
+            fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine
+        )[0]
         outcomes.append(({k: v.clone() for k, v in algorithm.model.state_dict().items()}, result.curves))
     torch.set_num_threads(1)  # two client threads set it for the process
     (model_1, curves_1), (model_2, curves_2) = outcomes
@@ -117,8 +147,14 @@ def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
     from fedmeta.evaluation import personalize_client
     from fedmeta.loop import setup
 
-    cfg = config(tmp_path, mnist_dir, "method=fedavg_ft", "fabric.precision=bf16-mixed", "personalization.lr=0.05",
-                 "personalization.steps=20")
+    cfg = config(
+        tmp_path,
+        mnist_dir,
+        "method=fedavg_ft",
+        "fabric.precision=bf16-mixed",
+        "personalization.lr=0.05",
+        "personalization.steps=20",
+    )
     _, federation, algorithm = setup(cfg)
     _, curve = personalize_client(algorithm, federation.new_clients[0], cfg.personalization)
     assert curve[-1] > curve[0] + 0.3
@@ -132,8 +168,15 @@ def test_true_precisions_convert_the_model_and_train(tmp_path, mnist_dir, precis
     from fedmeta.evaluation import personalize_client
     from fedmeta.loop import federated_round, setup
 
-    cfg = config(tmp_path, mnist_dir, "method=fedavg_ft", "variant=tuned", f"fabric.precision={precision}",
-                 "personalization.lr=0.05", "personalization.steps=10")
+    cfg = config(
+        tmp_path,
+        mnist_dir,
+        "method=fedavg_ft",
+        "variant=tuned",
+        f"fabric.precision={precision}",
+        "personalization.lr=0.05",
+        "personalization.steps=10",
+    )
     _, federation, algorithm = setup(cfg)
     assert {p.dtype for p in algorithm.model.parameters()} == {dtype}
     client = federation.new_clients[0]

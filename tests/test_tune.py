@@ -9,8 +9,13 @@ from omegaconf import OmegaConf
 from fedmeta.config import CONFIG_DIR, compose
 from fedmeta.tune import MARK, Study
 
-TINY = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "personalization.steps=3", "federation.num_new_clients=4",
-        "logger=[]"]
+TINY = [
+    "model.conv_channels=[8,16]",
+    "model.dense_units=[32]",
+    "personalization.steps=3",
+    "federation.num_new_clients=4",
+    "logger=[]",
+]
 
 
 @pytest.mark.slow
@@ -20,8 +25,16 @@ def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, 
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
 
     def study(trials: int) -> Study:
-        return Study("perfedavg", [f"dataset.dir={mnist_dir}", *TINY], trials, rounds=2, seed=None, storage=storage,
-                     root=tmp_path / "runs", config_dir=configs)
+        return Study(
+            "perfedavg",
+            [f"dataset.dir={mnist_dir}", *TINY],
+            trials,
+            rounds=2,
+            seed=None,
+            storage=storage,
+            root=tmp_path / "runs",
+            config_dir=configs,
+        )
 
     result = study(3).run(show_progress=False)
     tuned = configs / "variant" / "perfedavg" / "tuned.yaml"
@@ -52,19 +65,27 @@ def test_each_study_draws_its_own_values_and_the_model_proposes_half_of_them(tmp
 
     from fedmeta import report
 
-    studies = {m: Study(m, [], 20, 10, None, None, root=tmp_path / "runs") for m in ("fedrep", "ditto", "fedavg_ft")}
+    studies = {
+        m: Study(m, [], 20, 10, None, None, root=tmp_path / "runs") for m in ("fedrep", "ditto", "fedavg_ft")
+    }
     assert len({s.sampler_seed for s in studies.values()}) == 3
     assert all(s.startup_trials == 10 < s.trials for s in studies.values())
     assert Study("fedrep", [], 6, 10, None, None, root=tmp_path / "runs").startup_trials == 3
 
     def first_draw(study: Study) -> float:
         sampler = optuna.samplers.TPESampler(seed=study.sampler_seed, n_startup_trials=study.startup_trials)
-        return optuna.create_study(sampler=sampler).ask().suggest_float("personalization.lr", 5e-4, 0.1, log=True)
+        return (
+            optuna.create_study(sampler=sampler)
+            .ask()
+            .suggest_float("personalization.lr", 5e-4, 0.1, log=True)
+        )
 
     assert len({first_draw(s) for s in studies.values()}) == 3
 
     tuned = tmp_path / "variant" / "fedrep" / "tuned.yaml"  # a tuned row names its trial and the study's size
     tuned.parent.mkdir(parents=True)
-    tuned.write_text(f"# The best of 20 trials …\n{MARK} fedrep-rmnist-shards-10rounds-seed100 (trial 13 of 20)\n")
+    tuned.write_text(
+        f"# The best of 20 trials …\n{MARK} fedrep-rmnist-shards-10rounds-seed100 (trial 13 of 20)\n"
+    )
     monkeypatch.setattr(report, "USER_CONFIG_DIR", tmp_path)
     assert report.method_label("fedrep-tuned") == "FedRep (tuned: trial 13 of 20)"

@@ -22,12 +22,26 @@ from fedmeta.data import Batch, ImageDataset, build_federation
 from fedmeta.engine import Engine, stack
 from fedmeta.loop import Federated, evaluate_on_ranks, federated_round, make_fabric, train
 
-SMALL = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "wandb.mode=disabled", "personalization.steps=4",
-         "personalization.lr=0.05"]
-FAST = {"fedavg_ft": ["method.local_epochs=1", "method.local_lr=0.05"], "ifca_ft": ["method.local_epochs=1"],
-        "ditto": ["method.local_epochs=1"], "fedrep": ["method.head_epochs=1"], "perfedavg": ["method.local_steps=2"],
-        "local": [], "cafeme": [], "cafeme variant=authors": [], "ditto variant=authors": [],
-        "fedrep variant=authors": ["method.head_batches=2"], "perfedavg variant=authors": ["method.local_steps=2"]}
+SMALL = [
+    "model.conv_channels=[8,16]",
+    "model.dense_units=[32]",
+    "wandb.mode=disabled",
+    "personalization.steps=4",
+    "personalization.lr=0.05",
+]
+FAST = {
+    "fedavg_ft": ["method.local_epochs=1", "method.local_lr=0.05"],
+    "ifca_ft": ["method.local_epochs=1"],
+    "ditto": ["method.local_epochs=1"],
+    "fedrep": ["method.head_epochs=1"],
+    "perfedavg": ["method.local_steps=2"],
+    "local": [],
+    "cafeme": [],
+    "cafeme variant=authors": [],
+    "ditto variant=authors": [],
+    "fedrep variant=authors": ["method.head_batches=2"],
+    "perfedavg variant=authors": ["method.local_steps=2"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +67,9 @@ def paths(method: str, data: ImageDataset):
     return fabric, cfg, built
 
 
-@pytest.mark.parametrize("capture", [pytest.param("none", marks=pytest.mark.slow), "static"])  # static reaches more code
+@pytest.mark.parametrize(
+    "capture", [pytest.param("none", marks=pytest.mark.slow), "static"]
+)  # static reaches more code
 @pytest.mark.parametrize("method", sorted(FAST))
 def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, uneven):
     """Vmapped (``none``), and vmapped on the fixed layout a recorded round replays (``static``: every
@@ -64,12 +80,20 @@ def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, unev
     assert len(sizes) > 5  # clients of many sizes: padded batches and idle steps are exercised
     results = []
     for (algorithm, federation), vectorize in zip(built, (False, True)):
-        engine = Engine(vectorize, max_lanes=3, capture=capture)  # the 4 clients of a round in two vmapped calls
+        engine = Engine(
+            vectorize, max_lanes=3, capture=capture
+        )  # the 4 clients of a round in two vmapped calls
         losses = [federated_round(algorithm, federation, r, 4, seed=0, engine=engine).loss for r in (1, 2, 3)]
-        curves = evaluate_on_ranks(fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine)[0].curves
-        assert engine.vectorize == vectorize and engine.describe()["fallback"] is None  # vmap did not fall back
+        curves = evaluate_on_ranks(
+            fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine
+        )[0].curves
+        assert (
+            engine.vectorize == vectorize and engine.describe()["fallback"] is None
+        )  # vmap did not fall back
         results.append((algorithm.global_params(), losses, curves, algorithm.client_states))
-    (seq_params, seq_losses, seq_curves, seq_states), (vec_params, vec_losses, vec_curves, vec_states) = results
+    (seq_params, seq_losses, seq_curves, seq_states), (vec_params, vec_losses, vec_curves, vec_states) = (
+        results
+    )
     for name in seq_params:
         torch.testing.assert_close(vec_params[name], seq_params[name], rtol=1e-8, atol=1e-10)
     assert vec_losses == pytest.approx(seq_losses, rel=1e-8)
@@ -97,7 +121,9 @@ def test_stacking_pads_batches_with_a_mask_and_idles_short_lanes():
     assert stacked[0].mask.tolist() == [[True] * 5, [True] * 4 + [False]]
     assert stacked[1].active is None and stacked[1].mask.sum(1).tolist() == [3, 4]
     assert stacked[2].active.tolist() == [False, True]  # lane 0 has no third step: it idles through it
-    assert stack([{"b": batch(3)}, {"b": batch(3)}])["b"].mask is None  # equal sizes: no mask, no masked kernels
+    assert (
+        stack([{"b": batch(3)}, {"b": batch(3)}])["b"].mask is None
+    )  # equal sizes: no mask, no masked kernels
 
 
 def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch, caplog):
@@ -116,7 +142,9 @@ def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch
         for r in (1, 2):
             outcome = federated_round(algorithm, federation, r, 4, seed=0, engine=engine)
     assert not outcome.dropped and not engine.vectorize
-    assert engine.describe()["vectorized"] is False and "could not be vmapped" in engine.describe()["fallback"]
+    assert (
+        engine.describe()["vectorized"] is False and "could not be vmapped" in engine.describe()["fallback"]
+    )
     notices = [r.message for r in caplog.records if "could not be vmapped" in r.message]
     assert len(notices) == 1 and "one at a time" in notices[0]
 
@@ -139,7 +167,8 @@ def test_out_of_memory_halves_the_lanes_per_call_and_keeps_vmapping(uneven, monk
     assert engine.vectorize and engine.max_lanes == 2 and sizes == [4, 2, 2, 2, 2]
     assert losses == pytest.approx(expected, rel=1e-8)  # the failed call left nothing behind
     assert [r.message for r in caplog.records if "did not fit" in r.message] == [
-        "federation.vectorize_lanes: 4 lanes did not fit in memory; now 2 per vmapped call"]
+        "federation.vectorize_lanes: 4 lanes did not fit in memory; now 2 per vmapped call"
+    ]
 
 
 @pytest.mark.slow
@@ -149,20 +178,47 @@ def test_stacked_seeds_are_the_seeds_run_alone(method, tmp_path, mnist_dir):
     the same numbers as each seed run alone through the same vectorized engine, and — float32
     rounding apart (see the top of this file) — as each seed run sequentially."""
     name, *variant = method.split()
-    common = [f"method={name}", *variant, *SMALL, *FAST[method], f"dataset.dir={mnist_dir}", "federation.rounds=2",
-              "federation.eval_every=1", "federation.num_new_clients=5", "personalization.lr=0.01"]
-    stacked = train(compose([*common, f"output.root={tmp_path / 'stacked'}", "seeds=[0,1]", "federation.vectorize=true"]),
-                    show_progress=False)
-    assert [s["seed"] for s in stacked] == [0, 1] and all(s["seeds_stacked"] == 2 and s["vectorized"] for s in stacked)
-    alone = [train(compose([*common, f"output.root={tmp_path / 'alone'}", f"seed={seed}", "federation.vectorize=true"]),
-                   show_progress=False) for seed in (0, 1)]
-    sequential = [train(compose([*common, f"output.root={tmp_path / 'sequential'}", f"seed={seed}"]), show_progress=False)
-                  for seed in (0, 1)]
+    common = [
+        f"method={name}",
+        *variant,
+        *SMALL,
+        *FAST[method],
+        f"dataset.dir={mnist_dir}",
+        "federation.rounds=2",
+        "federation.eval_every=1",
+        "federation.num_new_clients=5",
+        "personalization.lr=0.01",
+    ]
+    stacked = train(
+        compose([*common, f"output.root={tmp_path / 'stacked'}", "seeds=[0,1]", "federation.vectorize=true"]),
+        show_progress=False,
+    )
+    assert [s["seed"] for s in stacked] == [0, 1] and all(
+        s["seeds_stacked"] == 2 and s["vectorized"] for s in stacked
+    )
+    alone = [
+        train(
+            compose(
+                [*common, f"output.root={tmp_path / 'alone'}", f"seed={seed}", "federation.vectorize=true"]
+            ),
+            show_progress=False,
+        )
+        for seed in (0, 1)
+    ]
+    sequential = [
+        train(
+            compose([*common, f"output.root={tmp_path / 'sequential'}", f"seed={seed}"]), show_progress=False
+        )
+        for seed in (0, 1)
+    ]
     for one, together, one_by_one in zip(alone, stacked, sequential):
         assert together["curve"] == pytest.approx(one["curve"], abs=0.02)
         assert together["curve"] == pytest.approx(one_by_one["curve"], abs=0.05)
         run = f"rmnist-shards/{name}{'-authors' if variant else ''}/seed{one['seed']}"
-        rows = [list(csv.DictReader(open(tmp_path / root / run / "metrics.csv"))) for root in ("sequential", "stacked")]
+        rows = [
+            list(csv.DictReader(open(tmp_path / root / run / "metrics.csv")))
+            for root in ("sequential", "stacked")
+        ]
         assert [r["round"] for r in rows[0]] == [r["round"] for r in rows[1]] == ["1", "2"]
         for a, b in zip(*rows):
             assert float(b["train_loss"]) == pytest.approx(float(a["train_loss"]), rel=1e-2)

@@ -13,14 +13,24 @@ from fedmeta.cli import main
 from fedmeta.config import compose
 from fedmeta.errors import FedmetaError
 
-TINY = ["federation.rounds=2", "federation.eval_every=2", "federation.num_new_clients=2", "federation.clients_per_round=2",
-        "personalization.steps=1", "logger=[]", "method.local_batches=2"]
+TINY = [
+    "federation.rounds=2",
+    "federation.eval_every=2",
+    "federation.num_new_clients=2",
+    "federation.clients_per_round=2",
+    "personalization.steps=1",
+    "logger=[]",
+    "method.local_batches=2",
+]
 
 
 @pytest.fixture(scope="module")
 def fedavg_run(tmp_path_factory, mnist_dir):
     root = tmp_path_factory.mktemp("source")
-    assert main(["train", "method=fedavg", *TINY, f"dataset.dir={mnist_dir}", f"output.root={root}", "seed=3"]) == 0
+    assert (
+        main(["train", "method=fedavg", *TINY, f"dataset.dir={mnist_dir}", f"output.root={root}", "seed=3"])
+        == 0
+    )
     return root / "rmnist-shards" / "fedavg" / "seed3"
 
 
@@ -37,15 +47,24 @@ def test_a_warm_start_loads_exactly_the_source_model(fedavg_run, method):
     record = warm_start(algorithm, cfg)
     assert record["run"] == str(fedavg_run) and record["method"] == "fedavg" and record["rounds"] == 2
     source, loaded = source_model(fedavg_run), algorithm.model.state_dict()
-    prefixes = [f"nets.{c}." for c in range(cfg.method.clusters)] if method == "ifca" else \
-        ["base."] if method == "cafeme" else [""]
+    prefixes = (
+        [f"nets.{c}." for c in range(cfg.method.clusters)]
+        if method == "ifca"
+        else ["base."]
+        if method == "cafeme"
+        else [""]
+    )
     for prefix in prefixes:
         assert all(torch.equal(loaded[prefix + k], v) for k, v in source.items())
     rest = [k for k in loaded if not any(k.startswith(p) for p in prefixes)]
-    assert all(torch.equal(loaded[k], fresh[k]) for k in rest) and bool(rest) == (method == "cafeme")  # the modulator: fresh
+    assert all(torch.equal(loaded[k], fresh[k]) for k in rest) and bool(rest) == (
+        method == "cafeme"
+    )  # the modulator: fresh
 
 
-def test_a_warm_start_that_does_not_fit_is_one_line_before_any_folder(fedavg_run, tmp_path, mnist_dir, capsys):
+def test_a_warm_start_that_does_not_fit_is_one_line_before_any_folder(
+    fedavg_run, tmp_path, mnist_dir, capsys
+):
     base = ["train", "method=fedavg", *TINY, f"dataset.dir={mnist_dir}", f"output.root={tmp_path / 'runs'}"]
     assert main([*base, f"model.init_from={fedavg_run}", "model.dense_units=[64]"]) == 2
     err = capsys.readouterr().err
@@ -56,12 +75,24 @@ def test_a_warm_start_that_does_not_fit_is_one_line_before_any_folder(fedavg_run
 
 
 def test_a_warm_started_run_records_its_source_and_keeps_it_across_a_resume(fedavg_run, tmp_path, mnist_dir):
-    args = ["train", "method=ifca", "method.clusters=2", "method.local_epochs=1", *TINY[:-1], "federation.checkpoint_every=1",
-            f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", f"model.init_from={fedavg_run}"]
+    args = [
+        "train",
+        "method=ifca",
+        "method.clusters=2",
+        "method.local_epochs=1",
+        *TINY[:-1],
+        "federation.checkpoint_every=1",
+        f"dataset.dir={mnist_dir}",
+        f"output.root={tmp_path}",
+        f"model.init_from={fedavg_run}",
+    ]
     assert main(args) == 0
     run = tmp_path / "rmnist-shards" / "ifca" / "seed0"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["init_from"]["run"] == str(fedavg_run) and str(fedavg_run) in (run / "config.yaml").read_text()
+    assert (
+        summary["init_from"]["run"] == str(fedavg_run)
+        and str(fedavg_run) in (run / "config.yaml").read_text()
+    )
     (run / "summary.json").unlink()
     assert main([*args, "output.resume=true"]) == 0
     assert json.loads((run / "summary.json").read_text())["init_from"] == summary["init_from"]

@@ -26,11 +26,11 @@ def records(path: Path):
         if left_in_block < HEADER:  # a block's tail too short for a header is padding
             offset += left_in_block
             continue
-        length, kind = struct.unpack("<HB", data[offset + 4:offset + HEADER])
+        length, kind = struct.unpack("<HB", data[offset + 4 : offset + HEADER])
         if kind == 0 and length == 0:  # zero padding
             offset += left_in_block
             continue
-        fragment = data[offset + HEADER:offset + HEADER + length]
+        fragment = data[offset + HEADER : offset + HEADER + length]
         offset += HEADER + length
         pending = fragment if kind in (FULL, FIRST) else pending + fragment
         if kind in (FULL, LAST):
@@ -47,15 +47,34 @@ def read_run(path: Path) -> dict:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run
-            out.update(name=run.display_name, group=run.run_group, job_type=run.job_type, tags=list(run.tags), id=run.run_id)
+            out.update(
+                name=run.display_name,
+                group=run.run_group,
+                job_type=run.job_type,
+                tags=list(run.tags),
+                id=run.run_id,
+            )
             out["config"] |= {item.key: json.loads(item.value_json) for item in run.config.update}
         elif kind == "history":
-            out["history"].append({"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item})
+            out["history"].append(
+                {
+                    "/".join(item.nested_key) or item.key: json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
         elif kind == "summary":
-            out["summary"] |= {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.summary.update}
+            out["summary"] |= {
+                "/".join(item.nested_key) or item.key: json.loads(item.value_json)
+                for item in record.summary.update
+            }
         elif kind == "artifact":
-            out["artifacts"].append({"type": record.artifact.type, "name": record.artifact.name,
-                                     "files": [entry.path for entry in record.artifact.manifest.contents]})
+            out["artifacts"].append(
+                {
+                    "type": record.artifact.type,
+                    "name": record.artifact.name,
+                    "files": [entry.path for entry in record.artifact.manifest.contents],
+                }
+            )
         elif kind == "stats":
             for item in record.stats.item:
                 out["stats"][item.key].append(json.loads(item.value_json))

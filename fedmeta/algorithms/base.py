@@ -38,6 +38,7 @@ ClientData = dict[str, Any]  # a client's batches for one local update: Batch / 
 
 class LocalResult(NamedTuple):
     """What ``local_update`` returns, per client (stacked along dim 0 when vmapped)."""
+
     params: Params  # the parameters after local training
     loss: torch.Tensor  # the training loss the client reports
     state: dict  # what the client keeps for its next round ({} when nothing)
@@ -50,10 +51,18 @@ class ClientUpdate:
     params: Params  # what the client sends to the server, detached: a subset of the global names
     weight: float  # its share in the aggregate
     loss: float  # the training loss it reports
-    state: dict | None = None  # what the client keeps for its next round (FedRep's head, the authors' Adam moments)
+    state: dict | None = (
+        None  # what the client keeps for its next round (FedRep's head, the authors' Adam moments)
+    )
 
     def to(self, device) -> ClientUpdate:
-        return ClientUpdate(self.client_id, _tree_to(self.params, device), self.weight, self.loss, _tree_to(self.state, device))
+        return ClientUpdate(
+            self.client_id,
+            _tree_to(self.params, device),
+            self.weight,
+            self.loss,
+            _tree_to(self.state, device),
+        )
 
     def is_finite(self) -> bool:
         checks = [torch.isfinite(p).all() for p in self.params.values()]
@@ -107,10 +116,14 @@ class Algorithm(L.LightningModule):
         low-precision copies of leaf parameters until it exits, so in-place optimizer steps inside
         one long autocast region would go unseen by later forward passes."""
         with self.precision.forward_context():
-            logits = call(module, params, *self.precision.convert_input(inputs), **self.precision.convert_input(options))
+            logits = call(
+                module, params, *self.precision.convert_input(inputs), **self.precision.convert_input(options)
+            )
         return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
-    def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.run_model(self.model, params, x, **masked(mask))
 
     def loss(self, params: Params, batch: Batch, context: Context = None) -> torch.Tensor:
@@ -146,25 +159,39 @@ class Algorithm(L.LightningModule):
         kept = self.client_states.get(client_id, {}).get(key)
         if kept is None:
             return adam_state(params)
-        dtype = next(iter(params.values())).dtype  # moments kept in bfloat16 are used in the parameters' dtype
-        return {"step": kept["step"], **{m: {k: v.to(dtype) for k, v in kept[m].items()} for m in ADAM_MOMENTS}}
+        dtype = next(
+            iter(params.values())
+        ).dtype  # moments kept in bfloat16 are used in the parameters' dtype
+        return {
+            "step": kept["step"],
+            **{m: {k: v.to(dtype) for k, v in kept[m].items()} for m in ADAM_MOMENTS},
+        }
 
     def compact_adam(self, state: dict) -> dict:
         """Copies of an Adam state to keep (moments as ``method.client_state_dtype``, float32 by
         default): a vmapped round's results are views into tensors of all its clients."""
         dtype = getattr(torch, self.cfg.get("client_state_dtype", "float32"))
-        return {"step": state["step"].detach().clone(),
-                **{m: {k: v.detach().to(dtype, copy=True) for k, v in state[m].items()} for m in ADAM_MOMENTS}}
+        return {
+            "step": state["step"].detach().clone(),
+            **{m: {k: v.detach().to(dtype, copy=True) for k, v in state[m].items()} for m in ADAM_MOMENTS},
+        }
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         """What the client sends (all trained parameters by default) and keeps."""
-        return ClientUpdate(client.id, {k: p.detach() for k, p in result.params.items()}, self.update_weight(client),
-                            float(result.loss), result.state or None)
+        return ClientUpdate(
+            client.id,
+            {k: p.detach() for k, p in result.params.items()},
+            self.update_weight(client),
+            float(result.loss),
+            result.state or None,
+        )
 
     def run_client(self, client: Client, round_: int) -> ClientUpdate:
         """One client's local update on its own (fedmeta.engine runs many at once)."""
         params = self.global_params()
-        return self.to_update(client, self.local_update(params, self.client_state(client.id, params), self.draw(client, round_)))
+        return self.to_update(
+            client, self.local_update(params, self.client_state(client.id, params), self.draw(client, round_))
+        )
 
     def aggregate(self, updates: list[ClientUpdate]) -> None:
         """Each global parameter becomes the weighted mean of the clients that sent it (FedAvg);
@@ -180,27 +207,38 @@ class Algorithm(L.LightningModule):
                     total = sum((u.weight * u.params[name] for u in senders), torch.zeros_like(p))
                     p.copy_(total / sum(u.weight for u in senders))
 
-    def local_sgd(self, params: Params, batches: list[Batch], lr: float, momentum: float = 0.0,
-                  trainable: list[str] | None = None) -> tuple[Params, torch.Tensor]:
+    def local_sgd(
+        self,
+        params: Params,
+        batches: list[Batch],
+        lr: float,
+        momentum: float = 0.0,
+        trainable: list[str] | None = None,
+    ) -> tuple[Params, torch.Tensor]:
         """SGD over ``batches`` (a client's shuffled epochs), updating ``params[trainable]`` (all by
         default); returns the new parameters and the mean training loss."""
         names = trainable or list(params)
         velocity = {n: torch.zeros_like(params[n]) for n in names} if momentum else None
-        params, loss, _ = self._local_steps(params, batches, names, velocity,
-                                            lambda trained, grads, v: sgd(trained, grads, lr, momentum, v))
+        params, loss, _ = self._local_steps(
+            params, batches, names, velocity, lambda trained, grads, v: sgd(trained, grads, lr, momentum, v)
+        )
         return params, loss
 
-    def local_adam(self, params: Params, batches: list[Batch], lr: float, state: dict,
-                   trainable: list[str] | None = None) -> tuple[Params, torch.Tensor, dict]:
+    def local_adam(
+        self, params: Params, batches: list[Batch], lr: float, state: dict, trainable: list[str] | None = None
+    ) -> tuple[Params, torch.Tensor, dict]:
         """Adam over ``batches`` from ``state`` (a client's kept optimizer); also returns the state after."""
         names = trainable or list(params)
-        return self._local_steps(params, batches, names, state, lambda trained, grads, s: adam(trained, grads, s, lr))
+        return self._local_steps(
+            params, batches, names, state, lambda trained, grads, s: adam(trained, grads, s, lr)
+        )
 
     def _local_steps(self, params: Params, batches: list[Batch], names: list[str], optimizer_state, step):
         if not batches:
             return params, torch.zeros(()), optimizer_state
         total, steps = 0.0, 0.0
         for batch in batches:
+
             def loss_of(trained: Params, batch=batch) -> torch.Tensor:
                 return self.loss({**params, **trained}, batch)
 

@@ -41,7 +41,9 @@ class CAFeMe(Algorithm):
         self.keeps_adam = cfg.outer_optimizer == "adam_kept"
         self.said_outer_size = False
 
-    def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.run_model(self.model, params, x, context.x, context.y, mask, context.mask)
 
     def adaptation_context(self, batch: Batch) -> Context:
@@ -57,26 +59,37 @@ class CAFeMe(Algorithm):
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
         if cfg.batches in STREAMS:
-            batches = client.stream("pers", cfg.batch_size, self.batches_read(client.id), cfg.inner_steps + self.outer_batches(),
-                                    reshuffle=cfg.batches == "stream")
-            outer = batches[cfg.inner_steps:]
-            return {"inner": batches[:cfg.inner_steps],
-                    "outer": Batch(torch.cat([b.x for b in outer]), torch.cat([b.y for b in outer]))}
+            batches = client.stream(
+                "pers",
+                cfg.batch_size,
+                self.batches_read(client.id),
+                cfg.inner_steps + self.outer_batches(),
+                reshuffle=cfg.batches == "stream",
+            )
+            outer = batches[cfg.inner_steps :]
+            return {
+                "inner": batches[: cfg.inner_steps],
+                "outer": Batch(torch.cat([b.x for b in outer]), torch.cat([b.y for b in outer])),
+            }
         generator = client.generator(round_)
         inner = [client.batch("pers", cfg.batch_size, generator) for _ in range(cfg.inner_steps)]
         held_out = len(client.indices("held_out"))
         if cfg.eval_batch_size is not None and held_out < cfg.eval_batch_size and not self.said_outer_size:
             self.said_outer_size = True
-            log.warning(f"CAFeMe: the outer batch is a client's whole held-out split where it holds fewer than "
-                        f"method.eval_batch_size={cfg.eval_batch_size} images (client {client.id}: {held_out})")
+            log.warning(
+                f"CAFeMe: the outer batch is a client's whole held-out split where it holds fewer than "
+                f"method.eval_batch_size={cfg.eval_batch_size} images (client {client.id}: {held_out})"
+            )
         return {"inner": inner, "outer": client.batch("held_out", cfg.eval_batch_size, generator)}
 
     def personalize(self, params: Params, batches: list[Batch]) -> tuple[Params, Batch]:
         """Algorithm 2, differentiable: returns ψ', μ' and the last batch D' (which gives ζ)."""
         for batch in batches:
             # first-order MAML: the inner gradient is a constant
-            grads, _ = grad_and_value(lambda p, b=batch: self.loss(p, b, self.adaptation_context(b)),
-                                      second_order=not self.cfg.first_order)(params)
+            grads, _ = grad_and_value(
+                lambda p, b=batch: self.loss(p, b, self.adaptation_context(b)),
+                second_order=not self.cfg.first_order,
+            )(params)
             params = {k: params[k] - self.cfg.inner_lr * grads[k] for k in params}
         return params, batch
 

@@ -22,7 +22,11 @@ class FedAvg(Algorithm):
         if cfg.local_batches:
             start = self.batches_read(client.id) + self.batches_skipped()
             return {"epochs": client.stream(cfg.train_split, cfg.batch_size, start, cfg.local_batches)}
-        return {"epochs": client.epochs(cfg.train_split, cfg.batch_size, client.generator(round_), cfg.local_epochs, cfg.drop_last)}
+        return {
+            "epochs": client.epochs(
+                cfg.train_split, cfg.batch_size, client.generator(round_), cfg.local_epochs, cfg.drop_last
+            )
+        }
 
     def batches_skipped(self) -> int:
         """Batches of the persistent iterator read each round before the local update's (none here)."""
@@ -42,6 +46,8 @@ class FedAvg(Algorithm):
         update = super().to_update(client, result)
         kept = {"adam": self.compact_adam(result.state)} if result.state else {}
         if self.cfg.local_batches:
-            kept["batches_read"] = self.batches_read(client.id) + self.batches_skipped() + self.cfg.local_batches
+            kept["batches_read"] = (
+                self.batches_read(client.id) + self.batches_skipped() + self.cfg.local_batches
+            )
         update.state = kept or None
         return update

@@ -39,15 +39,22 @@ class FedRep(Algorithm):
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
         if self.streamed():  # consecutive batches of the client's persistent iterator
-            batches = client.stream(cfg.train_split, cfg.batch_size, self.batches_read(client.id), self.streamed())
-            return {"head": batches[:cfg.head_batches], "body": batches[cfg.head_batches:]}
+            batches = client.stream(
+                cfg.train_split, cfg.batch_size, self.batches_read(client.id), self.streamed()
+            )
+            return {"head": batches[: cfg.head_batches], "body": batches[cfg.head_batches :]}
         generator = client.generator(round_)
         head = client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.head_epochs)
-        return {"head": head, "body": client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.body_epochs)}
+        return {
+            "head": head,
+            "body": client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.body_epochs),
+        }
 
     def client_state(self, client_id: int, params: Params) -> dict:
         kept = self.client_states.get(client_id, {})
-        state = {} if self.cfg.share_head else {n: kept.get(n, params[n]) for n in self.head_names}  # its own head
+        state = (
+            {} if self.cfg.share_head else {n: kept.get(n, params[n]) for n in self.head_names}
+        )  # its own head
         if self.cfg.local_optimizer == "adam_kept":
             for key, names in (("head_adam", self.head_names), ("body_adam", self.body_names)):
                 state[key] = self.kept_adam(client_id, key, {n: params[n] for n in names})
@@ -57,11 +64,17 @@ class FedRep(Algorithm):
         params = {**params, **{n: state[n] for n in self.head_names if n in state}}
         lr, kept = self.cfg.local_lr, {}
         if "head_adam" in state:
-            params, _, kept["head_adam"] = self.local_adam(params, data["head"], lr, state["head_adam"], self.head_names)
-            params, loss, kept["body_adam"] = self.local_adam(params, data["body"], lr, state["body_adam"], self.body_names)
+            params, _, kept["head_adam"] = self.local_adam(
+                params, data["head"], lr, state["head_adam"], self.head_names
+            )
+            params, loss, kept["body_adam"] = self.local_adam(
+                params, data["body"], lr, state["body_adam"], self.body_names
+            )
         else:
             params, _ = self.local_sgd(params, data["head"], lr, self.cfg.momentum, trainable=self.head_names)
-            params, loss = self.local_sgd(params, data["body"], lr, self.cfg.momentum, trainable=self.body_names)
+            params, loss = self.local_sgd(
+                params, data["body"], lr, self.cfg.momentum, trainable=self.body_names
+            )
         sent = self.body_names + (self.head_names if self.cfg.share_head else [])
         if not self.cfg.share_head:
             kept.update({n: params[n] for n in self.head_names})
@@ -72,8 +85,16 @@ class FedRep(Algorithm):
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result)
-        kept = {n: result.state[n].detach().clone() for n in self.head_names if n in result.state}  # the head stays
-        kept.update({key: self.compact_adam(result.state[key]) for key in ("head_adam", "body_adam") if key in result.state})
+        kept = {
+            n: result.state[n].detach().clone() for n in self.head_names if n in result.state
+        }  # the head stays
+        kept.update(
+            {
+                key: self.compact_adam(result.state[key])
+                for key in ("head_adam", "body_adam")
+                if key in result.state
+            }
+        )
         if self.streamed():
             kept["batches_read"] = self.batches_read(client.id) + self.streamed()
         update.state = kept or None

@@ -45,18 +45,22 @@ class IFCA(Algorithm):
 
     def cluster_params(self, params: Params, j: int | torch.Tensor) -> Params:
         """Model ``j`` of the k in ``params``; ``j`` may be a (vmapped) tensor."""
-        names = [n[len("nets.0."):] for n in params if n.startswith("nets.0.")]
+        names = [n[len("nets.0.") :] for n in params if n.startswith("nets.0.")]
         if isinstance(j, int):
             return {n: params[f"nets.{j}.{n}"] for n in names}
         return {n: torch.stack([params[f"nets.{c}.{n}"] for c in range(self.clusters)])[j] for n in names}
 
-    def forward(self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, params: Params, x: torch.Tensor, context: Context = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.run_model(self.model.nets[0], params, x, **masked(mask))  # params: one cluster's network
 
     def choose(self, params: Params, batch: Batch) -> torch.Tensor:
         """The index of the model with the lowest loss on ``batch``."""
         with torch.no_grad():
-            losses = torch.stack([self.loss(self.cluster_params(params, j), batch) for j in range(self.clusters)])
+            losses = torch.stack(
+                [self.loss(self.cluster_params(params, j), batch) for j in range(self.clusters)]
+            )
         return losses.argmin()
 
     def choose_cluster(self, client: Client, split: str) -> int:
@@ -64,19 +68,29 @@ class IFCA(Algorithm):
 
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
-        return {"choice": client.batch(cfg.train_split, None),
-                "epochs": client.epochs(cfg.train_split, cfg.batch_size, client.generator(round_), cfg.local_epochs, cfg.drop_last)}
+        return {
+            "choice": client.batch(cfg.train_split, None),
+            "epochs": client.epochs(
+                cfg.train_split, cfg.batch_size, client.generator(round_), cfg.local_epochs, cfg.drop_last
+            ),
+        }
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         j = self.choose(params, data["choice"])
-        trained, loss = self.local_sgd(self.cluster_params(params, j), data["epochs"], self.cfg.local_lr, self.cfg.momentum)
+        trained, loss = self.local_sgd(
+            self.cluster_params(params, j), data["epochs"], self.cfg.local_lr, self.cfg.momentum
+        )
         return LocalResult(trained, loss, {}, {"cluster": j})
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         j = int(result.extra["cluster"])
         clusters = range(self.clusters) if self.cfg.share_body else [j]
-        sent = {f"nets.{c}.{n}": p.detach() for c in clusters for n, p in result.params.items()
-                if c == j or not n.startswith(HEAD_PREFIX)}
+        sent = {
+            f"nets.{c}.{n}": p.detach()
+            for c in clusters
+            for n, p in result.params.items()
+            if c == j or not n.startswith(HEAD_PREFIX)
+        }
         return ClientUpdate(client.id, sent, self.update_weight(client), float(result.loss))
 
     def personalization_data(self, client: Client) -> ClientData:

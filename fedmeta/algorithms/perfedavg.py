@@ -42,11 +42,19 @@ class PerFedAvg(Algorithm):
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
         if cfg.batches in STREAMS:
-            read = client.stream(cfg.train_split, cfg.batch_size, self.batches_read(client.id), 4 * cfg.local_steps,
-                                 reshuffle=cfg.batches == "stream")
-            return {"steps": [read[4 * i:4 * i + 3] for i in range(cfg.local_steps)], "loss": read[-1]}
+            read = client.stream(
+                cfg.train_split,
+                cfg.batch_size,
+                self.batches_read(client.id),
+                4 * cfg.local_steps,
+                reshuffle=cfg.batches == "stream",
+            )
+            return {"steps": [read[4 * i : 4 * i + 3] for i in range(cfg.local_steps)], "loss": read[-1]}
         generator = client.generator(round_)
-        steps = [[client.batch(cfg.train_split, cfg.batch_size, generator) for _ in range(3)] for _ in range(cfg.local_steps)]
+        steps = [
+            [client.batch(cfg.train_split, cfg.batch_size, generator) for _ in range(3)]
+            for _ in range(cfg.local_steps)
+        ]
         return {"steps": steps, "loss": client.batch(cfg.train_split, cfg.batch_size, generator)}
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:

@@ -21,14 +21,19 @@ import numpy as np
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".gif", ".tif", ".tiff"}
 
 
-def mnist_idx(train_images: Path, train_labels: Path, test_images: Path, test_labels: Path) -> dict[str, np.ndarray]:
+def mnist_idx(
+    train_images: Path, train_labels: Path, test_images: Path, test_labels: Path
+) -> dict[str, np.ndarray]:
     """MNIST's four gzipped idx files (train images/labels, t10k images/labels)."""
     train_x, test_x = _idx(train_images, dims=3), _idx(test_images, dims=3)
     train_y, test_y = _idx(train_labels, dims=1), _idx(test_labels, dims=1)
     if len(train_x) != len(train_y) or len(test_x) != len(test_y):
         raise ValueError("MNIST's image and label files hold different numbers of items")
-    return {"x": np.concatenate([train_x, test_x]), "y": np.concatenate([train_y, test_y]).astype(np.int64),
-            "split": np.repeat(np.array([0, 1], np.uint8), [len(train_y), len(test_y)])}
+    return {
+        "x": np.concatenate([train_x, test_x]),
+        "y": np.concatenate([train_y, test_y]).astype(np.int64),
+        "split": np.repeat(np.array([0, 1], np.uint8), [len(train_y), len(test_y)]),
+    }
 
 
 def _idx(path: Path, dims: int) -> np.ndarray:
@@ -36,15 +41,20 @@ def _idx(path: Path, dims: int) -> np.ndarray:
     raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
     if raw[:4] != bytes([0, 0, 8, dims]):
         raise ValueError(f"{path.name} is not an idx file of {dims}-dimensional unsigned bytes")
-    shape = [int.from_bytes(raw[4 + 4 * d:8 + 4 * d], "big") for d in range(dims)]
+    shape = [int.from_bytes(raw[4 + 4 * d : 8 + 4 * d], "big") for d in range(dims)]
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
 class _ArraysOnly(pickle.Unpickler):
     """Unpickles plain data only — containers, strings, numbers and numpy arrays. A pickle that
     names any other callable (which is how a pickle runs code) is refused."""
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
 
     def find_class(self, module: str, name: str):
         if (module, name) in self.ALLOWED:
@@ -56,7 +66,9 @@ def _load_pickle(stream) -> dict:
     return _ArraysOnly(stream, encoding="bytes").load()
 
 
-def cifar_pickles(archive: Path, label_key: str = "labels", names_key: str = "label_names") -> dict[str, np.ndarray]:
+def cifar_pickles(
+    archive: Path, label_key: str = "labels", names_key: str = "label_names"
+) -> dict[str, np.ndarray]:
     """CIFAR-10/100's python tarball: pickled batches ``data_batch_*``/``train`` and ``test_batch``/``test``
     of (N, 3072) uint8 rows, plus ``batches.meta``/``meta`` with the class names."""
     batches: dict[int, list[dict]] = {0: [], 1: []}
@@ -73,10 +85,12 @@ def cifar_pickles(archive: Path, label_key: str = "labels", names_key: str = "la
     if not batches[0] or names is None:
         raise ValueError(f"{archive.name} holds no CIFAR training batches or no class names")
     parts = [(b[b"data"], b[label_key.encode()], split) for split in (0, 1) for b in batches[split]]
-    return {"x": np.concatenate([d for d, _, _ in parts]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy(),
-            "y": np.concatenate([np.asarray(labels, np.int64) for _, labels, _ in parts]),
-            "split": np.concatenate([np.full(len(labels), split, np.uint8) for _, labels, split in parts]),
-            "classes": np.array(names)}
+    return {
+        "x": np.concatenate([d for d, _, _ in parts]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy(),
+        "y": np.concatenate([np.asarray(labels, np.int64) for _, labels, _ in parts]),
+        "split": np.concatenate([np.full(len(labels), split, np.uint8) for _, labels, split in parts]),
+        "classes": np.array(names),
+    }
 
 
 def tff_emnist(archive: Path) -> dict[str, np.ndarray]:
@@ -103,13 +117,23 @@ def tff_emnist(archive: Path) -> dict[str, np.ndarray]:
     split, writer = np.concatenate(splits), np.concatenate(writers)
     complete = np.zeros(len(names), bool)
     complete[np.intersect1d(writer[split == 0], writer[split == 1])] = True
-    return {"x": np.concatenate(xs), "y": np.concatenate(ys), "split": split, "writer": writer,
-            "writer_names": np.array(list(names)), "writer_complete": complete}
+    return {
+        "x": np.concatenate(xs),
+        "y": np.concatenate(ys),
+        "split": split,
+        "writer": writer,
+        "writer_names": np.array(list(names)),
+        "writer_complete": complete,
+    }
 
 
-def image_tree(*sources: Path, size: int | None = None, mode: str = "RGB",
-               train_folders: tuple[str, ...] = ("train",), test_folders: tuple[str, ...] = ("test",)
-               ) -> dict[str, np.ndarray]:
+def image_tree(
+    *sources: Path,
+    size: int | None = None,
+    mode: str = "RGB",
+    train_folders: tuple[str, ...] = ("train",),
+    test_folders: tuple[str, ...] = ("test",),
+) -> dict[str, np.ndarray]:
     """ImageFolder trees — folders, zip or tar archives of ``…/<class>/<image>`` — as one data set.
 
     The class of an image is its folder path (so Omniglot's ``alphabet/character`` stays unique)
@@ -119,29 +143,42 @@ def image_tree(*sources: Path, size: int | None = None, mode: str = "RGB",
     """
     from PIL import Image, ImageOps
 
-    tests, splits_named = {f.lower() for f in test_folders}, {f.lower() for f in (*train_folders, *test_folders)}
+    tests, splits_named = (
+        {f.lower() for f in test_folders},
+        {f.lower() for f in (*train_folders, *test_folders)},
+    )
     images, class_names, splits = [], [], []
     for name, data in (item for source in sources for item in _tree_members(source)):
         try:
-            with warnings.catch_warnings():  # PIL's decompression-bomb warning (> 89M pixels) refuses the image too
+            with (
+                warnings.catch_warnings()
+            ):  # PIL's decompression-bomb warning (> 89M pixels) refuses the image too
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 with Image.open(io.BytesIO(data)) as image:
                     image = image.convert(mode)
                     images.append(np.asarray(ImageOps.fit(image, (size, size)) if size else image))
         except (OSError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise ValueError(f"{name} is not an image PIL can decode within its size limit "
-                             f"({type(exc).__name__}: {str(exc)[:120]}); remove it or fix it") from None
+            raise ValueError(
+                f"{name} is not an image PIL can decode within its size limit "
+                f"({type(exc).__name__}: {str(exc)[:120]}); remove it or fix it"
+            ) from None
         folders = PurePosixPath(name).parts[:-1]
         class_names.append("/".join(f for f in folders if f.lower() not in splits_named))
         splits.append(any(f.lower() in tests for f in folders))
     if not images:
-        raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {', '.join(str(s) for s in sources)}")
+        raise ValueError(
+            f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {', '.join(str(s) for s in sources)}"
+        )
     if len({i.shape for i in images}) > 1:
         raise ValueError(f"images of different sizes under {sources[0]}: give a size to resize them to")
     classes = sorted(set(class_names))
     index = {c: i for i, c in enumerate(classes)}
-    return {"x": np.stack(images), "y": np.array([index[c] for c in class_names], np.int64),
-            "split": np.array(splits, np.uint8), "classes": np.array(classes)}
+    return {
+        "x": np.stack(images),
+        "y": np.array([index[c] for c in class_names], np.int64),
+        "split": np.array(splits, np.uint8),
+        "classes": np.array(classes),
+    }
 
 
 def _tree_members(source: Path) -> Iterator[tuple[str, bytes]]:

@@ -30,8 +30,15 @@ class ImageDataset:
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
-def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: int = 10,
-                 degrees_per_group: float = 20.0, interpolation: str = "bilinear", standardize: bool = True) -> ImageDataset:
+def build_rmnist(
+    directory: Path,
+    seed: int,
+    download: bool = True,
+    num_groups: int = 10,
+    degrees_per_group: float = 20.0,
+    interpolation: str = "bilinear",
+    standardize: bool = True,
+) -> ImageDataset:
     """Rotated MNIST: MNIST-train cut into equal random groups, group g rotated g·20°.
 
     Every image is rotated once here, not per sample per epoch, with ``interpolation`` (torchvision's
@@ -40,7 +47,9 @@ def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: 
     """
     modes = {"bilinear": TF.InterpolationMode.BILINEAR, "nearest": TF.InterpolationMode.NEAREST}
     if interpolation not in modes:
-        raise FedmetaError(f"dataset.options.interpolation must be bilinear or nearest, got {interpolation!r}")
+        raise FedmetaError(
+            f"dataset.options.interpolation must be bilinear or nearest, got {interpolation!r}"
+        )
     arrays = load_npz("mnist", directory, download)
     train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
     images = images_to_tensor(arrays["x"][train])
@@ -49,7 +58,9 @@ def build_rmnist(directory: Path, seed: int, download: bool = True, num_groups: 
     groups = torch.empty(len(labels), dtype=torch.long)
     for g, members in enumerate(order.tensor_split(num_groups)):
         groups[members] = g
-        images[members] = TF.rotate(images[members], angle=g * degrees_per_group, interpolation=modes[interpolation])
+        images[members] = TF.rotate(
+            images[members], angle=g * degrees_per_group, interpolation=modes[interpolation]
+        )
     if standardize:
         images.sub_(MNIST_MEAN).div_(MNIST_STD)
     return ImageDataset(x=images, y=labels, num_classes=10, groups=groups)
@@ -72,8 +83,11 @@ def build_cifar10(directory: Path, seed: int, download: bool = True) -> ImageDat
     """CIFAR-10's 50,000 training images, 32×32 RGB."""
     arrays = load_npz("cifar10", directory, download)
     train = arrays["split"] == 0
-    return ImageDataset(x=standardize(images_to_tensor(arrays["x"][train])),
-                        y=torch.from_numpy(arrays["y"][train]).long(), num_classes=10)
+    return ImageDataset(
+        x=standardize(images_to_tensor(arrays["x"][train])),
+        y=torch.from_numpy(arrays["y"][train]).long(),
+        num_classes=10,
+    )
 
 
 def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDataset:
@@ -82,8 +96,12 @@ def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDat
     arrays = load_npz("femnist", directory, download)
     if "writer" not in arrays:
         raise FedmetaError(f"{directory}/femnist.npz has no writer array: the writers partition needs it")
-    return ImageDataset(x=standardize(images_to_tensor(255 - arrays["x"])), y=torch.from_numpy(arrays["y"]).long(),
-                        num_classes=62, groups=torch.from_numpy(arrays["writer"]).long())
+    return ImageDataset(
+        x=standardize(images_to_tensor(255 - arrays["x"])),
+        y=torch.from_numpy(arrays["y"]).long(),
+        num_classes=62,
+        groups=torch.from_numpy(arrays["writer"]).long(),
+    )
 
 
 def to_shape(x: np.ndarray, channels: int, size: int) -> torch.Tensor:
@@ -97,34 +115,67 @@ def to_shape(x: np.ndarray, channels: int, size: int) -> torch.Tensor:
     return images.contiguous()
 
 
-def build_meta_dataset(directory: Path, seed: int, download: bool = True, sources: tuple[str, ...] = (),
-                       num_clients: int = 100, classes_per_client: int = 10, images_per_client: int = 600) -> ImageDataset:
+def build_meta_dataset(
+    directory: Path,
+    seed: int,
+    download: bool = True,
+    sources: tuple[str, ...] = (),
+    num_clients: int = 100,
+    classes_per_client: int = 10,
+    images_per_client: int = 600,
+) -> ImageDataset:
     """Meta-Dataset-style concept shift (fedmeta.data.meta_dataset): client i is one learn2learn
     task — one source, N classes, K images each, labels 0…N−1 in its own order. ``groups`` holds
     the client of every image; only the drawn images are kept, as 32×32 RGB."""
     from fedmeta.data.meta_dataset import build_clients
 
-    x, y, owners, used = build_clients(directory, seed, download, list(sources), num_clients, classes_per_client,
-                                       images_per_client, lambda images: to_shape(images, 3, 32))
-    return ImageDataset(x=standardize(x), y=y, num_classes=classes_per_client, groups=owners, sources=tuple(used))
+    x, y, owners, used = build_clients(
+        directory,
+        seed,
+        download,
+        list(sources),
+        num_clients,
+        classes_per_client,
+        images_per_client,
+        lambda images: to_shape(images, 3, 32),
+    )
+    return ImageDataset(
+        x=standardize(x), y=y, num_classes=classes_per_client, groups=owners, sources=tuple(used)
+    )
 
 
-def build_folder(directory: Path, seed: int, download: bool = True, path: str | None = None, channels: int = 3,
-                 image_size: int = 32) -> ImageDataset:
+def build_folder(
+    directory: Path,
+    seed: int,
+    download: bool = True,
+    path: str | None = None,
+    channels: int = 3,
+    image_size: int = 32,
+) -> ImageDataset:
     """Any data set a user points to (``dataset.options.path``): a canonical ``.npz`` or an
     ImageFolder tree (folder, zip or tar of ``[train|test/]<class>/<image>``); its training split,
     as ``channels``×``image_size``² images."""
     if not path:
-        raise FedmetaError("dataset=folder needs dataset.options.path=<canonical .npz, ImageFolder folder or archive>")
+        raise FedmetaError(
+            "dataset=folder needs dataset.options.path=<canonical .npz, ImageFolder folder or archive>"
+        )
     arrays = load_source(path, directory, download, size=image_size, channels=channels)
     train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
     labels = torch.from_numpy(arrays["y"][train]).long()
-    return ImageDataset(x=standardize(to_shape(arrays["x"][train], channels, image_size)), y=labels,
-                        num_classes=int(labels.max()) + 1)
+    return ImageDataset(
+        x=standardize(to_shape(arrays["x"][train], channels, image_size)),
+        y=labels,
+        num_classes=int(labels.max()) + 1,
+    )
 
 
-BUILDERS = {"rmnist": build_rmnist, "cifar10": build_cifar10, "femnist": build_femnist,
-            "meta_dataset": build_meta_dataset, "folder": build_folder}
+BUILDERS = {
+    "rmnist": build_rmnist,
+    "cifar10": build_cifar10,
+    "femnist": build_femnist,
+    "meta_dataset": build_meta_dataset,
+    "folder": build_folder,
+}
 
 
 def load_dataset(name: str, directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:

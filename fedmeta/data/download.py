@@ -49,24 +49,49 @@ class Upstream:
 
 
 CATALOG: dict[str, Upstream] = {
-    "mnist": Upstream(tuple((MNIST.mirrors[0] + f, md5) for f, md5 in MNIST.resources), convert.mnist_idx,
-                      "MNIST, 70,000 28×28 grey digits (idx files)"),
-    "cifar10": Upstream(((CIFAR10.url, CIFAR10.tgz_md5),), convert.cifar_pickles,
-                        "CIFAR-10, 60,000 32×32 colour images, 10 classes (python batches)"),
-    "cifar100": Upstream(((CIFAR100.url, CIFAR100.tgz_md5),),
-                         functools.partial(convert.cifar_pickles, label_key="fine_labels", names_key="fine_label_names"),
-                         "CIFAR-100, 60,000 32×32 colour images, 100 classes (python batches)"),
-    "omniglot": Upstream(tuple((f"{Omniglot.download_url_prefix}/{n}.zip", Omniglot.zips_md5[n])
-                               for n in ("images_background", "images_evaluation")),
-                         functools.partial(convert.image_tree, mode="L", train_folders=("images_background",),
-                                           test_folders=("images_evaluation",)),
-                         "Omniglot, 32,460 105×105 grey characters, 1,623 classes (PNG zips)"),
-    "gtsrb32": Upstream(((GTSRB_URL, GTSRB_MD5),), functools.partial(convert.image_tree, size=32),
-                        "GTSRB training set, 26,640 traffic signs, 43 classes, resized to 32×32 (PPM zip)"),
-    "dtd32": Upstream(((DTD._URL, DTD._MD5),), functools.partial(convert.image_tree, size=32),
-                      "DTD, 5,640 textures, 47 classes, cropped and resized to 32×32 (JPEG tarball)"),
-    "femnist": Upstream(((TFF_EMNIST_URL, None),), convert.tff_emnist,
-                        "FEMNIST by writer, 3,400 writers, 62 classes (TensorFlow Federated's HDF5; no published MD5)"),
+    "mnist": Upstream(
+        tuple((MNIST.mirrors[0] + f, md5) for f, md5 in MNIST.resources),
+        convert.mnist_idx,
+        "MNIST, 70,000 28×28 grey digits (idx files)",
+    ),
+    "cifar10": Upstream(
+        ((CIFAR10.url, CIFAR10.tgz_md5),),
+        convert.cifar_pickles,
+        "CIFAR-10, 60,000 32×32 colour images, 10 classes (python batches)",
+    ),
+    "cifar100": Upstream(
+        ((CIFAR100.url, CIFAR100.tgz_md5),),
+        functools.partial(convert.cifar_pickles, label_key="fine_labels", names_key="fine_label_names"),
+        "CIFAR-100, 60,000 32×32 colour images, 100 classes (python batches)",
+    ),
+    "omniglot": Upstream(
+        tuple(
+            (f"{Omniglot.download_url_prefix}/{n}.zip", Omniglot.zips_md5[n])
+            for n in ("images_background", "images_evaluation")
+        ),
+        functools.partial(
+            convert.image_tree,
+            mode="L",
+            train_folders=("images_background",),
+            test_folders=("images_evaluation",),
+        ),
+        "Omniglot, 32,460 105×105 grey characters, 1,623 classes (PNG zips)",
+    ),
+    "gtsrb32": Upstream(
+        ((GTSRB_URL, GTSRB_MD5),),
+        functools.partial(convert.image_tree, size=32),
+        "GTSRB training set, 26,640 traffic signs, 43 classes, resized to 32×32 (PPM zip)",
+    ),
+    "dtd32": Upstream(
+        ((DTD._URL, DTD._MD5),),
+        functools.partial(convert.image_tree, size=32),
+        "DTD, 5,640 textures, 47 classes, cropped and resized to 32×32 (JPEG tarball)",
+    ),
+    "femnist": Upstream(
+        ((TFF_EMNIST_URL, None),),
+        convert.tff_emnist,
+        "FEMNIST by writer, 3,400 writers, 62 classes (TensorFlow Federated's HDF5; no published MD5)",
+    ),
 }
 
 
@@ -79,9 +104,15 @@ class Learn2LearnSource:
 
 
 LEARN2LEARN: dict[str, Learn2LearnSource] = {
-    "fgvc_aircraft32": Learn2LearnSource("FGVCAircraft", "FGVC-Aircraft, 10,000 aircraft photos, 100 variants"),
-    "cu_birds32": Learn2LearnSource("CUBirds200", "CUB-200-2011, 11,788 bird photos, 200 species (less ImageNet duplicates)"),
-    "vgg_flowers32": Learn2LearnSource("VGGFlower102", "Oxford VGG Flowers, 8,189 flower photos, 102 species"),
+    "fgvc_aircraft32": Learn2LearnSource(
+        "FGVCAircraft", "FGVC-Aircraft, 10,000 aircraft photos, 100 variants"
+    ),
+    "cu_birds32": Learn2LearnSource(
+        "CUBirds200", "CUB-200-2011, 11,788 bird photos, 200 species (less ImageNet duplicates)"
+    ),
+    "vgg_flowers32": Learn2LearnSource(
+        "VGGFlower102", "Oxford VGG Flowers, 8,189 flower photos, 102 species"
+    ),
     "cifar_fs32": Learn2LearnSource("CIFARFS", "CIFAR-FS: CIFAR-100's 60,000 32×32 images, 100 classes"),
     "mini_imagenet32": Learn2LearnSource("MiniImagenet", "mini-ImageNet, 60,000 84×84 images, 100 classes"),
 }
@@ -95,8 +126,10 @@ def download(name: str, directory: Path, mirror: str | None = None, verify: bool
     """Fetch ``name``'s files (into a temporary folder), convert them, and write
     ``directory/<name>.npz`` atomically. Returns that path."""
     if name not in CATALOG and name not in LEARN2LEARN:
-        raise FedmetaError(f"no download known for {name!r}: choose one of {known()}, "
-                           "or put a canonical .npz or an ImageFolder tree in the data folder")
+        raise FedmetaError(
+            f"no download known for {name!r}: choose one of {known()}, "
+            "or put a canonical .npz or an ImageFolder tree in the data folder"
+        )
     target = directory / f"{name}.npz"
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f".{name}-download-*"):  # left by a download that was killed
@@ -105,12 +138,24 @@ def download(name: str, directory: Path, mirror: str | None = None, verify: bool
         if name in LEARN2LEARN:
             arrays = _through_learn2learn(name, Path(tmp), mirror)
         else:
-            paths = [_fetch(url, md5 if verify else None, Path(tmp), mirror) for url, md5 in CATALOG[name].files]
+            paths = [
+                _fetch(url, md5 if verify else None, Path(tmp), mirror) for url, md5 in CATALOG[name].files
+            ]
             try:
                 arrays = CATALOG[name].convert(*paths)
-            except (ValueError, KeyError, OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
-                raise FedmetaError(f"the files of {name} are not in the expected format ({exc}): "
-                                   "check the mirror, or download again") from None
+            except (
+                ValueError,
+                KeyError,
+                OSError,
+                EOFError,
+                tarfile.TarError,
+                zipfile.BadZipFile,
+                pickle.UnpicklingError,
+            ) as exc:
+                raise FedmetaError(
+                    f"the files of {name} are not in the expected format ({exc}): "
+                    "check the mirror, or download again"
+                ) from None
     save_canonical(target, **arrays)
     return target
 
@@ -125,12 +170,17 @@ def _through_learn2learn(name: str, root: Path, mirror: str | None) -> dict[str,
 
     source = LEARN2LEARN[name]
     try:
-        with _requests_to(mirror), contextlib.redirect_stderr(io.StringIO()):  # its progress bars: noise in a log
+        with (
+            _requests_to(mirror),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):  # its progress bars: noise in a log
             return convert.learn2learn_splits(getattr(l2l_datasets, source.dataset), root, size=32)
     except Exception as exc:  # noqa: BLE001 — network, archive and layout errors all surface from learn2learn's code
-        raise FedmetaError(f"fetching {name} through learn2learn's {source.dataset} failed "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}): "
-                           "check the network, or pass --mirror URL serving the publisher's files") from None
+        raise FedmetaError(
+            f"fetching {name} through learn2learn's {source.dataset} failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}): "
+            "check the network, or pass --mirror URL serving the publisher's files"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -149,6 +199,7 @@ def _requests_to(mirror: str | None):
             response = original(*args, **kwargs)
             response.raise_for_status()  # learn2learn would save a 404 page as the archive
             return response
+
         return call
 
     patched = [(requests, "get"), (requests.Session, "get")]
@@ -169,12 +220,18 @@ def _fetch(url: str, md5: str | None, folder: Path, mirror: str | None) -> Path:
     try:
         _with_retries(lambda: download_url(url, str(folder), filename, md5))
     except RuntimeError:  # torchvision's "File not found or corrupted." after the checksum test
-        raise FedmetaError(f"{filename} from {url} does not match the publisher's MD5 {md5}: the download is "
-                           "corrupt or the mirror serves another file (--no-verify skips the check)") from None
+        raise FedmetaError(
+            f"{filename} from {url} does not match the publisher's MD5 {md5}: the download is "
+            "corrupt or the mirror serves another file (--no-verify skips the check)"
+        ) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise FedmetaError(f"downloading {url} failed ({exc}): check the network, or pass --mirror URL") from None
+        raise FedmetaError(
+            f"downloading {url} failed ({exc}): check the network, or pass --mirror URL"
+        ) from None
     except ValueError as exc:  # urllib: "unknown url type"
-        raise FedmetaError(f"{url} is not a URL fedmeta can fetch ({exc}): give --mirror as http(s)://host/folder/") from None
+        raise FedmetaError(
+            f"{url} is not a URL fedmeta can fetch ({exc}): give --mirror as http(s)://host/folder/"
+        ) from None
     return folder / filename
 
 
@@ -195,7 +252,7 @@ def _with_retries(fetch: Callable[[], None]) -> None:
             except (urllib.error.URLError, TimeoutError, ConnectionError):
                 if attempt == ATTEMPTS - 1:
                     raise
-                time.sleep(2 ** attempt)
+                time.sleep(2**attempt)
     finally:
         socket.setdefaulttimeout(previous)
 

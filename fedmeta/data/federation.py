@@ -24,7 +24,13 @@ from fedmeta.data.datasets import ImageDataset
 from fedmeta.data.partition import partition
 from fedmeta.errors import FedmetaError
 
-TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE, TRAIN_STREAM_PURPOSE, PERSONALIZE_STREAM_PURPOSE = 0, 1, 2, 3, 4
+TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE, TRAIN_STREAM_PURPOSE, PERSONALIZE_STREAM_PURPOSE = (
+    0,
+    1,
+    2,
+    3,
+    4,
+)
 
 
 class Batch(NamedTuple):
@@ -32,6 +38,7 @@ class Batch(NamedTuple):
     When the clients of a round are stacked into one computation, their batches are padded to one
     size: ``mask`` marks the real samples (1) of each, and ``active`` says whether the step that
     reads the batch is real for its client (a client with fewer steps idles through the others)."""
+
     x: torch.Tensor
     y: torch.Tensor | None
     mask: torch.Tensor | None = None
@@ -47,7 +54,11 @@ class Client:
     data: "Federation" = field(repr=False)
 
     def __post_init__(self):
-        self._splits = {"pers": self.pers, "held_out": self.held_out, "all": torch.cat([self.pers, self.held_out])}
+        self._splits = {
+            "pers": self.pers,
+            "held_out": self.held_out,
+            "all": torch.cat([self.pers, self.held_out]),
+        }
         self._indexed: Client | None = None
 
     def indexed(self) -> Client:
@@ -77,7 +88,9 @@ class Client:
             indices = indices[torch.randperm(len(indices), generator=generator)[:size]]
         return Batch(*self.data.take(indices))
 
-    def epoch(self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool = False) -> list[Batch]:
+    def epoch(
+        self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool = False
+    ) -> list[Batch]:
         """One pass over ``split`` in batches of ``batch_size``, shuffled by ``generator`` (None: in
         order, as a test loader reads); ``drop_last`` leaves out a last partial batch. A last batch
         of one sample joins the one before: BatchNorm with batch statistics cannot normalize a
@@ -86,17 +99,26 @@ class Client:
         if generator is not None:
             indices = indices[torch.randperm(len(indices), generator=generator)]
         if drop_last and len(indices) >= batch_size:
-            indices = indices[:len(indices) // batch_size * batch_size]
+            indices = indices[: len(indices) // batch_size * batch_size]
         chunks = list(indices.split(batch_size))
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             chunks[-2:] = [torch.cat(chunks[-2:])]
         return [Batch(*self.data.take(chunk)) for chunk in chunks]
 
-    def epochs(self, split: str, batch_size: int, generator: torch.Generator, count: int, drop_last: bool = False) -> list[Batch]:
+    def epochs(
+        self, split: str, batch_size: int, generator: torch.Generator, count: int, drop_last: bool = False
+    ) -> list[Batch]:
         return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator, drop_last)]
 
-    def stream(self, split: str, batch_size: int, start: int, count: int, purpose: int = TRAIN_STREAM_PURPOSE,
-               reshuffle: bool = True) -> list[Batch]:
+    def stream(
+        self,
+        split: str,
+        batch_size: int,
+        start: int,
+        count: int,
+        purpose: int = TRAIN_STREAM_PURPOSE,
+        reshuffle: bool = True,
+    ) -> list[Batch]:
         """Batches ``start`` … ``start + count - 1`` of a persistent iterator over ``split``:
         consecutive, non-overlapping batches of exactly ``batch_size`` (the last partial batch of
         each epoch is dropped), a fresh shuffle every epoch — or, without ``reshuffle``, the first
@@ -105,20 +127,29 @@ class Client:
         indices = self.indices(split)
         per_epoch = len(indices) // batch_size
         if per_epoch == 0:
-            raise FedmetaError(f"client {self.id} has {len(indices)} {split} samples, fewer than one batch of "
-                               f"{batch_size}: lower the batch size or use fewer clients")
+            raise FedmetaError(
+                f"client {self.id} has {len(indices)} {split} samples, fewer than one batch of "
+                f"{batch_size}: lower the batch size or use fewer clients"
+            )
         orders: dict[int, torch.Tensor] = {}
         batches = []
         for k in range(start, start + count):
             epoch, position = divmod(k, per_epoch)
             if epoch not in orders:
-                order = torch.randperm(len(indices), generator=self.generator(epoch if reshuffle else 0, purpose))
+                order = torch.randperm(
+                    len(indices), generator=self.generator(epoch if reshuffle else 0, purpose)
+                )
                 orders[epoch] = indices[order]
-            batches.append(Batch(*self.data.take(orders[epoch][position * batch_size:(position + 1) * batch_size])))
+            batches.append(
+                Batch(*self.data.take(orders[epoch][position * batch_size : (position + 1) * batch_size]))
+            )
         return batches
 
 
-STREAMS = ("stream", "stream_fixed")  # a ``batches`` setting that reads the persistent iterator (Client.stream)
+STREAMS = (
+    "stream",
+    "stream_fixed",
+)  # a ``batches`` setting that reads the persistent iterator (Client.stream)
 
 
 def map_batches(tree, fn):
@@ -151,10 +182,19 @@ INDICES = _Indices()
 class Federation:
     """The data tensors (on the training device) and the clients that index them."""
 
-    def __init__(self, dataset: ImageDataset, parts: list[np.ndarray], num_new_clients: int,
-                 held_out_fraction: float, seed: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        dataset: ImageDataset,
+        parts: list[np.ndarray],
+        num_new_clients: int,
+        held_out_fraction: float,
+        seed: int,
+        device: torch.device | str = "cpu",
+    ):
         if not 0 < num_new_clients < len(parts):
-            raise FedmetaError(f"num_new_clients must be between 1 and {len(parts) - 1}, got {num_new_clients}")
+            raise FedmetaError(
+                f"num_new_clients must be between 1 and {len(parts) - 1}, got {num_new_clients}"
+            )
         if not 0 < held_out_fraction < 1:
             raise FedmetaError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
         self.x = dataset.x.to(device)
@@ -166,9 +206,19 @@ class Federation:
             indices = rng.permutation(indices)
             n_held_out = int(round(len(indices) * held_out_fraction))
             if n_held_out < 2 or len(indices) - n_held_out < 2:  # BatchNorm's batch statistics need 2 samples
-                raise FedmetaError(f"client {client_id} has {len(indices)} samples, too few for personalization and held-out "
-                                   f"splits of at least 2 each (held_out_fraction {held_out_fraction}): use fewer clients")
-            clients.append(Client(client_id, torch.from_numpy(indices[n_held_out:]), torch.from_numpy(indices[:n_held_out]), seed, self))
+                raise FedmetaError(
+                    f"client {client_id} has {len(indices)} samples, too few for personalization and held-out "
+                    f"splits of at least 2 each (held_out_fraction {held_out_fraction}): use fewer clients"
+                )
+            clients.append(
+                Client(
+                    client_id,
+                    torch.from_numpy(indices[n_held_out:]),
+                    torch.from_numpy(indices[:n_held_out]),
+                    seed,
+                    self,
+                )
+            )
         new_ids = set(rng.choice(len(parts), size=num_new_clients, replace=False).tolist())
         self.train_clients = [c for c in clients if c.id not in new_ids]
         self.new_clients = [c for c in clients if c.id in new_ids]
@@ -184,13 +234,22 @@ class Federation:
 
     def sample_round(self, round_: int, clients_per_round: int, seed: int) -> list[Client]:
         """The M clients of a round, drawn without replacement by a round-seeded generator."""
-        generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, round_, 0xC11E]).generate_state(1)[0]))
+        generator = torch.Generator().manual_seed(
+            int(np.random.SeedSequence([seed, round_, 0xC11E]).generate_state(1)[0])
+        )
         chosen = torch.randperm(len(self.train_clients), generator=generator)[:clients_per_round]
         return [self.train_clients[i] for i in chosen.tolist()]
 
 
-def build_federation(dataset: ImageDataset, partition_cfg: dict, num_clients: int, num_new_clients: int,
-                     held_out_fraction: float, seed: int, device="cpu") -> Federation:
+def build_federation(
+    dataset: ImageDataset,
+    partition_cfg: dict,
+    num_clients: int,
+    num_new_clients: int,
+    held_out_fraction: float,
+    seed: int,
+    device="cpu",
+) -> Federation:
     params = {k: v for k, v in partition_cfg.items() if k != "name"}
     groups = dataset.groups.numpy() if dataset.groups is not None else None
     try:

@@ -30,9 +30,16 @@ from fedmeta.errors import FedmetaError
 
 log = logging.getLogger("fedmeta")
 
-PAPER_SOURCES = {"fgvc_aircraft32": "Aircraft", "cu_birds32": "CUB Birds", "dtd32": "DTD", "gtsrb32": "Traffic Signs",
-                 "vgg_flowers32": "VGG Flowers", "omniglot": "Omniglot", "mini_imagenet32": "mini-ImageNet",
-                 "cifar_fs32": "CIFAR-FS"}
+PAPER_SOURCES = {
+    "fgvc_aircraft32": "Aircraft",
+    "cu_birds32": "CUB Birds",
+    "dtd32": "DTD",
+    "gtsrb32": "Traffic Signs",
+    "vgg_flowers32": "VGG Flowers",
+    "omniglot": "Omniglot",
+    "mini_imagenet32": "mini-ImageNet",
+    "cifar_fs32": "CIFAR-FS",
+}
 
 
 def learn2learn_data():
@@ -62,9 +69,15 @@ def taskset(labels: np.ndarray, ways: int, shots: int):
     """learn2learn's N-way K-shot tasks over one source's labels."""
     l2l = learn2learn_data()
     t = l2l.transforms
-    meta = l2l.MetaDataset(_Rows(labels), labels_to_indices={int(c): np.flatnonzero(labels == c).tolist() for c in np.unique(labels)})
-    return l2l.Taskset(meta, [t.NWays(meta, ways), t.KShots(meta, shots), t.LoadData(meta), t.RemapLabels(meta)],
-                           num_tasks=-1)
+    meta = l2l.MetaDataset(
+        _Rows(labels),
+        labels_to_indices={int(c): np.flatnonzero(labels == c).tolist() for c in np.unique(labels)},
+    )
+    return l2l.Taskset(
+        meta,
+        [t.NWays(meta, ways), t.KShots(meta, shots), t.LoadData(meta), t.RemapLabels(meta)],
+        num_tasks=-1,
+    )
 
 
 def draw_task(tasks, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -84,11 +97,15 @@ def present_sources(sources: list[str], directory: Path, download: bool) -> list
     present = [s for s in sources if download or is_available(s, directory)]
     missing = [s for s in sources if s not in present]
     if not present:
-        raise FedmetaError(f"meta_dataset: none of the sources {sources} is in {directory}: get them with "
-                           f"`fedmeta data download NAME` or list others in dataset.options.sources")
+        raise FedmetaError(
+            f"meta_dataset: none of the sources {sources} is in {directory}: get them with "
+            f"`fedmeta data download NAME` or list others in dataset.options.sources"
+        )
     if missing:
-        log.warning(f"meta_dataset: {', '.join(missing)} not in {directory}: running on the {len(present)} others "
-                    f"({', '.join(present)}); `fedmeta data download NAME` fetches a missing one")
+        log.warning(
+            f"meta_dataset: {', '.join(missing)} not in {directory}: running on the {len(present)} others "
+            f"({', '.join(present)}); `fedmeta data download NAME` fetches a missing one"
+        )
     return present
 
 
@@ -100,27 +117,45 @@ def shots_per_source(labels: dict[str, np.ndarray], ways: int, images_per_client
     for name, y in labels.items():
         classes, counts = np.unique(y, return_counts=True)
         if len(classes) < ways:
-            raise FedmetaError(f"meta_dataset: source {name} has {len(classes)} classes, fewer than "
-                               f"classes_per_client={ways}: drop it or lower classes_per_client")
+            raise FedmetaError(
+                f"meta_dataset: source {name} has {len(classes)} classes, fewer than "
+                f"classes_per_client={ways}: drop it or lower classes_per_client"
+            )
         shots[name] = min(wanted, int(counts.min()))
         if shots[name] < wanted:
-            log.warning(f"meta_dataset: {name} gives {ways} × {shots[name]} = {ways * shots[name]} images per client, "
-                        f"not images_per_client={images_per_client} (its smallest class holds {int(counts.min())} images)")
+            log.warning(
+                f"meta_dataset: {name} gives {ways} × {shots[name]} = {ways * shots[name]} images per client, "
+                f"not images_per_client={images_per_client} (its smallest class holds {int(counts.min())} images)"
+            )
     if images_per_client % ways:
-        log.warning(f"meta_dataset: images_per_client={images_per_client} is not a multiple of classes_per_client={ways}: "
-                    f"clients get {ways} × {wanted} = {ways * wanted}")
+        log.warning(
+            f"meta_dataset: images_per_client={images_per_client} is not a multiple of classes_per_client={ways}: "
+            f"clients get {ways} × {wanted} = {ways * wanted}"
+        )
     return shots
 
 
-def build_clients(directory: Path, seed: int, download: bool, sources: list[str], num_clients: int,
-                  classes_per_client: int, images_per_client: int, to_images) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+def build_clients(
+    directory: Path,
+    seed: int,
+    download: bool,
+    sources: list[str],
+    num_clients: int,
+    classes_per_client: int,
+    images_per_client: int,
+    to_images,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """Images, remapped labels and client of every image, and the sources used; client i's source
     is drawn uniformly, its task by learn2learn under the seed (run seed, i)."""
     if not sources:
-        raise FedmetaError("meta_dataset: dataset.options.sources is empty: list at least one source file name")
+        raise FedmetaError(
+            "meta_dataset: dataset.options.sources is empty: list at least one source file name"
+        )
     sources = present_sources([str(s) for s in sources], directory, download)
     arrays = {name: load_source(name, directory, download, size=32) for name in sources}
-    shots = shots_per_source({name: a["y"] for name, a in arrays.items()}, classes_per_client, images_per_client)
+    shots = shots_per_source(
+        {name: a["y"] for name, a in arrays.items()}, classes_per_client, images_per_client
+    )
     tasks = {name: taskset(a["y"], classes_per_client, shots[name]) for name, a in arrays.items()}
     rng = np.random.default_rng([seed, 0x3E7A])
     images, labels, owners = [], [], []

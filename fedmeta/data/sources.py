@@ -64,11 +64,15 @@ def _fingerprint(path: Path) -> str:
     """What the decoded copy of a tree depends on: every file's relative path, size and
     modification time (a folder's own time does not change when a file inside it is edited)."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return "|".join(f"{p.relative_to(path) if path.is_dir() else p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    return "|".join(
+        f"{p.relative_to(path) if path.is_dir() else p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+        for p in files
+    )
 
 
-def load_source(entry: str, directory: Path, download: bool = True, size: int | None = None,
-                channels: int = 3) -> dict[str, np.ndarray]:
+def load_source(
+    entry: str, directory: Path, download: bool = True, size: int | None = None, channels: int = 3
+) -> dict[str, np.ndarray]:
     """A data set named in a config: a path to a canonical ``.npz`` or to an ImageFolder tree
     (folder, zip or tar; decoded once into the cache, as ``channels``-channel images, resized to
     ``size`` if given), else the name of a canonical file (see ``load_npz``)."""
@@ -77,11 +81,15 @@ def load_source(entry: str, directory: Path, download: bool = True, size: int | 
         path = directory / path
     if not path.exists():
         if path.suffix or "/" in entry:
-            raise FedmetaError(f"{entry} not found: give the path of a canonical .npz, an ImageFolder folder or archive, "
-                               f"or the name of a file in {directory}")
+            raise FedmetaError(
+                f"{entry} not found: give the path of a canonical .npz, an ImageFolder folder or archive, "
+                f"or the name of a file in {directory}"
+            )
         return load_npz(entry, directory, download)
     if not (path.is_file() or path.is_dir()):  # a device or a pipe (/dev/zero) would be read without end
-        raise FedmetaError(f"{path} is neither a regular file nor a folder: give a canonical .npz or an ImageFolder tree")
+        raise FedmetaError(
+            f"{path} is neither a regular file nor a folder: give a canonical .npz or an ImageFolder tree"
+        )
     if path.suffix == ".npz":
         return read_canonical(path)
     key = hashlib.sha1(f"{path.resolve()}|{_fingerprint(path)}|{size}|{channels}".encode()).hexdigest()[:12]
@@ -100,12 +108,16 @@ def load_npz(name: str, directory: Path, download: bool = True) -> dict[str, np.
     path = _find_or_convert(name, directory)
     if not path.exists():
         if not download or name not in known():
-            raise FedmetaError(f"{path} not found: put {name}.npz there, set {DATA_ENV} to the folder that holds it"
-                               + (f", or run `fedmeta data download {name}`" if name in known() else ""))
+            raise FedmetaError(
+                f"{path} not found: put {name}.npz there, set {DATA_ENV} to the folder that holds it"
+                + (f", or run `fedmeta data download {name}`" if name in known() else "")
+            )
         try:
             fetch(name, directory)
         except FedmetaError as exc:
-            raise FedmetaError(f"{path} not found, and {exc}; or put {name}.npz there / set {DATA_ENV}") from None
+            raise FedmetaError(
+                f"{path} not found, and {exc}; or put {name}.npz there / set {DATA_ENV}"
+            ) from None
     return read_canonical(path)
 
 
@@ -115,27 +127,47 @@ def read_canonical(path: Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except Exception as exc:
-        raise FedmetaError(f"{path} is not a readable .npz archive ({exc}): delete it and download again") from None
+        raise FedmetaError(
+            f"{path} is not a readable .npz archive ({exc}): delete it and download again"
+        ) from None
     missing = {"x", "y"} - arrays.keys()
     if missing:
-        raise FedmetaError(f"{path} lacks the arrays {sorted(missing)}: it is not in fedmeta's canonical form (docs/data.md)")
+        raise FedmetaError(
+            f"{path} lacks the arrays {sorted(missing)}: it is not in fedmeta's canonical form (docs/data.md)"
+        )
     x, y = arrays["x"], arrays["y"]
     if x.dtype != np.uint8 or len(x) != len(y):
-        raise FedmetaError(f"{path} must hold uint8 images x and one label y per image: it is not in fedmeta's canonical form")
+        raise FedmetaError(
+            f"{path} must hold uint8 images x and one label y per image: it is not in fedmeta's canonical form"
+        )
     if not (x.ndim == 3 or (x.ndim == 4 and x.shape[-1] in (1, 3))) or min(x.shape[1:3], default=0) < 1:
         raise FedmetaError(f"{path}: images x must be N×H×W (grey) or N×H×W×3 (colour), got shape {x.shape}")
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise FedmetaError(f"{path}: labels y must be one integer per image, got {y.dtype} of shape {y.shape}")
+        raise FedmetaError(
+            f"{path}: labels y must be one integer per image, got {y.dtype} of shape {y.shape}"
+        )
     if len(y) and y.min() < 0:
         raise FedmetaError(f"{path}: labels y must be ≥ 0, found {int(y.min())}")
     if "classes" in arrays and len(y) and y.max() >= len(arrays["classes"]):
-        raise FedmetaError(f"{path}: label {int(y.max())} has no entry in its {len(arrays['classes'])} classes")
-    if "classes" not in arrays and len(y) and y.max() >= len(np.unique(y)):  # the labels name the model's outputs
-        raise FedmetaError(f"{path}: labels must be 0…K−1 for K classes (or list the names in a `classes` array); "
-                           f"found {len(np.unique(y))} distinct labels up to {int(y.max())}")
-    if "split" in arrays and (arrays["split"].shape != y.shape or not np.issubdtype(arrays["split"].dtype, np.integer)):
-        raise FedmetaError(f"{path}: split must hold one integer per image (0 train, 1 test, 2 validation), "
-                           f"got {arrays['split'].dtype} of shape {arrays['split'].shape}")
+        raise FedmetaError(
+            f"{path}: label {int(y.max())} has no entry in its {len(arrays['classes'])} classes"
+        )
+    if (
+        "classes" not in arrays and len(y) and y.max() >= len(np.unique(y))
+    ):  # the labels name the model's outputs
+        raise FedmetaError(
+            f"{path}: labels must be 0…K−1 for K classes (or list the names in a `classes` array); "
+            f"found {len(np.unique(y))} distinct labels up to {int(y.max())}"
+        )
+    if "split" in arrays and (
+        arrays["split"].shape != y.shape or not np.issubdtype(arrays["split"].dtype, np.integer)
+    ):
+        raise FedmetaError(
+            f"{path}: split must hold one integer per image (0 train, 1 test, 2 validation), "
+            f"got {arrays['split'].dtype} of shape {arrays['split'].shape}"
+        )
     if len(np.unique(y)) < 2:
-        raise FedmetaError(f"{path}: a classification data set needs at least 2 classes, found {len(np.unique(y))}")
+        raise FedmetaError(
+            f"{path}: a classification data set needs at least 2 classes, found {len(np.unique(y))}"
+        )
     return arrays

@@ -3,4 +3,12 @@
 from fedmeta.models.cnn import ConvNet, build_base_net, set_channels_last
 from fedmeta.models.modulator import MODULATIONS, ModulatedNet, Modulator, modulate
 
-__all__ = ["MODULATIONS", "ConvNet", "ModulatedNet", "Modulator", "build_base_net", "modulate", "set_channels_last"]
+__all__ = [
+    "MODULATIONS",
+    "ConvNet",
+    "ModulatedNet",
+    "Modulator",
+    "build_base_net",
+    "modulate",
+    "set_channels_last",
+]

@@ -47,21 +47,34 @@ def run_block(block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None) 
 
 
 def dense_block(in_units: int, out_units: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(in_units, out_units), nn.BatchNorm1d(out_units, track_running_stats=False), nn.ReLU())
+    return nn.Sequential(
+        nn.Linear(in_units, out_units), nn.BatchNorm1d(out_units, track_running_stats=False), nn.ReLU()
+    )
 
 
 class ConvFeatures(nn.Module):
     """The conv blocks shared in shape by the base network and the modulator's extractor h_x."""
 
-    def __init__(self, in_channels: int, image_size: int, conv_channels: Sequence[int], kernel_size: int, padding: int | str):
+    def __init__(
+        self,
+        in_channels: int,
+        image_size: int,
+        conv_channels: Sequence[int],
+        kernel_size: int,
+        padding: int | str,
+    ):
         super().__init__()
         channels = [in_channels, *conv_channels]
-        self.blocks = nn.ModuleList(conv_block(a, b, kernel_size, padding) for a, b in zip(channels, channels[1:]))
+        self.blocks = nn.ModuleList(
+            conv_block(a, b, kernel_size, padding) for a, b in zip(channels, channels[1:])
+        )
         self.channels_last = True
         with torch.no_grad():
             self.flat_dim = self(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
 
-    def forward(self, x: torch.Tensor, after_block: Callable | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, after_block: Callable | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.channels_last:  # NHWC: oneDNN's convolutions and pooling are markedly faster in it on CPU
             x = x.contiguous(memory_format=torch.channels_last)
         for i, block in enumerate(self.blocks):
@@ -84,8 +97,16 @@ class ConvNet(nn.Module):
     """f_ψ. ``forward(x, gate)`` calls ``gate(layer, activation)`` after every hidden layer,
     which is where CAFeMe's modulation layers sit; without a gate it is a plain CNN."""
 
-    def __init__(self, in_channels: int, image_size: int, num_classes: int, conv_channels: Sequence[int],
-                 kernel_size: int, padding: int | str, dense_units: Sequence[int]):
+    def __init__(
+        self,
+        in_channels: int,
+        image_size: int,
+        num_classes: int,
+        conv_channels: Sequence[int],
+        kernel_size: int,
+        padding: int | str,
+        dense_units: Sequence[int],
+    ):
         super().__init__()
         self.features = ConvFeatures(in_channels, image_size, conv_channels, kernel_size, padding)
         units = [self.features.flat_dim, *dense_units]
@@ -98,8 +119,13 @@ class ConvNet(nn.Module):
         """Width of each modulated layer, in forward order (channels for conv, units for dense)."""
         return self.conv_channels + ([self.features.flat_dim] if include_flatten else []) + self.dense_units
 
-    def forward(self, x: torch.Tensor, gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-                gate_flatten: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        gate_flatten: bool = False,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         keep = gate or (lambda _, a: a)
         x = self.features(x, keep, mask)
         layer = len(self.conv_channels)
@@ -112,5 +138,12 @@ class ConvNet(nn.Module):
 
 
 def build_base_net(model_cfg, in_channels: int, image_size: int, num_classes: int) -> ConvNet:
-    return ConvNet(in_channels, image_size, num_classes, model_cfg["conv_channels"], model_cfg["kernel_size"],
-                   model_cfg["padding"], model_cfg["dense_units"])
+    return ConvNet(
+        in_channels,
+        image_size,
+        num_classes,
+        model_cfg["conv_channels"],
+        model_cfg["kernel_size"],
+        model_cfg["padding"],
+        model_cfg["dense_units"],
+    )

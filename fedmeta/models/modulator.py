@@ -37,9 +37,20 @@ def mlp(sizes: Sequence[int]) -> list[nn.Module]:
 
 
 class Modulator(nn.Module):
-    def __init__(self, in_channels: int, image_size: int, num_classes: int, conv_channels: Sequence[int],
-                 kernel_size: int, padding: int | str, before_mean: Sequence[int], after_mean: Sequence[int],
-                 layer_sizes: Sequence[int], modulation: str = "c1", use_labels: bool = True):
+    def __init__(
+        self,
+        in_channels: int,
+        image_size: int,
+        num_classes: int,
+        conv_channels: Sequence[int],
+        kernel_size: int,
+        padding: int | str,
+        before_mean: Sequence[int],
+        after_mean: Sequence[int],
+        layer_sizes: Sequence[int],
+        modulation: str = "c1",
+        use_labels: bool = True,
+    ):
         super().__init__()
         self.extractor = ConvFeatures(in_channels, image_size, conv_channels, kernel_size, padding)
         self.num_classes = num_classes
@@ -47,10 +58,16 @@ class Modulator(nn.Module):
         self.modulation = modulation
         self.layer_sizes = list(layer_sizes)
         k = VECTORS_PER_LAYER[modulation]
-        self.per_sample = nn.Sequential(*mlp([self.extractor.flat_dim + (num_classes if use_labels else 0), *before_mean]))
-        self.per_context = nn.Sequential(*mlp([before_mean[-1], *after_mean]), nn.Linear(after_mean[-1], k * sum(layer_sizes)))
+        self.per_sample = nn.Sequential(
+            *mlp([self.extractor.flat_dim + (num_classes if use_labels else 0), *before_mean])
+        )
+        self.per_context = nn.Sequential(
+            *mlp([before_mean[-1], *after_mean]), nn.Linear(after_mean[-1], k * sum(layer_sizes))
+        )
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         features = self.extractor(x, mask=mask)
         if self.use_labels:
             if y is None:
@@ -78,8 +95,16 @@ class ModulatedNet(nn.Module):
         self.modulator = modulator
         self.modulate_flatten = modulate_flatten
 
-    def forward(self, x: torch.Tensor, context_x: torch.Tensor, context_y: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, context_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context_x: torch.Tensor,
+        context_y: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         zetas = self.modulator(context_x, context_y, context_mask)
         kind = self.modulator.modulation
-        return self.base(x, lambda layer, a: modulate(a, zetas[layer], kind), gate_flatten=self.modulate_flatten, mask=mask)
+        return self.base(
+            x, lambda layer, a: modulate(a, zetas[layer], kind), gate_flatten=self.modulate_flatten, mask=mask
+        )
