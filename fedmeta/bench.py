@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedmeta.config import CONFIG_DIR
@@ -462,10 +462,8 @@ def run(
     profile: bool = False,
     projection: str | None = None,
 ) -> dict:
-    from fedmeta.config import compose
+    from fedmeta.config import compose, group_choices, load_mapping
     from fedmeta.loop import hardware_name
-
-    from fedmeta.config import group_choices, load_mapping
 
     bench = load_mapping(config, "a bench config (see configs/bench.yaml)")
     if "datasets" not in bench:
@@ -524,8 +522,10 @@ def run(
 
     peak("cpu")
     print(
-        f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} {'seeds':>5s} "
-        f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'launch':>7s} {'pers s/cl':>9s} "
+        f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} "
+        f"{'seeds':>5s} "
+        f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'launch':>7s} "
+        f"{'pers s/cl':>9s} "
         f"{'eval s':>7s} {'peak MB':>8s}"
     )
     for plan_row in rows:
@@ -582,7 +582,8 @@ def run(
             )
     if memory_rows:
         print(
-            f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} {'state MB/client':>15s} {'peak MB':>8s}"
+            f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} "
+            f"{'state MB/client':>15s} {'peak MB':>8s}"
         )
         for overrides in memory_rows:
             row = run_isolated(measure_memory, overrides, bench.memory.rounds)

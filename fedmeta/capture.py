@@ -137,7 +137,8 @@ class Capture:
             except torch.OutOfMemoryError:  # the engine halves the lanes per call and records those
                 raise
             except Exception as exc:  # noqa: BLE001 — anything the recorder refuses: eager from now on, said once
-                self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+                reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                self.failed = f"{type(exc).__name__}: {reason}"
                 log.warning(
                     f"federation.capture={self.mode}: the computation could not be recorded ({self.failed}); "
                     "it runs eagerly (vmapped) instead"

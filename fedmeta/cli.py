@@ -30,7 +30,8 @@ class Names(argparse.Action):
             )
         if not names:
             parser.error(
-                f"{option_string} needs at least one name before any key=value, e.g. {option_string} {self.metavar or 'a b'}"
+                f"{option_string} needs at least one name before any key=value, e.g. {option_string} "
+                f"{self.metavar or 'a b'}"
             )
         if self.type_of is int:
             bad = [n for n in names if not n.lstrip("-").isdigit()]

@@ -137,7 +137,8 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
         if key in GROUPS:
             _require(
                 bool(value),
-                f"{key}= needs a name: choose one of {group_choices(key, config_dir) if key != 'variant' else 'paper, authors, …'}",
+                f"{key}= needs a name: choose one of "
+                f"{group_choices(key, config_dir) if key != 'variant' else 'paper, authors, …'}",
             )
             choice[key] = value
         else:
@@ -214,7 +215,8 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
 
 
 CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.capture (fedmeta.capture)
-# a client's batches: drawn afresh | a persistent iterator reshuffled every epoch | shuffled once (fedmeta.data.federation)
+# a client's batches: drawn afresh | a persistent iterator reshuffled every epoch | shuffled once
+# (fedmeta.data.federation)
 BATCHES = ("independent", "stream", "stream_fixed")
 
 # keys where null means something, and an example of their other values (its type is theirs)
@@ -290,7 +292,8 @@ def validate(cfg: DictConfig) -> None:
     train_clients = fed.num_clients - fed.num_new_clients
     _require(
         1 <= fed.clients_per_round <= train_clients,
-        f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got {fed.clients_per_round}",
+        f"federation.clients_per_round must be between 1 and the {train_clients} training clients, got "
+        f"{fed.clients_per_round}",
     )
     _require(
         fed.rounds >= 1 or (fed.rounds == 0 and cfg.model.init_from),
@@ -468,7 +471,8 @@ def validate(cfg: DictConfig) -> None:
     loggers = list(cfg.logger) if OmegaConf.is_list(cfg.logger) else None
     _require(
         loggers is not None and set(loggers) <= {"csv", "tensorboard", "wandb"},
-        f"logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. logger=[tensorboard,wandb]; got {cfg.logger}",
+        "logger must be a list of csv, tensorboard, wandb (several at once, or []), e.g. "
+        f"logger=[tensorboard,wandb]; got {cfg.logger}",
     )
     _require(
         cfg.wandb.mode in ("offline", "online", "disabled"),

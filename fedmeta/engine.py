@@ -374,7 +374,8 @@ class Engine:
 
     def _give_up(self, algorithm: Algorithm, exc: Exception) -> None:
         self.vectorize = False
-        self.fallback = f"{type(algorithm).__name__} could not be vmapped ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        reason = str(exc).splitlines()[0][:200]
+        self.fallback = f"{type(algorithm).__name__} could not be vmapped ({type(exc).__name__}: {reason})"
         log.warning(
             f"federation.vectorize: {type(algorithm).__name__} could not be vmapped "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); its clients run one at a time"

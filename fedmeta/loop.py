@@ -31,8 +31,8 @@ from fedmeta.config import apply_overrides, compose, load_mapping, run_name, set
 from fedmeta.data import Federation, build_federation, load_dataset
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.data.sources import data_dir
-from fedmeta.errors import FedmetaError
 from fedmeta.engine import Engine
+from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import PersonalizationResult, draw_personalization
 from fedmeta.runs import RunLock, RunRecorder, append_text, check_run_folder
 
@@ -91,17 +91,18 @@ def make_fabric(cfg: DictConfig) -> Fabric:
         )
     except (ValueError, RuntimeError, TypeError) as exc:
         raise FedmetaError(
-            f"fabric settings rejected ({str(exc).splitlines()[0]}): check fabric.accelerator/devices/strategy/precision"
+            f"fabric settings rejected ({str(exc).splitlines()[0]}): check "
+            "fabric.accelerator/devices/strategy/precision"
         ) from None
     fabric.launch()
     return fabric
 
 
 def gather_updates(fabric: Fabric) -> Callable[[list], list]:
-    """Every rank's client results (updates, or a failed client's reason) to every rank, in the round's client order (rank r ran clients
-    r, r+W, …). Aggregating the same list in the same order makes every rank — and one process
-    alone — compute bit-identical global models, and carries per-client state to whichever rank
-    runs that client next."""
+    """Every rank's client results (updates, or a failed client's reason) to every rank, in the
+    round's client order (rank r ran clients r, r+W, …). Aggregating the same list in the same
+    order makes every rank — and one process alone — compute bit-identical global models, and
+    carries per-client state to whichever rank runs that client next."""
     world = fabric.world_size
     if world == 1:
         return lambda updates: updates
@@ -548,7 +549,8 @@ class Run:
     def fail(self, error: str) -> None:
         kept = (
             (
-                f"the last good checkpoint (round {self.saved_round}) is kept in {self.checkpoint_path}: lower the learning "
+                f"the last good checkpoint (round {self.saved_round}) is kept in {self.checkpoint_path}: "
+                "lower the learning "
                 "rates and resume with output.resume=true"
             )
             if self.saved_round

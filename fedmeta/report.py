@@ -10,7 +10,6 @@ them leads back to the run, its config and its round-by-round metrics."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import shutil

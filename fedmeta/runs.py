@@ -197,7 +197,8 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | 
         if not run_id:
             raise
         log.warning(
-            f"W&B run {run_id} could not be continued ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}); "
+            f"W&B run {run_id} could not be continued ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:160]}); "
             "the resumed rounds go to a new W&B run of the same name and group"
         )
         run = start(None)

@@ -215,7 +215,8 @@ class Study:
         head = (
             f"# The best of {len(finished)} trials of {self.method}'s search space (TPE, median pruning) on "
             f"{self.setting}, {self.rounds} rounds, tuning seed {self.seed}.\n"
-            f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md beside this file.\n"
+            f"# New-client accuracy of that trial: {100 * best.value:.2f} %. Every trial: tuned.study.md "
+            "beside this file.\n"
             f"{MARK} {self.name} (trial {best.number} of {len(finished)})\n"
         )
         self.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,13 +6,13 @@ import logging
 import pytest
 import torch
 from omegaconf import OmegaConf
+from test_models import tiny_cafeme
 
 from fedmeta.config import compose
 from fedmeta.data import ImageDataset, build_federation
 from fedmeta.data.federation import PERSONALIZE_STREAM_PURPOSE
 from fedmeta.evaluation import draw_personalization, personalize
 from fedmeta.functional import grad_and_value
-from test_models import tiny_cafeme
 
 
 def tiny_client(side=8):

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from torch import nn
 
 from fedmeta.algorithms import PerFedAvg, build_algorithm

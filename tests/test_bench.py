@@ -75,7 +75,8 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
         ratios[("cafeme", "vmap", "static", 1)]["vs_eager"] > 0
         and "vs_eager" not in ratios[("cafeme", "vmap", "none", 1)]
     )
-    # the paper preset's cost on this machine, from the rows measured (RMNIST only, and only Per-FedAvg of the paper's methods)
+    # the paper preset's cost on this machine, from the rows measured
+    # (RMNIST only, and only Per-FedAvg of the paper's methods)
     lines = result["projection"]["lines"]
     assert any(line.startswith("rmnist-shards: ") and "not measured: cafeme" in line for line in lines)
     assert "cifar10-shards: not measured" in lines and lines[-1].startswith(
@@ -87,7 +88,8 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
         assert row["peak_fraction"] == pytest.approx(row["gflops"] / cpu["fp32"]) and row["device"] == "cpu"
         assert row["ops_per_round"] > 100 and "launches_per_round" not in row  # a CPU launches no kernels
     # A CAFeMe client: 5 inner steps on 30 images + one outer step on 180, through base and modulator
-    # (≈ 13–16 GFLOP a client, as counted for the authors' code). FLOPs are counted through the second-order inner loops too.
+    # (≈ 13–16 GFLOP a client, as counted for the authors' code). FLOPs are counted through the
+    # second-order inner loops too.
     assert 50 < result["rows"][3]["gflop_per_round"] < 100
     assert result["rows"][6]["gflop_per_round"] == pytest.approx(
         result["rows"][0]["gflop_per_round"], rel=0.2

@@ -155,7 +155,8 @@ def test_console_script_exits_nonzero_with_one_line(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'ditto', 'fedavg', 'fedavg_ft', 'fedrep', 'ifca', 'ifca_ft', 'local', 'perfedavg']"
+        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'ditto', 'fedavg', 'fedavg_ft', "
+        "'fedrep', 'ifca', 'ifca_ft', 'local', 'perfedavg']"
     ]
 
 
@@ -342,8 +343,9 @@ def test_overrides_after_a_list_option_are_overrides():
 def test_the_package_lists_every_subpackage_and_ships_the_configs():
     """pyproject.toml names the packages (configs/ is mapped into fedmeta.configs): a new subpackage
     must be added there, or `pip install .` would leave it out."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parent.parent
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -10,12 +10,12 @@ import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb_files import read_run
 
 from fedmeta import report
 from fedmeta.config import compose
 from fedmeta.grid import load_preset
 from fedmeta.loop import train
-from wandb_files import read_run
 
 ROUNDS, EVAL_EVERY, STEPS = 4, 2, 3
 

@@ -160,7 +160,8 @@ def test_functional_inner_loop_matches_learn2learn_maml():
 
 
 def test_conv_block_computes_the_spec_order_exactly():
-    """The paper's network is conv → BN → ReLU → max-pool; the block pools first (cheaper). Same values, same gradients."""
+    """The paper's network is conv → BN → ReLU → max-pool; the block pools first (cheaper). Same values, "
+    "same gradients."""
     torch.manual_seed(0)
     net = ConvNet(**TINY, dense_units=[4]).double()
     conv, bn = net.features.blocks[0][0], net.features.blocks[0][1]

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedmeta.cli import main
-from fedmeta.runs import RUN_ENTRIES
 
 ROOT = Path(__file__).resolve().parent.parent
 

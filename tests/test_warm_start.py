@@ -11,7 +11,6 @@ from fedmeta.algorithms import build_algorithm
 from fedmeta.checkpoint import warm_start
 from fedmeta.cli import main
 from fedmeta.config import compose
-from fedmeta.errors import FedmetaError
 
 TINY = [
     "federation.rounds=2",

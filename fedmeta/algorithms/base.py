@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import lightning as L
-from lightning.fabric.plugins import Precision
 import torch
 import torch.nn.functional as F
+from lightning.fabric.plugins import Precision
 from torch import nn
 
 from fedmeta.data.federation import Batch, Client
@@ -239,7 +239,7 @@ class Algorithm(L.LightningModule):
         total, steps = 0.0, 0.0
         for batch in batches:
 
-            def loss_of(trained: Params, batch=batch) -> torch.Tensor:
+            def loss_of(trained: Params, batch=batch, params=params) -> torch.Tensor:
                 return self.loss({**params, **trained}, batch)
 
             grads, loss = grad_and_value(loss_of)({n: params[n] for n in names})

@@ -20,9 +20,9 @@ Options (``variant=authors`` sets each to what the authors' code does):
 
 from __future__ import annotations
 
-import torch
-
 import logging
+
+import torch
 
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
 from fedmeta.data.federation import STREAMS, Batch, Client

@@ -3,11 +3,12 @@ each client's head stays local. Every round a client first trains its head with 
 then the body with the head frozen, and sends the body only.
 
 Heads are the one piece of per-client state here (``method.head``: the last linear layer, 5,130
-numbers on RMNIST, or the authors' whole fully connected block); a client that has not taken part yet starts from the global head, which the server
-never changes — so it stays at its initialization. A new client at test time starts from that
-head too, and — FedRep's own procedure for new clients — trains the head alone on the frozen body
-for its first ``test_head_steps`` personalization steps, then all layers for the rest of the
-shared budget (``test_head_steps=0``: all layers from the first step).
+numbers on RMNIST, or the authors' whole fully connected block); a client that has not taken
+part yet starts from the global head, which the server never changes — so it stays at its
+initialization. A new client at test time starts from that head too, and — FedRep's own
+procedure for new clients — trains the head alone on the frozen body for its first
+``test_head_steps`` personalization steps, then all layers for the rest of the shared budget
+(``test_head_steps=0``: all layers from the first step).
 
 The CAFeMe authors' FedRep (``variant=authors``) reads its batches from the client's persistent
 iterator — ``head_batches`` (5) for the head, then ``body_batches`` (1) for the body — with two

@@ -18,8 +18,8 @@ import pickle
 import shutil
 import socket
 import tarfile
-import time
 import tempfile
+import time
 import urllib.error
 import zipfile
 from collections.abc import Callable

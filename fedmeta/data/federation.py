@@ -51,7 +51,7 @@ class Client:
     pers: torch.Tensor  # indices of the personalization split D_pers
     held_out: torch.Tensor  # indices of the held-out split D_eval
     seed: int
-    data: "Federation" = field(repr=False)
+    data: Federation = field(repr=False)
 
     def __post_init__(self):
         self._splits = {

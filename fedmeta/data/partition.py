@@ -18,7 +18,8 @@ def shards(
     num_shards = num_clients * shards_per_client
     if num_shards > len(labels):
         raise FedmetaError(
-            f"shards: {num_shards} shards cannot be cut from {len(labels)} samples: use fewer clients or shards_per_client"
+            f"shards: {num_shards} shards cannot be cut from {len(labels)} samples: use fewer clients or "
+            "shards_per_client"
         )
     by_label = np.argsort(labels, kind="stable")
     pieces = np.array_split(by_label, num_shards)
@@ -48,7 +49,8 @@ def dirichlet(
         raise FedmetaError(f"dirichlet: alpha must be > 0, got {alpha}")
     if num_clients * min_samples > len(labels):
         raise FedmetaError(
-            f"dirichlet: {num_clients} clients × {min_samples} samples exceed the {len(labels)} samples: use fewer clients"
+            f"dirichlet: {num_clients} clients × {min_samples} samples exceed the {len(labels)} samples: "
+            "use fewer clients"
         )
     classes = np.unique(labels)
     for _ in range(max_tries):
@@ -67,7 +69,8 @@ def dirichlet(
         if min(len(r) for r in result) >= min_samples:
             return result
     raise FedmetaError(
-        f"dirichlet: no draw in {max_tries} gave every client {min_samples} samples at alpha={alpha}: raise alpha or lower min_samples"
+        f"dirichlet: no draw in {max_tries} gave every client {min_samples} samples at alpha={alpha}: "
+        "raise alpha or lower min_samples"
     )
 
 
@@ -85,7 +88,8 @@ def by_group(labels: np.ndarray, groups, num_clients: int, rng: np.random.Genera
     group_ids = np.unique(groups)
     if num_clients % len(group_ids):
         raise FedmetaError(
-            f"groups: {num_clients} clients cannot be spread evenly over {len(group_ids)} groups: use a multiple of {len(group_ids)}"
+            f"groups: {num_clients} clients cannot be spread evenly over {len(group_ids)} groups: use a "
+            f"multiple of {len(group_ids)}"
         )
     per_group = num_clients // len(group_ids)
     return [

@@ -2,9 +2,10 @@
 
 Canonical form (docs/data.md): ``x`` uint8 (N,H,W) or (N,H,W,3), ``y`` int64, optional
 ``split`` uint8 (0 train, 1 test, 2 validation: a data set that uses only the training split
-leaves validation images out as it does test ones; Meta-Dataset pools every split). A file that is missing is downloaded from its publisher and
-converted (``download.py``); without a network the loader stops with one line naming the file and
-the folder. Any ImageFolder tree or canonical file a user points to is a source too.
+leaves validation images out as it does test ones; Meta-Dataset pools every split). A file that
+is missing is downloaded from its publisher and converted (``download.py``); without a network the
+loader stops with one line naming the file and the folder. Any ImageFolder tree or canonical file
+a user points to is a source too.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from fedmeta.data import convert
-from fedmeta.data.download import known, save_canonical
 from fedmeta.data.download import download as fetch
+from fedmeta.data.download import known, save_canonical
 from fedmeta.errors import FedmetaError
 
 DATA_ENV, CACHE_ENV = "FEDMETA_DATA", "FEDMETA_CACHE"
