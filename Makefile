@@ -18,7 +18,7 @@ TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) $(if $(SEEDS),seeds=[$(subst $
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(if $(RESUME),output.resume=true) $(ARGS)
 
-.PHONY: install train test test-all config describe download table figures bench tensorboard clean-env
+.PHONY: install train test test-all lint config describe download table figures bench tensorboard clean-env
 
 install: $(VENV)/.ready
 
@@ -66,6 +66,11 @@ test: install      # the quick tier: a few minutes
 
 test-all: install  # everything, as CI runs it
 	$(BIN)/python -m pytest -q
+
+lint: install      # formatting, lint rules and the import layers (pyproject.toml), as CI checks them
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean-env:
 	rm -rf $(VENV)

@@ -404,16 +404,13 @@ def run(
     return failures
 
 
-def train_job(overrides: list[str], threads: int = 0) -> int:
-    """One run in this process (a submitit job): ``fedmeta train``'s exit code."""
-    if threads:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        import torch
+def train_command(job: Job, threads: int = 0):
+    """One run as a submitit job: ``fedmeta train`` in a process of its own on the node that runs it
+    (with ``threads`` OpenMP threads), failing the job with its exit status."""
+    from submitit.helpers import CommandFunction
 
-        torch.set_num_threads(threads)
-    from fedmeta.cli import main
-
-    return main(["train", *overrides])
+    pinned = ["env", f"OMP_NUM_THREADS={threads}"] if threads else []
+    return CommandFunction([*pinned, sys.executable, "-m", "fedmeta.cli", "train", *job.overrides])
 
 
 def _failure(job: Job, code, log: Path) -> str | None:
@@ -483,17 +480,18 @@ def _run_submitit(
     with tqdm(total=len(todo), desc="runs", unit="run") as bar:
         if kind == "slurm":  # one array job; SLURM throttles it
             with executor.batch():
-                submitted = [executor.submit(train_job, list(job.overrides), threads) for job in waiting]
+                submitted = [executor.submit(train_command(job, threads)) for job in waiting]
             running, waiting = list(zip(todo, submitted)), []
         while waiting or running:
             while waiting and len(running) < parallel:
                 job = waiting.pop(0)
-                running.append((job, executor.submit(train_job, list(job.overrides), threads)))
+                running.append((job, executor.submit(train_command(job, threads))))
             time.sleep(1)
             for job, handle in [r for r in running if r[1].done()]:
                 running.remove((job, handle))
                 try:
-                    code = handle.result()
+                    handle.result()  # the command's output; its failure raises
+                    code = 0
                 except Exception as exc:  # killed, timed out, or failed to start: submitit says why
                     code = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
                 if (failure := _failure(job, code, Path(handle.paths.stderr))) is not None:

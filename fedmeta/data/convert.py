@@ -7,6 +7,7 @@ archives) and returns the arrays to save; a file in another format raises ``Valu
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import pickle
@@ -227,3 +228,13 @@ def learn2learn_splits(dataset_class, root: Path, size: int) -> dict[str, np.nda
         raise ValueError(f"{dataset_class.__name__} holds no images under {root}")
     _, y = np.unique(np.array(labels), return_inverse=True)  # classes with no image leave no gap
     return {"x": np.stack(images), "y": y.astype(np.int64), "split": np.array(splits, np.uint8)}
+
+
+def learn2learn_data():
+    """``learn2learn.data``, imported without the deprecation notices its package prints about gym
+    (learn2learn's reinforcement-learning part, which fedmeta does not use)."""
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        import learn2learn.data
+        import learn2learn.data.transforms
+    return learn2learn.data

@@ -163,7 +163,7 @@ def download(name: str, directory: Path, mirror: str | None = None, verify: bool
 def _through_learn2learn(name: str, root: Path, mirror: str | None) -> dict[str, np.ndarray]:
     """learn2learn's data set class downloads into ``root`` (every request with a timeout, and sent
     to ``mirror`` if given) and reads its files; fedmeta converts what it reads."""
-    from fedmeta.data.meta_dataset import learn2learn_data
+    from fedmeta.data.convert import learn2learn_data
 
     learn2learn_data()  # learn2learn, imported quietly
     import learn2learn.vision.datasets as l2l_datasets

@@ -15,16 +15,14 @@ and names the missing ones in one line.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import random
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fedmeta.data.convert import learn2learn_data
 from fedmeta.data.sources import is_available, load_source
 from fedmeta.errors import FedmetaError
 
@@ -40,16 +38,6 @@ PAPER_SOURCES = {
     "mini_imagenet32": "mini-ImageNet",
     "cifar_fs32": "CIFAR-FS",
 }
-
-
-def learn2learn_data():
-    """``learn2learn.data``, imported without the deprecation notices its package prints about gym
-    (learn2learn's reinforcement-learning part, which fedmeta does not use)."""
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        import learn2learn.data
-        import learn2learn.data.transforms
-    return learn2learn.data
 
 
 class _Rows(torch.utils.data.Dataset):
