@@ -15,7 +15,7 @@ import re
 import shutil
 import statistics
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +110,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
         f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
         f"the seeds run; beside it the paper's number (5 seeds, full protocol) and ours minus the paper's.",
         "",
-        f"Command: `{command}`. Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from `{root}/`.",
+        f"Command: `{command}`. Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{root}/`.",
         "",
         "| method | " + " | ".join(settings) + " |",
         "|---|" + "---|" * len(settings),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -230,7 +230,7 @@ class Study:
         lines = [
             f"# Tuning study `{self.name}`",
             "",
-            f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `fedmeta tune {self.method}` "
+            f"Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC by `fedmeta tune {self.method}` "
             f"(storage: {self.storage_label}). Setting `{' '.join(self.base)}`; TPE sampler (seed {self.sampler_seed}, "
             f"{self.startup_trials} random start-up trials), median pruner on the new-client accuracy at each "
             "intermediate evaluation.",

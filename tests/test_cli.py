@@ -32,7 +32,10 @@ BAD = [
         ["personalization.held_out_batch_size=1"],
         "personalization.held_out_batch_size must be null (one pass) or ≥ 2",
     ),
-    (["personalization.batches=loop"], "personalization.batches must be independent or stream"),
+    (
+        ["personalization.batches=loop"],
+        "personalization.batches must be one of independent, stream, stream_fixed",
+    ),
     (
         ["variant=weird"],
         "method 'cafeme' has no variant 'weird': choose one of ['paper', 'authors', 'tuned']",
@@ -343,9 +346,8 @@ def test_overrides_after_a_list_option_are_overrides():
 def test_the_package_lists_every_subpackage_and_ships_the_configs():
     """pyproject.toml names the packages (configs/ is mapped into fedmeta.configs): a new subpackage
     must be added there, or `pip install .` would leave it out."""
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
