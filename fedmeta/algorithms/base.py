@@ -21,7 +21,6 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.fabric.plugins import Precision
@@ -94,7 +93,7 @@ def step_weight(batch: Batch) -> torch.Tensor | float:
     return 1.0 if batch.active is None else batch.active.float()
 
 
-class Algorithm(L.LightningModule):
+class Algorithm(nn.Module):
     """A federated method around one global model ``self.model``."""
 
     def __init__(self, model: nn.Module, cfg):
