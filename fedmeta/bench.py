@@ -352,7 +352,7 @@ def project(result: dict, preset_name: str) -> list[str]:
     (sequential, vmap or stacked seeds; fp32), rounds × s/round per seed plus the preset's
     evaluations × one evaluation of the new clients. Partitions of one data set are costed alike."""
     from fedmeta.config import compose
-    from fedmeta.grid import load_preset, setting_dataset
+    from fedmeta.grid import load_preset, preset_budget, setting_dataset
 
     preset = load_preset(preset_name)
     lines, total = [], 0.0
@@ -360,13 +360,8 @@ def project(result: dict, preset_name: str) -> list[str]:
         if setting.grid != "table":
             continue
         dataset = setting_dataset(setting)
-        cfg = compose([f"dataset={dataset}"])
-        rounds = preset.rounds.get(dataset) or cfg.federation.rounds
-        evaluations = (
-            preset.evaluations.get(dataset)
-            if isinstance(preset.evaluations, DictConfig)
-            else preset.evaluations
-        )
+        rounds, evaluations = preset_budget(preset, dataset)
+        new_clients = compose([f"dataset={dataset}"]).federation.num_new_clients
         seconds, missing = 0.0, []
         for method in preset.methods:
             rows = [
@@ -390,7 +385,7 @@ def project(result: dict, preset_name: str) -> list[str]:
                     else r["personalize_seconds_per_client"]
                     for r in rows
                 )
-                * cfg.federation.num_new_clients
+                * new_clients
             )
             seconds += len(preset.seeds) * (rounds * per_round + evaluations * evaluation)
         total += seconds

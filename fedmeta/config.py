@@ -480,10 +480,15 @@ def validate(cfg: DictConfig) -> None:
     )
 
 
+def method_label(cfg: DictConfig) -> str:
+    """<method>[-<variant>]: a run's method as its folder, its W&B job type and a table row name it
+    ("fedrep", "fedrep-authors"; the paper variant is the method itself)."""
+    return cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
+
+
 def run_name(cfg: DictConfig) -> Path:
     """runs/<setting>/<method>[-<variant>]/seed<seed>/ — fixed so scripts can rely on it."""
-    method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
-    return Path(setting_name(cfg)) / method / f"seed{cfg.seed}"
+    return Path(setting_name(cfg)) / method_label(cfg) / f"seed{cfg.seed}"
 
 
 def setting_name(cfg: DictConfig) -> str:

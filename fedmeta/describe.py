@@ -8,23 +8,12 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
-from fedmeta.data import build_federation, load_dataset
-from fedmeta.data.sources import data_dir
+from fedmeta.data import federation_of
 
 
 def client_class_counts(cfg: DictConfig) -> tuple[np.ndarray, list[int]]:
     """(clients × classes) sample counts, in client-id order, and the ids of the new clients."""
-    dataset = load_dataset(
-        cfg.dataset.name,
-        data_dir(cfg.dataset.dir),
-        cfg.seed,
-        download=cfg.dataset.download,
-        **cfg.dataset.options,
-    )
-    fed = cfg.federation
-    federation = build_federation(
-        dataset, dict(cfg.partition), fed.num_clients, fed.num_new_clients, fed.held_out_fraction, cfg.seed
-    )
+    dataset, federation = federation_of(cfg)
     clients = sorted(federation.train_clients + federation.new_clients, key=lambda c: c.id)
     labels = dataset.y.numpy()
     counts = np.stack(

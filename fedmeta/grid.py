@@ -26,7 +26,7 @@ import yaml
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, run_name, setting_name
+from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, method_label, run_name, setting_name
 from fedmeta.errors import FedmetaError
 from fedmeta.runs import read_summary
 
@@ -90,12 +90,7 @@ def plan(
     jobs = []
     for label, setting in settings.items():
         dataset = setting_dataset(setting)
-        rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
-        evaluations = (
-            preset.evaluations.get(dataset)
-            if isinstance(preset.evaluations, DictConfig)
-            else preset.evaluations
-        )
+        rounds, evaluations = preset_budget(preset, dataset)
         common = [
             *setting.overrides,
             f"federation.rounds={rounds}",
@@ -131,6 +126,14 @@ def plan(
                     )
                 )
     return jobs
+
+
+def preset_budget(preset: DictConfig, dataset: str) -> tuple[int, int]:
+    """A preset's rounds and evaluations per run on ``dataset`` (rounds: the data set's own protocol
+    where the preset names none)."""
+    rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
+    per_dataset = isinstance(preset.evaluations, DictConfig)
+    return rounds, preset.evaluations.get(dataset) if per_dataset else preset.evaluations
 
 
 def chain_stages(preset: DictConfig) -> tuple[dict, dict[str, int]]:
@@ -275,8 +278,7 @@ def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
             "output.resume=true",
         )
         cfg = compose(list(run_overrides))  # every point is checked before anything runs
-        method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
-        jobs.append(Job(setting_name(cfg), method, cfg.seed, run_overrides, folder))
+        jobs.append(Job(setting_name(cfg), method_label(cfg), cfg.seed, run_overrides, folder))
     return sorted(jobs, key=lambda job: job.seed)  # every point of seed 0 first
 
 

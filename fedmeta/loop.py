@@ -28,9 +28,8 @@ from fedmeta import checkpoint
 from fedmeta.algorithms import Algorithm, build_algorithm
 from fedmeta.capture import resolve
 from fedmeta.config import apply_overrides, compose, load_mapping, run_name, setting_name
-from fedmeta.data import Federation, build_federation, load_dataset
+from fedmeta.data import Federation, federation_of
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
-from fedmeta.data.sources import data_dir
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import PersonalizationResult, draw_personalization
@@ -296,27 +295,11 @@ def hardware_name(device: torch.device) -> str:
 def build(fabric: Fabric, cfg: DictConfig) -> tuple[Federation, Algorithm]:
     """The federation (data on the device) and the algorithm of a config, seeded by its seed."""
     fabric.seed_everything(cfg.seed, verbose=False)
-    dataset = load_dataset(
-        cfg.dataset.name,
-        data_dir(cfg.dataset.dir),
-        cfg.seed,
-        download=cfg.dataset.download,
-        **cfg.dataset.options,
-    )
+    dataset, federation = federation_of(cfg, device=fabric.device)
     if (
         "clusters" in cfg.method and cfg.method.clusters is None
     ):  # IFCA on Meta-Dataset: one model per source used
         cfg.method.clusters = len(dataset.sources)
-    fed = cfg.federation
-    federation = build_federation(
-        dataset,
-        dict(cfg.partition),
-        fed.num_clients,
-        fed.num_new_clients,
-        fed.held_out_fraction,
-        cfg.seed,
-        device=fabric.device,
-    )
     # Fabric converts the model to the run's precision and places it; the algorithm calls it as a
     # function of its parameters (Algorithm.run_model), under the same precision plugin, so the
     # wrapper itself is not kept: clients' updates are aggregated by fedmeta, not by DDP's hooks.

@@ -202,7 +202,7 @@ def log_report(preset_name: str, preset: DictConfig, root: Path, written: list[P
     ]
     Path("runs").mkdir(exist_ok=True)
     with wandb.init(
-        project="fedmeta",
+        project=OmegaConf.load(CONFIG_DIR / "config.yaml").wandb.project,  # where the runs log
         name=f"report-{preset_name}",
         group="report",
         job_type="report",

@@ -17,7 +17,7 @@ from pathlib import Path
 from lightning.fabric.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.config import setting_name
+from fedmeta.config import method_label, setting_name
 from fedmeta.errors import FedmetaError
 
 log = logging.getLogger("fedmeta")
@@ -171,17 +171,15 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | 
     import wandb
     from lightning.pytorch.loggers import WandbLogger
 
-    method = cfg.method.name if cfg.variant == "paper" else f"{cfg.method.name}-{cfg.variant}"
-
     # Our own wandb.init: Lightning's would set $WANDB_MODE for the whole process, reuse another
     # seed's open run, and pass options W&B warns about. reinit="create_new": stacked seeds hold
     # one W&B run each at the same time in this process.
     def start(resume_id: str | None):
         return wandb.init(
             project=cfg.wandb.project,
-            name=f"{cfg.method.name}-{cfg.variant}-seed{cfg.seed}",
+            name=f"{method_label(cfg)}-seed{cfg.seed}",  # as its folder: <method>[-<variant>]/seed<s>
             group=setting_name(cfg),
-            job_type=method,
+            job_type=method_label(cfg),
             tags=[t[:64] for t in tags],
             dir=str(run_dir.resolve()),
             mode=mode,

@@ -153,6 +153,10 @@ class Algorithm(nn.Module):
         """How many batches of its persistent iterator (``Client.stream``) the client has read."""
         return int(self.client_states.get(client_id, {}).get("batches_read", 0))
 
+    def read_more(self, client_id: int, count: int) -> dict:
+        """The state that records ``count`` more batches read from the client's iterator."""
+        return {"batches_read": self.batches_read(client_id) + count}
+
     def kept_adam(self, client_id: int, key: str, params: Params) -> dict:
         """The Adam state the client kept under ``key`` (in the parameters' dtype), or a fresh one."""
         kept = self.client_states.get(client_id, {}).get(key)

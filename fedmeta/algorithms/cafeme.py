@@ -117,6 +117,6 @@ class CAFeMe(Algorithm):
         update = super().to_update(client, result)
         kept = {"adam": self.compact_adam(result.state)} if self.keeps_adam else {}
         if self.cfg.batches in STREAMS:
-            kept["batches_read"] = self.batches_read(client.id) + self.cfg.inner_steps + self.outer_batches()
+            kept |= self.read_more(client.id, self.cfg.inner_steps + self.outer_batches())
         update.state = kept or None
         return update

@@ -46,8 +46,6 @@ class FedAvg(Algorithm):
         update = super().to_update(client, result)
         kept = {"adam": self.compact_adam(result.state)} if result.state else {}
         if self.cfg.local_batches:
-            kept["batches_read"] = (
-                self.batches_read(client.id) + self.batches_skipped() + self.cfg.local_batches
-            )
+            kept |= self.read_more(client.id, self.batches_skipped() + self.cfg.local_batches)
         update.state = kept or None
         return update

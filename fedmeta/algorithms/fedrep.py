@@ -21,10 +21,11 @@ from __future__ import annotations
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalResult
 from fedmeta.data.federation import Client
 from fedmeta.functional import Params
+from fedmeta.models import CLASSIFIER, DENSE
 
 # method.head: the last Linear (FedRep's paper), or the whole fully connected block — the dense layers
 # and the classifier, as the CAFeMe authors' code moves the model's ``fc`` into FedRep's head
-HEADS = {"classifier": ("head.",), "fc_block": ("dense.", "head.")}
+HEADS = {"classifier": (CLASSIFIER,), "fc_block": (DENSE, CLASSIFIER)}
 
 
 class FedRep(Algorithm):
@@ -97,6 +98,6 @@ class FedRep(Algorithm):
             }
         )
         if self.streamed():
-            kept["batches_read"] = self.batches_read(client.id) + self.streamed()
+            kept |= self.read_more(client.id, self.streamed())
         update.state = kept or None
         return update

@@ -20,8 +20,7 @@ from torch import nn
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult, masked
 from fedmeta.data.federation import Batch, Client
 from fedmeta.functional import Params
-
-HEAD_PREFIX = "head."
+from fedmeta.models import CLASSIFIER
 
 
 class ClusteredNets(nn.Module):
@@ -31,7 +30,7 @@ class ClusteredNets(nn.Module):
         super().__init__()
         self.nets = nn.ModuleList(make_net() for _ in range(k))
         if share_body:
-            body = {n: p for n, p in self.nets[0].state_dict().items() if not n.startswith(HEAD_PREFIX)}
+            body = {n: p for n, p in self.nets[0].state_dict().items() if not n.startswith(CLASSIFIER)}
             for net in self.nets[1:]:
                 net.load_state_dict(body, strict=False)
 
@@ -89,7 +88,7 @@ class IFCA(Algorithm):
             f"nets.{c}.{n}": p.detach()
             for c in clusters
             for n, p in result.params.items()
-            if c == j or not n.startswith(HEAD_PREFIX)
+            if c == j or not n.startswith(CLASSIFIER)
         }
         return ClientUpdate(client.id, sent, self.update_weight(client), float(result.loss))
 

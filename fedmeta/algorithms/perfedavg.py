@@ -60,7 +60,7 @@ class PerFedAvg(Algorithm):
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result)
         if self.cfg.batches in STREAMS:
-            update.state = {"batches_read": self.batches_read(client.id) + 4 * self.cfg.local_steps}
+            update.state = self.read_more(client.id, 4 * self.cfg.local_steps)
         return update
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:

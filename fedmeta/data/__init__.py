@@ -2,5 +2,37 @@
 
 from fedmeta.data.datasets import ImageDataset, load_dataset
 from fedmeta.data.federation import Batch, Client, Federation, build_federation
+from fedmeta.data.sources import data_dir
 
-__all__ = ["Batch", "Client", "Federation", "ImageDataset", "build_federation", "load_dataset"]
+
+def federation_of(cfg, device=None) -> tuple[ImageDataset, Federation]:
+    """A config's data set and its clients (the data on ``device``), seeded by the config's seed."""
+    dataset = load_dataset(
+        cfg.dataset.name,
+        data_dir(cfg.dataset.dir),
+        cfg.seed,
+        download=cfg.dataset.download,
+        **cfg.dataset.options,
+    )
+    fed = cfg.federation
+    federation = build_federation(
+        dataset,
+        dict(cfg.partition),
+        fed.num_clients,
+        fed.num_new_clients,
+        fed.held_out_fraction,
+        cfg.seed,
+        device=device,
+    )
+    return dataset, federation
+
+
+__all__ = [
+    "Batch",
+    "Client",
+    "Federation",
+    "ImageDataset",
+    "build_federation",
+    "federation_of",
+    "load_dataset",
+]

@@ -1,9 +1,11 @@
 """Models: the base CNN f_ψ and the federated modulator g_μ."""
 
-from fedmeta.models.cnn import ConvNet, build_base_net, set_channels_last
+from fedmeta.models.cnn import CLASSIFIER, DENSE, ConvNet, build_base_net, set_channels_last
 from fedmeta.models.modulator import MODULATIONS, ModulatedNet, Modulator, modulate
 
 __all__ = [
+    "CLASSIFIER",
+    "DENSE",
     "MODULATIONS",
     "ConvNet",
     "ModulatedNet",

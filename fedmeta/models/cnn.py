@@ -137,6 +137,10 @@ class ConvNet(nn.Module):
         return self.head(x)
 
 
+# the parameter names of the base network's parts: its classifier and its dense block
+CLASSIFIER, DENSE = "head.", "dense."
+
+
 def build_base_net(model_cfg, in_channels: int, image_size: int, num_classes: int) -> ConvNet:
     return ConvNet(
         in_channels,
