@@ -415,12 +415,20 @@ def train_command(job: Job, threads: int = 0):
     return CommandFunction([*pinned, sys.executable, "-m", "fedmeta.cli", "train", *job.overrides])
 
 
+def _last_line(text: str) -> str:
+    """fedmeta's own error line where the text has one (a job's log ends with submitit's traceback),
+    else its last line."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return next(
+        (line for line in reversed(lines) if line.startswith("fedmeta: error:")),
+        lines[-1] if lines else "(no output)",
+    )
+
+
 def _failure(job: Job, code, log: Path) -> str | None:
     if code == 0:
         return None
-    text = log.read_text() if log.exists() else ""
-    last = [line for line in text.splitlines() if line.strip()][-1:] or ["(no output)"]
-    return f"{job.label}: exit {code}: {last[0]} (log: {log})"
+    return f"{job.label}: exit {code}: {_last_line(log.read_text() if log.exists() else '')} (log: {log})"
 
 
 def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[str]:
@@ -494,8 +502,9 @@ def _run_submitit(
                 try:
                     handle.result()  # the command's output; its failure raises
                     code = 0
-                except Exception as exc:  # killed, timed out, or failed to start: submitit says why
-                    code = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                except Exception as exc:  # the run's exit status, or: killed, timed out, failed to start
+                    status = re.search(r"non-zero exit status (\d+)", str(exc))  # CommandFunction's failure
+                    code = int(status[1]) if status else f"{type(exc).__name__}: {_last_line(str(exc))}"
                 if (failure := _failure(job, code, Path(handle.paths.stderr))) is not None:
                     failures.append(failure)
                     tqdm.write(failure)
