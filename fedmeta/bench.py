@@ -352,7 +352,7 @@ def project(result: dict, preset_name: str) -> list[str]:
     (sequential, vmap or stacked seeds; fp32), rounds × s/round per seed plus the preset's
     evaluations × one evaluation of the new clients. Partitions of one data set are costed alike."""
     from fedmeta.config import compose
-    from fedmeta.grid import load_preset, preset_budget, setting_dataset
+    from fedmeta.grid import fastest, load_preset, preset_budget, setting_dataset
 
     preset = load_preset(preset_name)
     lines, total = [], 0.0
@@ -377,16 +377,7 @@ def project(result: dict, preset_name: str) -> list[str]:
             if not rows:
                 missing.append(method)
                 continue
-            per_round = min(r["seconds_per_round"] for r in rows)
-            evaluation = (
-                min(
-                    r["evaluation_seconds"] / r["new_clients"]
-                    if "evaluation_seconds" in r
-                    else r["personalize_seconds_per_client"]
-                    for r in rows
-                )
-                * new_clients
-            )
+            per_round, evaluation = fastest(rows, new_clients)
             seconds += len(preset.seeds) * (rounds * per_round + evaluations * evaluation)
         total += seconds
         note = f" (not measured: {', '.join(missing)})" if missing else ""

@@ -331,18 +331,20 @@ def unit_seconds(job: Job, rows: list[dict]) -> float | None:
     ]
     if not match:
         return None
-    per_round = min(r["seconds_per_round"] for r in match)
-    evaluation = (
-        min(
-            r["evaluation_seconds"] / r["new_clients"]
-            if "evaluation_seconds" in r
-            else r["personalize_seconds_per_client"]
-            for r in match
-        )
-        * fed.num_new_clients
-    )
+    per_round, evaluation = fastest(match, fed.num_new_clients)
     evaluations = math.ceil(fed.rounds / fed.eval_every) + (fed.rounds % fed.eval_every != 0)
     return STARTUP_SECONDS + seeds * (fed.rounds * per_round + evaluations * evaluation)
+
+
+def fastest(rows: list[dict], new_clients: int) -> tuple[float, float]:
+    """The seconds of a round and of one evaluation of ``new_clients``, the fastest of bench rows."""
+    per_client = min(
+        r["evaluation_seconds"] / r["new_clients"]
+        if "evaluation_seconds" in r
+        else r["personalize_seconds_per_client"]
+        for r in rows
+    )
+    return min(r["seconds_per_round"] for r in rows), per_client * new_clients
 
 
 def within_budget(todo: list[Job], rows: list[dict], budget: float) -> list[Job]:
