@@ -244,10 +244,15 @@ def _logged(row: dict) -> dict:
 
 
 def _logged_rounds(path: Path) -> int:
+    """Rounds in a run folder's metrics.csv; a file that does not read as one counts as holding
+    something (it is kept unless replacing it was asked for)."""
     if not path.is_file():
         return 0
-    with open(path, newline="") as f:
-        return sum(1 for _ in csv.DictReader(f))
+    try:
+        with open(path, newline="") as f:
+            return sum(1 for _ in csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error):
+        return 1
 
 
 class RunRecorder:

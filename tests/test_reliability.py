@@ -392,3 +392,11 @@ def test_a_run_that_fails_in_its_first_round_does_not_block_the_corrected_one(tm
     assert main(run_args(tmp_path, mnist_dir, *fedavg, "method.local_lr=1e30")) == 2
     assert "round 1: client" in capsys.readouterr().err
     assert main(run_args(tmp_path, mnist_dir, *fedavg)) == 0  # no "holds an unfinished run"
+    # a metrics.csv that does not read as one is kept (found by the run-folder property test)
+    run = tmp_path / "rmnist-shards" / "fedavg" / "seed0"
+    for name in ("summary.json", "checkpoint.ckpt"):
+        (run / name).unlink()
+    (run / "metrics.csv").write_bytes(b"\x00\xff{[: not this")
+    assert main(run_args(tmp_path, mnist_dir, *fedavg)) == 2
+    assert "holds an unfinished run (metrics.csv)" in capsys.readouterr().err
+    assert main(run_args(tmp_path, mnist_dir, *fedavg, "output.overwrite=true")) == 0
