@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import zlib
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,22 +137,7 @@ class Study:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        try:
-            study = optuna.create_study(
-                study_name=self.name,
-                storage=self.storage,
-                load_if_exists=True,
-                direction="maximize",
-                sampler=optuna.samplers.TPESampler(
-                    seed=self.sampler_seed, n_startup_trials=self.startup_trials
-                ),
-                pruner=optuna.pruners.MedianPruner(n_startup_trials=2),
-            )
-        except Exception as exc:  # a bad URL, an unreachable server, a database of another program
-            raise FedmetaError(
-                f"cannot open the study database {self.storage} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}): give a database URL, e.g. sqlite:///tune.db"
-            ) from None
+        study = self._open(optuna)
         done = [
             t
             for t in study.trials
@@ -174,6 +160,30 @@ class Study:
             "best": study.best_params,
             "tuned": str(self.out),
         }
+
+    def _open(self, optuna, attempts: int = 3):
+        """The study, created or continued. Two studies started at once on a new database both
+        create its tables, and the second finds them made: it tries again, and then opens them."""
+        for attempt in range(attempts):
+            try:
+                return optuna.create_study(
+                    study_name=self.name,
+                    storage=self.storage,
+                    load_if_exists=True,
+                    direction="maximize",
+                    sampler=optuna.samplers.TPESampler(
+                        seed=self.sampler_seed, n_startup_trials=self.startup_trials
+                    ),
+                    pruner=optuna.pruners.MedianPruner(n_startup_trials=2),
+                )
+            except Exception as exc:  # a bad URL, an unreachable server, a database of another program
+                if "already exists" in str(exc) and attempt + 1 < attempts:
+                    time.sleep(1.0)
+                    continue
+                raise FedmetaError(
+                    f"cannot open the study database {self.storage} ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}): give a database URL, e.g. sqlite:///tune.db"
+                ) from None
 
     def _objective(self, trial, show_progress: bool) -> float:
         import optuna

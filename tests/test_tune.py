@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from fedmeta.config import CONFIG_DIR, compose
+from fedmeta.errors import FedmetaError
 from fedmeta.tune import MARK, Study
 
 TINY = [
@@ -89,3 +90,40 @@ def test_each_study_draws_its_own_values_and_the_model_proposes_half_of_them(tmp
     )
     monkeypatch.setattr(report, "USER_CONFIG_DIR", tmp_path)
     assert report.method_label("fedrep-tuned") == "FedRep (tuned: trial 13 of 20)"
+
+
+def test_two_studies_started_together_on_a_new_database_both_open_it(tmp_path, monkeypatch):
+    """Two `fedmeta tune` started at once on the default database both create its tables; the
+    second's CREATE TABLE fails (as it did for two studies started together): it opens the tables."""
+    import sqlite3
+
+    import optuna
+    import sqlalchemy.exc
+
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    real, calls = optuna.create_study, []
+
+    def created_meanwhile(**kwargs):
+        calls.append(kwargs["study_name"])
+        if len(calls) == 1:  # the other process made the tables between our check and our CREATE
+            optuna.storages.RDBStorage(storage)
+            raise sqlalchemy.exc.OperationalError(
+                "CREATE TABLE study_directions",
+                {},
+                sqlite3.OperationalError("table study_directions already exists"),
+            )
+        return real(**kwargs)
+
+    monkeypatch.setattr(optuna, "create_study", created_meanwhile)
+    monkeypatch.setattr("fedmeta.tune.time.sleep", lambda seconds: None)
+    study = Study("fedrep", [], 4, 2, None, storage, root=tmp_path / "runs")._open(optuna)
+    assert len(calls) == 2 and study.study_name == calls[0] and not study.trials
+
+    def broken(**kwargs):
+        raise sqlalchemy.exc.OperationalError(
+            "SELECT", {}, sqlite3.OperationalError("file is not a database")
+        )
+
+    monkeypatch.setattr(optuna, "create_study", broken)
+    with pytest.raises(FedmetaError, match="cannot open the study database"):
+        Study("fedrep", [], 4, 2, None, storage, root=tmp_path / "runs")._open(optuna)
