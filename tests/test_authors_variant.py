@@ -247,3 +247,23 @@ def test_authors_perfedavg_reads_four_batches_a_local_step_from_the_iterator():
     assert torch.equal(data["steps"][1][0].x, read[4].x) and torch.equal(data["loss"].x, read[19].x)
     perfedavg.aggregate([perfedavg.run_client(client, 1)])
     assert perfedavg.client_states[client.id]["batches_read"] == 20 and perfedavg.update_weight(client) == 1.0
+
+
+@pytest.mark.parametrize("dataset", ["rmnist", "femnist", "cifar10"])
+def test_paper_text_variant_takes_the_texts_values_where_the_code_differs(dataset):
+    """variant=paper_text: the text's 28×28 CNN (32, 32 filters; 576 units), batch 30 everywhere,
+    5 inner steps, Algorithm 1's plain outer step; the model builds for the data set's images."""
+    from fedmeta.algorithms import build_model
+
+    code = compose([f"dataset={dataset}", "method=cafeme"])
+    text = compose([f"dataset={dataset}", "method=cafeme", "variant=paper_text"])
+    assert (text.method.batch_size, text.method.eval_batch_size, text.method.inner_steps) == (30, 180, 5)
+    assert text.personalization.batch_size == 30 and text.method.outer_optimizer == "sgd"
+    if code.dataset.image_size == 28:
+        assert (list(text.model.conv_channels), list(text.model.dense_units)) == ([32, 32], [576])
+        assert list(code.model.conv_channels) == [32, 64]
+    else:
+        assert text.model == code.model
+    model = build_model(text, 10)
+    x = torch.zeros(2, text.dataset.in_channels, text.dataset.image_size, text.dataset.image_size)
+    assert model(x, x, torch.zeros(2, dtype=torch.long)).shape == (2, 10)
