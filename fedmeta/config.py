@@ -4,6 +4,12 @@
 configs/config.yaml, dataset/<d>.yaml, partition/<p>.yaml (default: the data set's), method/<m>.yaml
 (after the file it ``inherits``), variant/<v>.yaml (for methods with variants), then every other
 ``key=value``. Keys that do not exist are refused, so a typo cannot pass silently.
+
+Besides settings, a config file may say things about itself, which are read here and never merged
+into a run's config: ``inherits`` (the file it extends), ``when`` (settings for one data set or
+partition only), ``choices`` (the values a key of the file accepts, checked with every other value
+once the config is composed) and, in a method's file, ``label`` (its name in tables) and ``tune``
+(the search space of ``fedmeta tune``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -125,6 +132,21 @@ def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
     return OmegaConf.merge(load_group(group, parent, config_dir), cfg) if parent else cfg
 
 
+@dataclass(frozen=True)
+class MethodCard:
+    """What a method's file says about the method: its name in tables and its tuning space."""
+
+    label: str  # "FedAvg-FT"
+    tune: dict  # key → {log|float|int: [low, high]} or {choices: [...]}
+
+
+def method_card(name: str, config_dir: Path = CONFIG_DIR) -> MethodCard:
+    """``label`` and ``tune`` of configs/method/<name>.yaml (merged with the file it inherits)."""
+    cfg = load_group("method", name, config_dir)
+    tune = cfg.get("tune")
+    return MethodCard(str(cfg.get("label") or name), OmegaConf.to_container(tune) if tune else {})
+
+
 def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
     """The fully merged configuration for ``overrides`` (``key=value`` strings)."""
     bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0]]
@@ -169,16 +191,24 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
                 )
             if picked[group] == name:
                 layers.append(conditional)
+    choices: dict[str, list] = {}
+    for layer in layers:
+        layer.pop("label", None)
+        layer.pop("tune", None)
+        choices |= OmegaConf.to_container(layer.pop("choices", None) or OmegaConf.create())
     cfg = OmegaConf.merge(*layers)
     cfg.variant = variant
     del cfg["defaults"]
     OmegaConf.set_struct(cfg, True)
-    return apply_overrides(cfg, settings)
+    return apply_overrides(cfg, settings, choices)
 
 
-def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
+def apply_overrides(
+    cfg: DictConfig, settings: list[str], choices: dict[str, list] | None = None
+) -> DictConfig:
     """``cfg`` (struct) with ``key=value`` settings merged in — each key must exist and each value
-    have its key's type — resolved and range-checked."""
+    have its key's type — resolved and range-checked; ``choices``: the values keys accept, as the
+    composed files declared them."""
     for override in settings:
         key, value = override.split("=", 1)
         _require(
@@ -210,7 +240,7 @@ def apply_overrides(cfg: DictConfig, settings: list[str]) -> DictConfig:
         raise FedmetaError(
             f"unknown or invalid config key {key!r}: see configs/ for the keys that exist"
         ) from None
-    validate(cfg)
+    validate(cfg, choices or {})
     return cfg
 
 
@@ -281,8 +311,15 @@ def _require(ok: bool, message: str) -> None:
         raise FedmetaError(message)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Range checks that the YAML types cannot express; each failure is one line."""
+def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
+    """Range checks that the YAML types cannot express, and the ``choices`` the config files
+    declare for their own keys; each failure is one line."""
+    for key, allowed in choices.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        _require(
+            value in allowed,
+            f"{key} must be one of {', '.join(map(str, allowed))}, got {value!r}",
+        )
     fed, pers = cfg.federation, cfg.personalization
     _require(fed.num_clients >= 2, f"federation.num_clients must be ≥ 2, got {fed.num_clients}")
     _require(
@@ -366,7 +403,6 @@ def validate(cfg: DictConfig) -> None:
         ("averaging", ("samples", "uniform")),
         ("local_optimizer", ("sgd", "adam_kept")),
         ("batches", BATCHES),
-        ("head", ("classifier", "fc_block")),
     ):
         if key in method:
             _require(
@@ -379,20 +415,14 @@ def validate(cfg: DictConfig) -> None:
                 isinstance(method[key], int) and method[key] >= 2,
                 f"method.{key} must be an integer ≥ 2 (BatchNorm's batch statistics need 2 samples), got {method[key]}",
             )
+    if "inner_steps" in method:
+        _require(method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {method.inner_steps}")
     for key in ("local_batches", "personal_batches", "head_batches", "body_batches", "test_head_steps"):
         if key in method:
             _require(
                 isinstance(method[key], int) and method[key] >= 0,
                 f"method.{key} must be an integer ≥ 0, got {method[key]}",
             )
-    if (
-        method.algorithm == "ifca"
-    ):  # IFCA trains as FedAvg with plain SGD epochs: FedAvg's other options mean nothing here
-        _require(
-            method.get("local_optimizer", "sgd") == "sgd" and not method.get("local_batches"),
-            "IFCA trains with SGD epochs: method.local_optimizer and method.local_batches are FedAvg's "
-            "(its authors' Ditto), not IFCA's; leave them at sgd and 0",
-        )
     if "clusters" in method:
         _require(
             method.clusters is None
@@ -402,35 +432,12 @@ def validate(cfg: DictConfig) -> None:
             f"method.clusters must be an integer from 1 to the {train_clients} training clients (null: "
             f"one per source, only for dataset=meta_dataset), got {method.clusters}",
         )
-    if cfg.method.algorithm == "cafeme":
-        _require(
-            cfg.method.modulation in ("c0", "c1", "c2"),
-            f"method.modulation must be c0, c1 or c2, got {cfg.method.modulation!r}",
-        )
-        _require(
-            cfg.method.context in ("labelled", "transductive"),
-            f"method.context must be labelled or transductive, got {cfg.method.context!r}",
-        )
-        _require(cfg.method.inner_steps >= 1, f"method.inner_steps must be ≥ 1, got {cfg.method.inner_steps}")
-        _require(
-            cfg.method.outer_optimizer in ("adam_fresh", "adam_kept", "sgd"),
-            f"method.outer_optimizer must be adam_fresh, adam_kept or sgd, got {cfg.method.outer_optimizer!r}",
-        )
-        _require(
-            cfg.method.client_state_dtype in ("float32", "bfloat16"),
-            f"method.client_state_dtype must be float32 or bfloat16, got {cfg.method.client_state_dtype!r}",
-        )
     layers = {f"model.{k}": cfg.model[k] for k in ("conv_channels", "dense_units")}
     layers |= {f"model.modulator.{k}": v for k, v in cfg.model.modulator.items()}
     for key, units in layers.items():
         _require(
             all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
             f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}",
-        )
-    if cfg.dataset.name == "rmnist":
-        _require(
-            cfg.dataset.options.interpolation in ("bilinear", "nearest"),
-            f"dataset.options.interpolation must be bilinear or nearest, got {cfg.dataset.options.interpolation!r}",
         )
     _require(cfg.model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {cfg.model.kernel_size}")
     padding = cfg.model.padding

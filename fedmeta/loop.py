@@ -296,16 +296,11 @@ def build(fabric: Fabric, cfg: DictConfig) -> tuple[Federation, Algorithm]:
     """The federation (data on the device) and the algorithm of a config, seeded by its seed."""
     fabric.seed_everything(cfg.seed, verbose=False)
     dataset, federation = federation_of(cfg, device=fabric.device)
-    if (
-        "clusters" in cfg.method and cfg.method.clusters is None
-    ):  # IFCA on Meta-Dataset: one model per source used
-        cfg.method.clusters = len(dataset.sources)
     # Fabric converts the model to the run's precision and places it; the algorithm calls it as a
     # function of its parameters (Algorithm.run_model), under the same precision plugin, so the
     # wrapper itself is not kept: clients' updates are aggregated by fedmeta, not by DDP's hooks.
-    algorithm = fabric.setup_module(build_algorithm(cfg, federation.num_classes)).module
-    algorithm.precision = fabric.strategy.precision
-    return federation, algorithm
+    algorithm = build_algorithm(cfg, federation.num_classes, dataset.sources, fabric.strategy.precision)
+    return federation, fabric.setup_module(algorithm).module
 
 
 def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:

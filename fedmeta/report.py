@@ -10,6 +10,7 @@ them leads back to the run, its config and its round-by-round metrics."""
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import re
 import shutil
@@ -21,20 +22,18 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR
+from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, method_card
+from fedmeta.errors import FedmetaError
 from fedmeta.runs import read_summary
 
-METHOD_NAMES = {
-    "fedavg": "FedAvg",
-    "fedavg_ft": "FedAvg-FT",
-    "ifca": "IFCA",
-    "ifca_ft": "IFCA-FT",
-    "ditto": "Ditto",
-    "fedrep": "FedRep",
-    "perfedavg": "Per-FedAvg",
-    "local": "Local",
-    "cafeme": "CAFeMe",
-}
+
+@functools.cache
+def _method_name(method: str) -> str:
+    """The method's ``label`` in its config file; a run of a method no config names keeps its name."""
+    try:
+        return method_card(method).label
+    except FedmetaError:
+        return method
 
 
 def method_label(method: str) -> str:
@@ -43,7 +42,7 @@ def method_label(method: str) -> str:
     name, _, variant = method.partition("-")
     if variant == "tuned":
         variant += _tuning_record(name)
-    return METHOD_NAMES.get(name, name) + (f" ({variant})" if variant else "")
+    return _method_name(name) + (f" ({variant})" if variant else "")
 
 
 def _tuning_record(method: str) -> str:

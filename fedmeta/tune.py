@@ -1,4 +1,5 @@
-"""``fedmeta tune METHOD``: an Optuna study over a method's search space (configs/tune.yaml).
+"""``fedmeta tune METHOD``: an Optuna study over a method's search space (the ``tune:`` block of
+configs/method/<method>.yaml; the budget in configs/tune.yaml).
 
 Each trial is a plain ``fedmeta train`` of the method on the tuning setting and the tuning seed,
 with the values TPE proposes; its new-client accuracy at each intermediate evaluation is reported
@@ -21,14 +22,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, compose, group_choices, setting_name
+from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, compose, group_choices, method_card, setting_name
 from fedmeta.errors import FedmetaError
 
 MARK = "# written by fedmeta tune:"  # in the header of a tuned.yaml this command may replace
 
 
-def load_spaces(config_dir: Path = CONFIG_DIR) -> DictConfig:
-    return OmegaConf.load(config_dir / "tune.yaml")
+def load_budget(config_dir: Path = CONFIG_DIR) -> DictConfig:
+    return OmegaConf.load(config_dir / "tune.yaml").budget
 
 
 def preset_seeds(config_dir: Path = CONFIG_DIR) -> set[int]:
@@ -39,7 +40,7 @@ def preset_seeds(config_dir: Path = CONFIG_DIR) -> set[int]:
     return seeds
 
 
-def suggest(trial, space: DictConfig) -> list[str]:
+def suggest(trial, space: dict) -> list[str]:
     """The trial's values for every key of ``space``, as ``key=value`` overrides."""
     overrides = []
     for key, kind in space.items():
@@ -53,7 +54,9 @@ def suggest(trial, space: DictConfig) -> list[str]:
         elif how == "choices":
             value = trial.suggest_categorical(key, list(bounds))
         else:
-            raise FedmetaError(f"configs/tune.yaml: {key} has kind {how!r}: use log, float, int or choices")
+            raise FedmetaError(
+                f"a method's tune: block: {key} has kind {how!r}: use log, float, int or choices"
+            )
         overrides.append(f"{key}={value}")
     return overrides
 
@@ -73,13 +76,14 @@ class Study:
         config_dir: Path = CONFIG_DIR,
         overwrite: bool = False,
     ):
-        tune = load_spaces(config_dir)
-        if method not in tune.spaces:
+        tunable = [m for m in group_choices("method", config_dir) if method_card(m, config_dir).tune]
+        if method not in tunable:
             raise FedmetaError(
-                f"no search space for method {method!r} in configs/tune.yaml: choose one of {sorted(tune.spaces)}"
+                f"no search space for method {method!r} (a tune: block in its configs/method file): "
+                f"choose one of {tunable}"
             )
-        budget = tune.budget
-        self.method, self.space, self.config_dir = method, tune.spaces[method], config_dir
+        budget = load_budget(config_dir)
+        self.method, self.space, self.config_dir = method, method_card(method, config_dir).tune, config_dir
         self.trials = trials if trials is not None else budget.trials
         self.rounds = rounds if rounds is not None else budget.rounds
         self.seed = seed if seed is not None else budget.seed
@@ -107,7 +111,7 @@ class Study:
         for key in self.space:
             if OmegaConf.select(cfg, key, default=None) is None:
                 raise FedmetaError(
-                    f"configs/tune.yaml: {method} searches {key}, which its config does not have"
+                    f"configs/method/{method}.yaml: its tune: block searches {key}, which its config does not have"
                 )
         self.setting = setting_name(cfg)
         self.name = f"{method}-{self.setting}-{self.rounds}rounds-seed{self.seed}"
@@ -245,8 +249,8 @@ class Study:
             f"{self.startup_trials} random start-up trials), median pruner on the new-client accuracy at each "
             "intermediate evaluation.",
             "",
-            "Search space (configs/tune.yaml): "
-            + ", ".join(f"`{k}` {dict(v)}" for k, v in self.space.items()),
+            f"Search space (the tune: block of configs/method/{self.method}.yaml): "
+            + ", ".join(f"`{k}` {v}" for k, v in self.space.items()),
             "",
             f"Best: trial {best.number}, {100 * best.value:.2f} % → `{self.out.name}`.",
             "",

@@ -92,5 +92,6 @@ def test_ifca_has_one_model_per_source_used(sources):
     assert cfg.method.clusters is None
     _, algorithm = build(make_fabric(cfg), cfg)
     assert algorithm.clusters == 2
+    assert cfg.method.clusters is None  # the count comes from the data; the composed config stays as it was
     with pytest.raises(FedmetaError, match="method.clusters"):  # null (one per source) is refused elsewhere
         compose(["method=ifca", "method.clusters=null"])

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from omegaconf import OmegaConf
 
-from fedmeta.config import CONFIG_DIR, compose
+from fedmeta.config import CONFIG_DIR, compose, method_card
 from fedmeta.errors import FedmetaError
 from fedmeta.tune import MARK, Study
 
@@ -43,9 +43,9 @@ def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, 
     assert MARK in text and "tuning seed 100" in text
     best = OmegaConf.load(tuned)
     assert best.method.inner_lr == result["best"]["method.inner_lr"]
-    space = OmegaConf.load(configs / "tune.yaml").spaces.perfedavg
+    space = method_card("perfedavg", configs).tune
     for key, bounds in space.items():
-        low, high = bounds.log
+        low, high = bounds["log"]
         assert low <= OmegaConf.select(best, key) <= high
     cfg = compose(["method=perfedavg", "variant=tuned"], configs)  # the result is a variant like any other
     assert cfg.personalization.lr == result["best"]["personalization.lr"]

@@ -1,6 +1,15 @@
-"""Algorithms, one file each; ``build_algorithm`` makes the one a config names."""
+"""Algorithms, one file each, and their registry: ``build_algorithm`` makes the one a config names.
+
+A method's code is its ``Algorithm`` subclass (the model it trains, and its delta on the
+protocol); its defaults, the values its keys accept, its label and its tuning space are its
+configs/method/<name>.yaml. docs/extending.md walks through adding one.
+"""
 
 from __future__ import annotations
+
+import importlib
+
+from lightning.fabric.plugins import Precision
 
 from fedmeta.algorithms.base import Algorithm, ClientUpdate
 from fedmeta.algorithms.cafeme import CAFeMe
@@ -11,7 +20,7 @@ from fedmeta.algorithms.ifca import IFCA, ClusteredNets
 from fedmeta.algorithms.local import Local
 from fedmeta.algorithms.perfedavg import PerFedAvg
 from fedmeta.errors import FedmetaError
-from fedmeta.models import ModulatedNet, Modulator, build_base_net, set_channels_last
+from fedmeta.models import set_channels_last
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     "cafeme": CAFeMe,
@@ -24,46 +33,32 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 
 
-def build_model(cfg, num_classes: int):
-    """The global model a method trains: the base CNN; with the modulator for CAFeMe; k of them for IFCA.
-    Activations are NHWC (faster convolutions on CPU) except for second-order CAFeMe, whose batch
-    norm double backward is slower in it (and fedmeta.engine turns NHWC off for vmapped clients)."""
-    model = _model(cfg, num_classes)
-    set_channels_last(model, not (cfg.method.algorithm == "cafeme" and not cfg.method.first_order))
-    return model
-
-
-def _model(cfg, num_classes: int):
-    shape = dict(
-        in_channels=cfg.dataset.in_channels, image_size=cfg.dataset.image_size, num_classes=num_classes
+def algorithm_class(name: str) -> type[Algorithm]:
+    """A registered algorithm, or ``package.module:Class`` — an Algorithm subclass of your own package."""
+    if name in ALGORITHMS:
+        return ALGORITHMS[name]
+    module, _, attribute = str(name).partition(":")
+    found = None
+    if attribute:
+        try:
+            found = getattr(importlib.import_module(module), attribute, None)
+        except ImportError as exc:
+            raise FedmetaError(
+                f"method.algorithm {name!r}: cannot import {module} ({exc}): is its package on the path?"
+            ) from None
+    if isinstance(found, type) and issubclass(found, Algorithm):
+        return found
+    raise FedmetaError(
+        f"unknown algorithm {name!r}: choose one of {sorted(ALGORITHMS)}, or give package.module:Class "
+        "of an Algorithm subclass"
     )
-    if cfg.method.algorithm == "ifca":
-        return ClusteredNets(
-            lambda: build_base_net(cfg.model, **shape), cfg.method.clusters, cfg.method.share_body
-        )
-    base = build_base_net(cfg.model, **shape)
-    if cfg.method.algorithm != "cafeme":
-        return base
-    modulator = Modulator(
-        **shape,
-        conv_channels=cfg.model.conv_channels,
-        kernel_size=cfg.model.kernel_size,
-        padding=cfg.model.padding,
-        before_mean=cfg.model.modulator.before_mean,
-        after_mean=cfg.model.modulator.after_mean,
-        layer_sizes=base.hidden_sizes(include_flatten=cfg.method.modulate_flatten),
-        modulation=cfg.method.modulation,
-        use_labels=cfg.method.context == "labelled",
-    )
-    return ModulatedNet(base, modulator, modulate_flatten=cfg.method.modulate_flatten)
 
 
-def build_algorithm(cfg, num_classes: int) -> Algorithm:
-    name = cfg.method.algorithm
-    if name not in ALGORITHMS:
-        raise FedmetaError(f"unknown algorithm {name!r}: choose one of {sorted(ALGORITHMS)}")
+def build_model(cfg, num_classes: int, sources: tuple[str, ...] = ()):
+    """The global model the config's method trains, in the memory layout it runs fastest in."""
+    cls = algorithm_class(cfg.method.algorithm)
     try:
-        model = build_model(cfg, num_classes)
+        model = cls.build_model(cfg, num_classes, tuple(sources))
     except RuntimeError as exc:  # the conv stack, probed with the data's image size, does not fit it
         m = cfg.model
         raise FedmetaError(
@@ -71,7 +66,17 @@ def build_algorithm(cfg, num_classes: int) -> Algorithm:
             f"{list(m.conv_channels)}, kernel_size {m.kernel_size}, padding {m.padding}: "
             f"{str(exc).splitlines()[0]}): use a smaller kernel, more padding or fewer conv blocks"
         ) from None
-    return ALGORITHMS[name](model, cfg.method)
+    set_channels_last(model, cls.channels_last(cfg))
+    return model
+
+
+def build_algorithm(
+    cfg, num_classes: int, sources: tuple[str, ...] = (), precision: Precision | None = None
+) -> Algorithm:
+    """The config's method around a fresh global model; ``precision``: the run's Fabric plugin."""
+    return algorithm_class(cfg.method.algorithm)(
+        build_model(cfg, num_classes, sources), cfg.method, precision
+    )
 
 
 __all__ = [
@@ -79,12 +84,14 @@ __all__ = [
     "Algorithm",
     "CAFeMe",
     "ClientUpdate",
+    "ClusteredNets",
     "Ditto",
     "FedAvg",
     "FedRep",
     "IFCA",
     "Local",
     "PerFedAvg",
+    "algorithm_class",
     "build_algorithm",
     "build_model",
 ]

@@ -28,6 +28,7 @@ from torch import nn
 
 from fedmeta.data.federation import Batch, Client
 from fedmeta.functional import Params, adam, adam_state, call, grad_and_value, masked_mean, sgd
+from fedmeta.models import build_base_net
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -94,15 +95,33 @@ def step_weight(batch: Batch) -> torch.Tensor | float:
 
 
 class Algorithm(nn.Module):
-    """A federated method around one global model ``self.model``."""
+    """A federated method around one global model ``self.model``; ``cfg`` is the config's ``method``."""
 
-    def __init__(self, model: nn.Module, cfg):
+    def __init__(self, model: nn.Module, cfg, precision: Precision | None = None):
         super().__init__()
         self.model = model
         self.cfg = cfg
         # Per-client state, only for algorithms defined by it: client id → what its last update kept.
         self.client_states: dict[int, dict] = {}
-        self.precision = Precision()  # Fabric's precision plugin of the run (loop.build): 32-bit unless set
+        self.precision = precision or Precision()  # Fabric's precision plugin of the run: 32-bit by default
+
+    # ---- the model it trains -------------------------------------------------------------------
+    @classmethod
+    def build_model(cls, cfg, num_classes: int, sources: tuple[str, ...] = ()) -> nn.Module:
+        """The global model of a (whole) config: the base CNN of ``cfg.model`` for the data's
+        images; ``sources``: the source data sets a Meta-Dataset federation was drawn from."""
+        return build_base_net(
+            cfg.model,
+            in_channels=cfg.dataset.in_channels,
+            image_size=cfg.dataset.image_size,
+            num_classes=num_classes,
+        )
+
+    @classmethod
+    def channels_last(cls, cfg) -> bool:
+        """NHWC activations (faster convolutions on the CPU), unless the method's gradients are
+        slower in them (fedmeta.engine turns NHWC off for vmapped clients in any case)."""
+        return True
 
     # ---- the model as a function of its parameters -------------------------------------------
     def global_params(self) -> Params:

@@ -27,7 +27,7 @@ import torch
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
 from fedmeta.data.federation import STREAMS, Batch, Client
 from fedmeta.functional import Params, adam, adam_state, grad_and_value, sgd
-from fedmeta.models import ModulatedNet
+from fedmeta.models import ModulatedNet, Modulator
 
 log = logging.getLogger("fedmeta")
 
@@ -35,8 +35,31 @@ log = logging.getLogger("fedmeta")
 class CAFeMe(Algorithm):
     model: ModulatedNet
 
-    def __init__(self, model: ModulatedNet, cfg):
-        super().__init__(model, cfg)
+    @classmethod
+    def build_model(cls, cfg, num_classes: int, sources: tuple[str, ...] = ()) -> ModulatedNet:
+        """The base CNN and the modulator that reads a client's batch and gates its activations."""
+        base = super().build_model(cfg, num_classes)
+        modulator = Modulator(
+            in_channels=cfg.dataset.in_channels,
+            image_size=cfg.dataset.image_size,
+            num_classes=num_classes,
+            conv_channels=cfg.model.conv_channels,
+            kernel_size=cfg.model.kernel_size,
+            padding=cfg.model.padding,
+            before_mean=cfg.model.modulator.before_mean,
+            after_mean=cfg.model.modulator.after_mean,
+            layer_sizes=base.hidden_sizes(include_flatten=cfg.method.modulate_flatten),
+            modulation=cfg.method.modulation,
+            use_labels=cfg.method.context == "labelled",
+        )
+        return ModulatedNet(base, modulator, modulate_flatten=cfg.method.modulate_flatten)
+
+    @classmethod
+    def channels_last(cls, cfg) -> bool:
+        return cfg.method.first_order  # batch norm's double backward is slower in NHWC
+
+    def __init__(self, model: ModulatedNet, cfg, precision=None):
+        super().__init__(model, cfg, precision)
         self.transductive = cfg.context == "transductive"
         self.keeps_adam = cfg.outer_optimizer == "adam_kept"
         self.said_outer_size = False

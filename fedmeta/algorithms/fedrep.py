@@ -29,8 +29,8 @@ HEADS = {"classifier": (CLASSIFIER,), "fc_block": (DENSE, CLASSIFIER)}
 
 
 class FedRep(Algorithm):
-    def __init__(self, model, cfg):
-        super().__init__(model, cfg)
+    def __init__(self, model, cfg, precision=None):
+        super().__init__(model, cfg, precision)
         names = [name for name, _ in model.named_parameters()]
         self.head_names = [n for n in names if n.startswith(HEADS[cfg.head])]
         self.body_names = [n for n in names if not n.startswith(HEADS[cfg.head])]

@@ -38,6 +38,15 @@ class ClusteredNets(nn.Module):
 class IFCA(Algorithm):
     model: ClusteredNets
 
+    @classmethod
+    def build_model(cls, cfg, num_classes: int, sources: tuple[str, ...] = ()) -> nn.Module:
+        """k networks: ``method.clusters``, or (null, on Meta-Dataset) one per source drawn."""
+        return ClusteredNets(
+            lambda: super(IFCA, cls).build_model(cfg, num_classes),
+            cfg.method.clusters or len(sources),
+            cfg.method.share_body,
+        )
+
     @property
     def clusters(self) -> int:
         return len(self.model.nets)
