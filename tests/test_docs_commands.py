@@ -20,7 +20,8 @@ from fedmeta.loop import TEST_TIME_KEYS
 from fedmeta.tune import Study
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# docs/extending.md's commands need the files the guide adds: tests/test_extending.py adds them and runs those
+DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "extending.md")]
 # placeholders in the prose's commands → an example value of their kind
 EXAMPLES = {
     "<rows>": "configs/bench.yaml",

@@ -1,0 +1,187 @@
+"""docs/extending.md, followed to the letter: every code block is written into the file its header
+names in a copy of the package, the guide's commands run against that copy, and the new method
+learns on the new data set and partition."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "extending.md"
+REGISTRY = re.compile(r"^[A-Z_]+(: [^=]+)? = \{$", re.M)  # ALGORITHMS: dict[...] = {, BUILDERS = {
+ENTRY = re.compile(r'^\s+"\w+": \w+,$')
+
+
+def guide_blocks() -> list[tuple[str, bool, str]]:
+    """(path, adds to an existing file, code) for every block whose header names a file."""
+    blocks = re.findall(r"```(?:python|yaml) (\S+)( \+)?\n(.*?)```", GUIDE.read_text(), re.S)
+    return [(path, bool(plus), code) for path, plus, code in blocks]
+
+
+def add_to(path: Path, code: str) -> None:
+    """The guide's rule for `path +` blocks: imports beside the file's imports, `"name": f,` lines
+    into its registry, anything else just above the registry."""
+    text = path.read_text()
+    (registry,) = REGISTRY.finditer(text)  # one registry per file, or the rule is ambiguous
+    lines = code.rstrip("\n").splitlines()
+    imports = [line for line in lines if re.match(r"(from \S+ )?import ", line)]
+    entries = [line for line in lines if ENTRY.match(line)]
+    body = "\n".join(line for line in lines if line not in imports and line not in entries).strip("\n")
+    head, tail = text[: registry.start()], text[registry.end() :]
+    text = head + (body + "\n\n\n" if body else "") + registry.group(0) + "\n" + "\n".join(entries) + tail
+    for line in imports:  # in order among the file's own fedmeta imports, as ruff's isort wants them
+        module = line.split()[1]
+        after = [m for m in re.finditer(r"^from (fedmeta\S*) import .*$", text, re.M) if m.group(1) > module]
+        at = (
+            after[0].start()
+            if after
+            else list(re.finditer(r"^(from \S+ )?import .*$", text, re.M))[-1].end() + 1
+        )
+        text = text[:at] + line + "\n" + text[at:]
+    path.write_text(text)
+
+
+def fashion_like(path: Path, seed: int = 0) -> None:
+    """A stand-in for fashion_mnist.npz (no download here): 10 classes of 28×28 grey images, each a
+    class template plus noise — easy enough that 20 short rounds must learn it."""
+    rng = np.random.default_rng(seed)
+    templates = rng.integers(0, 256, (10, 28, 28))
+    y = rng.integers(0, 10, 3000)
+    x = np.clip(templates[y] + rng.normal(0, 60, (3000, 28, 28)), 0, 255).astype(np.uint8)
+    np.savez(path, x=x, y=y.astype(np.int64))
+
+
+@pytest.fixture(scope="module")
+def extended(tmp_path_factory):
+    """A copy of the package and its configs with the guide's blocks written in."""
+    root = tmp_path_factory.mktemp("extended")
+    shutil.copytree(ROOT / "fedmeta", root / "fedmeta", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "configs", root / "configs")
+    blocks = guide_blocks()
+    assert {path for path, _, _ in blocks} >= {
+        "fedmeta/algorithms/fedprox.py",
+        "fedmeta/algorithms/__init__.py",
+        "configs/method/fedprox.yaml",
+        "fedmeta/data/datasets.py",
+        "configs/dataset/fashion_mnist.yaml",
+        "fedmeta/data/partition.py",
+        "configs/partition/quantity.yaml",
+    }
+    for path, plus, code in blocks:
+        target = root / path
+        assert target.exists() == plus, (
+            f"{path}: the guide's header says {'an existing' if plus else 'a new'} file"
+        )
+        if plus:
+            add_to(target, code)
+        else:
+            target.write_text(code)
+    (root / "data").mkdir()
+    fashion_like(root / "data" / "fashion_mnist.npz")
+    (root / "work").mkdir()
+    return root
+
+
+def fedmeta(root: Path, words: list[str]) -> subprocess.CompletedProcess:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(root),
+        "FEDMETA_DATA": str(root / "data"),
+        "FEDMETA_CACHE": str(root / "cache"),
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+        "HOME": str(root),
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from fedmeta.cli import main; sys.exit(main(sys.argv[1:]))",
+            *words,
+        ],
+        cwd=root / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def guide_commands() -> list[list[str]]:
+    (block,) = re.findall(r"```bash extending\n(.*?)```", GUIDE.read_text(), re.S)
+    return [line.split()[1:] for line in block.splitlines() if line.startswith("fedmeta ")]
+
+
+def test_the_guides_code_is_what_make_lint_accepts(extended):
+    written = [str(extended / path) for path, _, _ in guide_blocks() if path.endswith(".py")]
+    ruff = [sys.executable, "-m", "ruff"]
+    for check in (["check", "--no-cache", *written], ["format", "--check", "--no-cache", *written]):
+        done = subprocess.run([*ruff, *check], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_following_the_guide_gives_a_method_a_data_set_and_a_partition_that_train(extended):
+    help_, train, tune = guide_commands()
+    listed = fedmeta(extended, help_)
+    assert listed.returncode == 0, listed.stderr
+    for name in ("fedprox", "fashion_mnist", "quantity"):
+        assert re.search(rf"^\s+{name}\s+\S", listed.stdout, re.M), name  # with its file's first sentence
+
+    run = fedmeta(extended, train)
+    assert run.returncode == 0, run.stderr[-2000:]
+    folder = extended / "work" / "runs" / "fashion_mnist-quantity" / "fedprox" / "seed0"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["rounds"] == 20 and summary["accuracy"] > 0.5  # chance: 0.1
+    losses = [float(row.split(",")[1]) for row in (folder / "metrics.csv").read_text().splitlines()[1:]]
+    assert losses[-1] < 0.5 * losses[0]
+    config = (folder / "config.yaml").read_text()
+    assert "mu: 0.1" in config and "beta: 0.5" in config
+
+    bad = fedmeta(extended, [*train, "method.momentum=0.9"])
+    assert bad.returncode == 2 and "method.momentum must be one of 0.0" in bad.stderr
+
+    # `fedmeta tune fedprox …` finds FedAvg's space and mu's (the study itself is tune's tests' job)
+    words = ", ".join(repr(w) for w in tune[2:])
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from fedmeta.tune import Study; print(sorted(Study('fedprox', [{words}], None, "
+            "None, None, None).space))",
+        ],
+        cwd=extended / "work",
+        env={"PYTHONPATH": str(extended), "FEDMETA_DATA": str(extended / "data"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert probe.stdout.strip() == "['method.local_epochs', 'method.local_lr', 'method.mu']", probe.stderr
+
+
+def test_the_method_class_can_live_in_a_package_of_ones_own(extended, tmp_path):
+    """`algorithm: mypackage.fedprox:FedProx` needs no registry line."""
+    sys.path.insert(0, str(tmp_path))
+    try:
+        (tmp_path / "mypackage").mkdir()
+        (tmp_path / "mypackage" / "__init__.py").write_text("")
+        code = next(code for path, _, code in guide_blocks() if path == "fedmeta/algorithms/fedprox.py")
+        (tmp_path / "mypackage" / "fedprox.py").write_text(code)
+        from fedmeta.algorithms import FedAvg, algorithm_class
+        from fedmeta.errors import FedmetaError
+
+        cls = algorithm_class("mypackage.fedprox:FedProx")
+        assert cls.__name__ == "FedProx" and issubclass(cls, FedAvg)
+        with pytest.raises(FedmetaError, match="cannot import"):
+            algorithm_class("nopackage.fedprox:FedProx")
+        with pytest.raises(FedmetaError, match="Algorithm subclass"):
+            algorithm_class("mypackage.fedprox:FedAvgX")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("mypackage.fedprox", None)
+        sys.modules.pop("mypackage", None)
