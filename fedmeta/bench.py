@@ -168,18 +168,10 @@ def measure_round(
     """One row, in the calling process: seconds and FLOPs per round (per seed, with stacked seeds),
     personalization seconds per new client, optionally one whole evaluation (every new client,
     every step), peak memory. Meant to run in a fresh process (``run_isolated``)."""
+    from fedmeta.assemble import build, hardware_name, make_engine, make_fabric, seed_configs
     from fedmeta.config import compose
     from fedmeta.engine import Engine
-    from fedmeta.loop import (
-        Federated,
-        build,
-        evaluate_on_ranks,
-        federated_rounds,
-        hardware_name,
-        make_engine,
-        make_fabric,
-        seed_configs,
-    )
+    from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds
 
     cfg = compose([*overrides, *QUIET])
     fabric = make_fabric(cfg)
@@ -263,9 +255,10 @@ def _first_new_clients(federation, count: int):
 def measure_memory(overrides: list[str], rounds: int) -> dict:
     """Peak memory of a run with ``federation.num_clients`` clients: set up, ``rounds`` rounds,
     personalize two new clients. Also what the data and any per-client state take."""
+    from fedmeta.assemble import make_engine, setup
     from fedmeta.config import compose
     from fedmeta.evaluation import personalize_client
-    from fedmeta.loop import federated_round, make_engine, setup
+    from fedmeta.rounds import federated_round
 
     cfg = compose([*overrides, *QUIET])
     fabric, federation, algorithm = setup(cfg)
@@ -448,8 +441,8 @@ def run(
     profile: bool = False,
     projection: str | None = None,
 ) -> dict:
+    from fedmeta.assemble import hardware_name
     from fedmeta.config import compose, group_choices, load_mapping
-    from fedmeta.loop import hardware_name
 
     bench = load_mapping(config, "a bench config (see configs/bench.yaml)")
     if "datasets" not in bench:

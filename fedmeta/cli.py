@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "evaluate":
             from pathlib import Path
 
-            from fedmeta.loop import evaluate_run
+            from fedmeta.reevaluate import evaluate_run
 
             record = evaluate_run(Path(args.run_dir), args.overrides, args.unfinished)
             print(json.dumps(record["personalization"]))

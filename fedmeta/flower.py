@@ -65,7 +65,7 @@ def node_clients(context: Context) -> tuple[int, int]:
 @lru_cache(maxsize=2)
 def _node(overrides: str):
     """The federation and algorithm a node computes with (built once per process and run config)."""
-    from fedmeta.loop import build, make_fabric
+    from fedmeta.assemble import build, make_fabric
 
     cfg = compose(shlex.split(overrides) + ["logger=[]"])
     fabric = make_fabric(cfg)
@@ -294,7 +294,8 @@ def make_server_app(overrides: str | None = None, timeout: float | None = None) 
 
     @app.main()
     def server(grid: Grid, context: Context) -> None:
-        from fedmeta.loop import build, make_fabric, train
+        from fedmeta.assemble import build, make_fabric
+        from fedmeta.loop import train
 
         cfg = compose(
             shlex.split(overrides if overrides is not None else str(context.run_config["overrides"]))

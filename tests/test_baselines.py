@@ -8,7 +8,8 @@ from fedmeta.algorithms import PerFedAvg, build_algorithm
 from fedmeta.config import compose
 from fedmeta.data import Batch, ImageDataset, build_federation
 from fedmeta.evaluation import personalize_client
-from fedmeta.loop import federated_round, train
+from fedmeta.loop import train
+from fedmeta.rounds import federated_round
 
 SMALL_MODEL = ["model.conv_channels=[8,16]", "model.dense_units=[32]"]
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 from test_vectorize import FAST, SMALL
 
+from fedmeta.assemble import make_engine, make_fabric
 from fedmeta.capture import Capture, resolve
 from fedmeta.config import compose
 from fedmeta.data import Batch, ImageDataset, build_federation
 from fedmeta.engine import DataBank, Engine, layout_of, merge_layouts, pad_to, to_device
-from fedmeta.loop import Federated, evaluate_on_ranks, federated_round, make_engine, make_fabric
+from fedmeta.rounds import Federated, evaluate_on_ranks, federated_round
 
 
 def index_batch(n, lanes=2):

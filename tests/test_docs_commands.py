@@ -16,7 +16,7 @@ from fedmeta import bench, grid
 from fedmeta.cli import _bench_rows, parse
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_mapping
 from fedmeta.data.download import CATALOG, LEARN2LEARN
-from fedmeta.loop import TEST_TIME_KEYS
+from fedmeta.reevaluate import TEST_TIME_KEYS
 from fedmeta.tune import Study
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from fedmeta.algorithms import FedAvg
+from fedmeta.assemble import setup
 from fedmeta.config import compose
 from fedmeta.errors import FedmetaError
-from fedmeta.loop import federated_round, setup, train
+from fedmeta.loop import train
+from fedmeta.rounds import federated_round
 
 
 def small(tmp_path, mnist_dir, *overrides):

@@ -128,7 +128,7 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
         assert [int(r["round"]) for r in rows] == [1, 2, 3]
         assert sum(int(r["clients_dropped"]) for r in rows[1:]) >= 1  # the killed node's clients
         summary = json.loads((fedavg_ft / "summary.json").read_text())
-        from fedmeta.loop import build, make_fabric
+        from fedmeta.assemble import build, make_fabric
 
         cfg = compose(["method=fedavg_ft", *TINY_FEDERATION])
         federation, _ = build(make_fabric(cfg), cfg)
@@ -145,7 +145,7 @@ def test_local_differential_privacy_clips_every_update(tmp_path, mnist_dir):
     """Flower's LocalDpMod on the nodes (``dp``): with the noise off, every update that leaves a
     node is clipped to the norm, so two rounds move the global model by at most twice it (an
     average of vectors in a ball stays in the ball)."""
-    from fedmeta.loop import build, make_fabric
+    from fedmeta.assemble import build, make_fabric
 
     clip = 0.01
     overrides = [

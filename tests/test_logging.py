@@ -137,7 +137,7 @@ def test_lightnings_tensor_core_advice_is_not_printed(caplog):
 
     from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-    from fedmeta.loop import quiet_tensor_core_advice
+    from fedmeta.assemble import quiet_tensor_core_advice
 
     quiet_tensor_core_advice()  # as make_fabric does before Fabric checks the device
     with caplog.at_level(logging.INFO):

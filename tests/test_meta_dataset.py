@@ -5,12 +5,12 @@ import logging
 import numpy as np
 import pytest
 
+from fedmeta.assemble import build, make_fabric
 from fedmeta.config import compose
 from fedmeta.data import build_federation, load_dataset
 from fedmeta.data.download import save_canonical
 from fedmeta.data.meta_dataset import draw_task, taskset
 from fedmeta.errors import FedmetaError
-from fedmeta.loop import build, make_fabric
 
 
 @pytest.fixture()

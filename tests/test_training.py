@@ -114,7 +114,8 @@ def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkey
 def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, method):
     """federation.client_threads=2 runs a round's clients two at a time: the global model after two
     rounds and the new clients' accuracies are exactly those of one client after another."""
-    from fedmeta.loop import Federated, evaluate_on_ranks, federated_round, make_engine, setup
+    from fedmeta.assemble import make_engine, setup
+    from fedmeta.rounds import Federated, evaluate_on_ranks, federated_round
 
     outcomes = []
     for threads in (1, 2):
@@ -144,8 +145,8 @@ def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, metho
 def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
     """Under fabric.precision=bf16-mixed, in-place fine-tuning steps must reach the next forward
     pass (autocast caches low-precision weight copies until it exits: it is entered per forward)."""
+    from fedmeta.assemble import setup
     from fedmeta.evaluation import personalize_client
-    from fedmeta.loop import setup
 
     cfg = config(
         tmp_path,
@@ -165,8 +166,9 @@ def test_bf16_mixed_personalization_learns(tmp_path, mnist_dir):
 def test_true_precisions_convert_the_model_and_train(tmp_path, mnist_dir, precision, dtype):
     """Fabric's "-true" precisions reach the model (fabric.setup_module) and its inputs: the
     parameters and the logits have the precision's dtype, and training still learns."""
+    from fedmeta.assemble import setup
     from fedmeta.evaluation import personalize_client
-    from fedmeta.loop import federated_round, setup
+    from fedmeta.rounds import federated_round
 
     cfg = config(
         tmp_path,

@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from fedmeta.algorithms import FedAvg, build_algorithm
+from fedmeta.assemble import make_fabric
 from fedmeta.config import compose
 from fedmeta.data import Batch, ImageDataset, build_federation
 from fedmeta.engine import Engine, stack
-from fedmeta.loop import Federated, evaluate_on_ranks, federated_round, make_fabric, train
+from fedmeta.loop import train
+from fedmeta.rounds import Federated, evaluate_on_ranks, federated_round
 
 SMALL = [
     "model.conv_channels=[8,16]",

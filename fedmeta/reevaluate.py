@@ -1,0 +1,116 @@
+"""``fedmeta evaluate RUN_DIR``: the shared test-time procedure again on a finished run's final
+model, with other ``personalization.*`` settings; appended to the run's evaluations.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from fedmeta import checkpoint
+from fedmeta.assemble import make_engine, setup
+from fedmeta.config import apply_overrides, compose, load_mapping
+from fedmeta.errors import FedmetaError
+from fedmeta.rounds import Federated, evaluate_on_ranks
+from fedmeta.runs import RunLock, append_text, check_run_folder
+
+TEST_TIME_KEYS = {
+    "method.test_head_steps",
+    "method.lam",
+}  # method settings read only by new clients (FedRep, Ditto)
+
+
+def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) -> dict:
+    """The shared test-time procedure again on a finished run's final model, with other
+    ``personalization.*`` settings (e.g. the step size); appended to the run's evaluations.jsonl.
+    ``unfinished`` allows the last checkpoint of a run that has not finished."""
+    check_run_folder(run_dir)
+    if not (run_dir / "checkpoint.ckpt").exists() or not (run_dir / "config.yaml").exists():
+        raise FedmetaError(f"{run_dir} holds no run (config.yaml and checkpoint.ckpt): give a run folder")
+    if not unfinished and not (run_dir / "summary.json").exists():
+        raise FedmetaError(
+            f"{run_dir} holds an unfinished run: finish it (output.resume=true), or evaluate its last "
+            "checkpoint with --unfinished"
+        )
+    model_keys = [
+        o
+        for o in overrides
+        if not o.startswith("personalization.") and o.split("=", 1)[0] not in TEST_TIME_KEYS
+    ]
+    if model_keys:
+        raise FedmetaError(
+            f"evaluate changes only personalization.* settings and {', '.join(sorted(TEST_TIME_KEYS))} "
+            f"(the model is the run's): got {model_keys}"
+        )
+    saved = load_mapping(run_dir / "config.yaml", "the config.yaml fedmeta wrote for this run")
+    try:
+        choices = [
+            f"dataset={saved.dataset.name}",
+            f"partition={saved.partition.name}",
+            f"method={saved.method.name}",
+            f"variant={saved.variant}",
+        ]
+    except Exception:  # noqa: BLE001 — OmegaConf's missing-key errors
+        raise FedmetaError(
+            f"{run_dir / 'config.yaml'} does not name its dataset, partition, method and variant: "
+            "it is not the config.yaml fedmeta wrote for this run"
+        ) from None
+    base = compose(choices)
+    try:  # today's defaults under the saved config, so runs from before a new key still load
+        OmegaConf.set_struct(base, False)
+        cfg = OmegaConf.merge(base, saved)
+        OmegaConf.set_struct(cfg, True)
+    except Exception as exc:
+        raise FedmetaError(
+            f"{run_dir / 'config.yaml'} cannot be read as a fedmeta config ({exc})".splitlines()[0]
+        ) from None
+    cfg = apply_overrides(cfg, overrides)
+    lock = RunLock(
+        run_dir
+    ).acquire()  # not while a training process writes the folder, nor two evaluations at once
+    try:
+        return _evaluate_run(run_dir, cfg)
+    finally:
+        lock.release()
+
+
+def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
+    fabric, federation, algorithm = setup(cfg)
+    try:
+        state = fabric.load(run_dir / "checkpoint.ckpt", weights_only=True)
+        saved = state["identity"]
+    except Exception as exc:
+        raise FedmetaError(
+            f"{run_dir / 'checkpoint.ckpt'} cannot be read ({type(exc).__name__}): it is corrupt or not "
+            "a fedmeta checkpoint"
+        ) from None
+    # another seed's or experiment's checkpoint in this folder: refused, as a resume refuses it
+    checkpoint.check_identity(
+        run_dir / "checkpoint.ckpt",
+        saved,
+        cfg,
+        ignore=("personalization.", *(f"{key}:" for key in TEST_TIME_KEYS)),
+    )
+    try:
+        algorithm.load_federation_state(state["federation"])
+    except Exception as exc:
+        raise FedmetaError(
+            f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
+            f"({type(exc).__name__}): it is corrupt or from another run"
+        ) from None
+    result = evaluate_on_ranks(
+        fabric,
+        [Federated(algorithm, federation, cfg.seed)],
+        cfg.personalization,
+        make_engine(cfg, fabric.device),
+    )[0]
+    record = {
+        "personalization": OmegaConf.to_container(cfg.personalization),
+        "accuracy": result.accuracy,
+        "accuracy_std": result.accuracy_std,
+        "curve": result.curve,
+    }
+    if fabric.is_global_zero:
+        append_text(run_dir / "evaluations.jsonl", json.dumps(record) + "\n")
+    return record

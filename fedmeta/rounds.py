@@ -1,0 +1,201 @@
+"""One federated round and one evaluation, spread over the processes of a Fabric world.
+
+Each round samples M training clients; rank r of the world runs clients r, r+W, …; the clients'
+updates are all-gathered and every rank aggregates all of them in the round's order, so any number
+of processes computes the same global model, bit for bit. The new clients' shared test-time
+procedure (fedmeta.evaluation) is spread the same way and its curves gathered back in client order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig
+
+from fedmeta.algorithms import Algorithm
+from fedmeta.data import Federation
+from fedmeta.data.federation import FAILURE_PURPOSE, Client
+from fedmeta.engine import Engine
+from fedmeta.errors import FedmetaError
+from fedmeta.evaluation import PersonalizationResult
+
+
+def gather_updates(fabric: Fabric) -> Callable[[list], list]:
+    """Every rank's client results (updates, or a failed client's reason) to every rank, in the
+    round's client order (rank r ran clients r, r+W, …). Aggregating the same list in the same
+    order makes every rank — and one process alone — compute bit-identical global models, and
+    carries per-client state to whichever rank runs that client next."""
+    world = fabric.world_size
+    if world == 1:
+        return lambda updates: updates
+    import torch.distributed as dist
+
+    def move(result, device):  # a failed client's result is its reason, a string
+        return result if isinstance(result, str) else result.to(device)
+
+    def gather(results: list) -> list:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, [move(r, "cpu") for r in results])  # pickled: tensors travel via CPU
+        total = sum(len(part) for part in everyone)
+        return [move(everyone[i % world][i // world], fabric.device) for i in range(total)]
+
+    return gather
+
+
+DROPPED_OUT = (
+    "dropped out"  # in the reason of a client that left its round (not a bug): simulated, or its node gone
+)
+
+
+class SimulatedClientFailure(RuntimeError):
+    """A client dropping out of its round (``federation.client_failure_rate``)."""
+
+
+@dataclass
+class RoundOutcome:
+    loss: float  # mean training loss of the clients that took part
+    dropped: list[str]  # one line per client left out of the aggregate, and why
+    error: str | None = None  # the round could not be aggregated (divergence or a bug): the run stops
+
+
+@dataclass
+class Federated:
+    """One federation in a round: its algorithm (global model, client states), clients and seed."""
+
+    algorithm: Algorithm
+    federation: Federation
+    seed: int
+
+
+def federated_rounds(
+    runs: list[Federated],
+    round_: int,
+    clients_per_round: int,
+    shard: tuple[int, int] = (0, 1),
+    gather=lambda updates: updates,
+    engine: Engine | None = None,
+    failure_rate: float = 0.0,
+) -> list[RoundOutcome]:
+    """One round of each federation (several with stacked seeds): sample M clients each, compute
+    this rank's share of all of them together (``engine``), gather every client's update on every
+    rank, and aggregate each federation's updates that finished with finite numbers.
+
+    A client that raises or returns a non-finite update is dropped from its round with a reason;
+    if every client of a federation fails, that is not a fault but a divergence (all non-finite)
+    or a bug (all raised): its outcome carries the error and its run stops."""
+    engine = engine or Engine()
+    rank, world_size = shard
+    mine: list[list[Client]] = [
+        run.federation.sample_round(round_, clients_per_round, run.seed)[rank::world_size] for run in runs
+    ]
+    results: list[list] = [[None] * len(clients) for clients in mine]
+    lanes, places = [], []
+    for r, (run, clients) in enumerate(zip(runs, mine)):
+        for i, client in enumerate(clients):
+            if (
+                failure_rate
+                and torch.rand((), generator=client.generator(round_, FAILURE_PURPOSE)) < failure_rate
+            ):
+                results[r][i] = (
+                    f"client {client.id} failed: {SimulatedClientFailure.__name__}: {DROPPED_OUT}, simulated "
+                    "(federation.client_failure_rate)"
+                )
+            else:
+                lanes.append((run.algorithm, client))
+                places.append((r, i))
+    for (r, i), result in zip(places, engine.local_updates(lanes, round_)):
+        results[r][i] = result
+    return [_aggregate(run.algorithm, round_, gather(run_results)) for run, run_results in zip(runs, results)]
+
+
+def _aggregate(algorithm: Algorithm, round_: int, results: list) -> RoundOutcome:
+    dropped = [r for r in results if isinstance(r, str)]
+    finished = [r for r in results if not isinstance(r, str)]
+    finite = [u.is_finite() for u in finished]  # one device sync per client
+    updates = [u for u, ok in zip(finished, finite) if ok]
+    dropped += [
+        f"client {u.client_id} sent a non-finite loss or update (loss {u.loss})"
+        for u, ok in zip(finished, finite)
+        if not ok
+    ]
+    if not updates:
+        if finished:
+            bad = finished[0]
+            return RoundOutcome(
+                float("nan"),
+                dropped,
+                f"round {round_}: client {bad.client_id} produced a non-finite loss "
+                f"or update (loss {bad.loss}), as did every client of the round: lower the learning rates "
+                "or use fabric.precision=32-true",
+            )
+        if not all(DROPPED_OUT in line for line in dropped):
+            return RoundOutcome(
+                float("nan"),
+                dropped,
+                f"round {round_}: every client failed ({dropped[0]}): this is not a fault of one client",
+            )
+        return RoundOutcome(float("nan"), dropped)  # all dropped out: the global model stays as it is
+    algorithm.aggregate(updates)
+    return RoundOutcome(sum(u.loss for u in updates) / len(updates), dropped)
+
+
+def federated_round(
+    algorithm: Algorithm,
+    federation: Federation,
+    round_: int,
+    clients_per_round: int,
+    seed: int,
+    shard: tuple[int, int] = (0, 1),
+    gather=lambda updates: updates,
+    engine: Engine | None = None,
+    failure_rate: float = 0.0,
+) -> RoundOutcome:
+    """One round of one federation (``federated_rounds``); a divergence raises."""
+    outcome = federated_rounds(
+        [Federated(algorithm, federation, seed)],
+        round_,
+        clients_per_round,
+        shard,
+        gather,
+        engine,
+        failure_rate,
+    )[0]
+    if outcome.error:
+        raise FedmetaError(outcome.error)
+    return outcome
+
+
+def evaluate_on_ranks(
+    fabric: Fabric, runs: list[Federated], personalization: DictConfig, engine: Engine | None = None
+) -> list[PersonalizationResult]:
+    """The shared test-time procedure on every federation's new clients, all computed together
+    and spread over the Fabric world like a round (rank r takes clients r, r+W, …); each
+    federation's curves are gathered back in client order."""
+    engine = engine or Engine()
+    world, rank = fabric.world_size, fabric.global_rank
+    mine = [run.federation.new_clients[rank::world] for run in runs]
+    curves = engine.personalization_curves(
+        [(run.algorithm, c) for run, clients in zip(runs, mine) for c in clients], personalization
+    )
+    results, offset = [], 0
+    for run, clients in zip(runs, mine):
+        own = curves[offset : offset + len(clients)]
+        offset += len(clients)
+        results.append(
+            PersonalizationResult(
+                own if world == 1 else _gather_curves(fabric, own, len(run.federation.new_clients))
+            )
+        )
+    return results
+
+
+def _gather_curves(fabric: Fabric, curves: torch.Tensor, total: int) -> torch.Tensor:
+    slots = -(-total // fabric.world_size)
+    padded = torch.full((slots, curves.shape[1]), float("nan"))
+    padded[: len(curves)] = curves
+    gathered = fabric.all_gather(padded.to(fabric.device)).cpu()  # (world, slots, steps + 1)
+    # client i sits at rank i % W, slot i // W: interleave; the padding lands past the last client
+    return gathered.transpose(0, 1).reshape(-1, curves.shape[1])[:total]
