@@ -36,16 +36,17 @@ def _method_name(method: str) -> str:
         return method
 
 
-def method_label(method: str) -> str:
+def method_label(method: str, runs: list[Path] = ()) -> str:
     """A row's name: "FedRep", or with its variant "FedRep (authors)"; a tuned variant says how many
-    trials it is the best of, and which: "FedRep (tuned: trial 12 of 20)"."""
+    trials it is the best of, and which: "FedRep (tuned: trial 12 of 20)" — when its ``runs`` (their
+    folders) ran the values the method's tuned.yaml holds now, else that they ran an earlier study's."""
     name, _, variant = method.partition("-")
     if variant == "tuned":
-        variant += _tuning_record(name)
+        variant += _tuning_record(name, runs)
     return _method_name(name) + (f" ({variant})" if variant else "")
 
 
-def _tuning_record(method: str) -> str:
+def _tuning_record(method: str, runs: list[Path]) -> str:
     """ ": trial k of n" from the header fedmeta tune wrote into the method's tuned.yaml."""
     path = next(
         (
@@ -55,12 +56,23 @@ def _tuning_record(method: str) -> str:
         ),
         None,
     )
+    if path and any(not _ran(run, OmegaConf.load(path)) for run in runs):
+        return ": an earlier study's values, not those of tuned.yaml now"
     header = path.read_text()[:1000] if path else ""
     picked = re.search(r"\(trial (\d+) of (\d+)\)", header)
     if picked:
         return f": trial {picked[1]} of {picked[2]}"
     counted = re.search(r"The best of (\d+) trials", header)  # written before the trial was recorded
     return f": best of {counted[1]} trials" if counted else ""
+
+
+def _ran(run: Path, tuned: DictConfig) -> bool:
+    """Whether the run in folder ``run`` used every value of ``tuned`` (a run without its config: unknown, yes)."""
+    if not (run / "config.yaml").is_file():
+        return True
+    config = OmegaConf.load(run / "config.yaml")
+    flat = [(f"{section}.{key}", value) for section, keys in tuned.items() for key, value in keys.items()]
+    return all(OmegaConf.select(config, key, default=None) == value for key, value in flat)
 
 
 RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl")
@@ -88,6 +100,7 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
             continue
         with open(path.parent / "metrics.csv") as f:
             summary["metrics"] = [row for row in csv.DictReader(f) if row["eval_accuracy"]]
+        summary["folder"] = path.parent
         runs[(path.parts[-4], path.parts[-3])].append(summary)
     return runs
 
@@ -127,7 +140,8 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
                 paper_mean, paper_std = paper[setting][method]
                 cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
             cells.append(cell)
-        lines.append(f"| {method_label(method)} | " + " | ".join(cells) + " |")
+        folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
+        lines.append(f"| {method_label(method, folders)} | " + " | ".join(cells) + " |")
     lines += [
         "",
         f"### Every cell of `{preset_name}`: budget, hardware, wall time",
@@ -252,7 +266,14 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
         stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
         color = f"C{methods.index(method) % 10}"
         ax.plot(
-            xs, means, marker="o" if len(xs) < 12 else None, ms=4, color=color, label=method_label(method)
+            xs,
+            means,
+            marker="o" if len(xs) < 12 else None,
+            ms=4,
+            color=color,
+            label=method_label(
+                method, [s["folder"] for (_, m), done in runs.items() if m == method for s in done]
+            ),
         )
         ax.fill_between(xs, means - stds, means + stds, color=color, alpha=0.15)
 

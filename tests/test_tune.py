@@ -127,3 +127,24 @@ def test_two_studies_started_together_on_a_new_database_both_open_it(tmp_path, m
     monkeypatch.setattr(optuna, "create_study", broken)
     with pytest.raises(FedmetaError, match="cannot open the study database"):
         Study("fedrep", [], 4, 2, None, storage, root=tmp_path / "runs")._open(optuna)
+
+
+def test_a_tuned_row_run_with_an_earlier_studys_values_says_so(tmp_path, monkeypatch):
+    """A table's tuned row names the study only when its runs used the values tuned.yaml holds now."""
+    from fedmeta import report
+
+    tuned = tmp_path / "variant" / "fedrep" / "tuned.yaml"
+    tuned.parent.mkdir(parents=True)
+    tuned.write_text(
+        f"# The best of 20 trials …\n{MARK} fedrep-rmnist-shards-10rounds-seed100 (trial 13 of 20)\n"
+        "method:\n  local_lr: 0.02\npersonalization:\n  lr: 0.01\n"
+    )
+    monkeypatch.setattr(report, "USER_CONFIG_DIR", tmp_path)
+    same, earlier = tmp_path / "run0", tmp_path / "run1"
+    for folder, lr in ((same, 0.02), (earlier, 0.05)):
+        folder.mkdir()
+        (folder / "config.yaml").write_text(f"method:\n  local_lr: {lr}\npersonalization:\n  lr: 0.01\n")
+    assert report.method_label("fedrep-tuned", [same]) == "FedRep (tuned: trial 13 of 20)"
+    assert report.method_label("fedrep-tuned", [same, earlier]) == (
+        "FedRep (tuned: an earlier study's values, not those of tuned.yaml now)"
+    )
