@@ -87,12 +87,12 @@ def catalog(config_dir: Path = CONFIG_DIR) -> str:
     for group in ("dataset", "partition", "method"):
         out.append(f"{group}=")
         for name in group_choices(group, config_dir):
-            out.append(f"  {name:12s} {first_sentence(config_dir / group / f'{name}.yaml')}")
+            out.append(f"  {name:12s} {first_sentence(group_file(group, name, config_dir))}")
     out.append("variant=  (paper: the method file as is, the default)")
     for method in group_choices("method", config_dir):
         for name in group_choices(f"variant/{method}", config_dir):
             out.append(
-                f"  {method + '/' + name:20s} {first_sentence(config_dir / 'variant' / method / f'{name}.yaml')}"
+                f"  {method + '/' + name:20s} {first_sentence(group_file('variant', f'{method}/{name}', config_dir))}"
             )
     return "\n".join(out)
 
@@ -111,7 +111,8 @@ def load_mapping(path: Path, what: str) -> DictConfig:
     return cfg
 
 
-def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
+def group_file(group: str, name: str, config_dir: Path = CONFIG_DIR) -> Path:
+    """The file of choice ``name`` of ``group``: the package's, else (installed) the user's."""
     plain = isinstance(name, str) and all(
         NAME.fullmatch(part) and ".." not in part for part in name.split("/")
     )
@@ -127,7 +128,11 @@ def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
         raise FedmetaError(
             f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}"
         )
-    cfg = OmegaConf.load(path)
+    return path
+
+
+def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
+    cfg = OmegaConf.load(group_file(group, name, config_dir))
     parent = cfg.pop("inherits", None)
     return OmegaConf.merge(load_group(group, parent, config_dir), cfg) if parent else cfg
 

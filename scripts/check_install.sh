@@ -2,7 +2,8 @@
 # Proves `pip install .` (not editable) gives a working fedmeta from any folder: builds the wheel,
 # installs it into a fresh venv whose other packages come from .venv (a .pth line: torch and the
 # rest are not installed twice), and from an empty folder prints a config, trains two rounds on
-# the committed MNIST file and checks where `fedmeta tune` would write.
+# the committed MNIST file, checks where `fedmeta tune` would write, and trains docs/extending.md's
+# method from a package of one's own named in a config file of the user's folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -17,6 +18,7 @@ site=$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()
 "$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$site/dependencies.pth"
 "$work/venv/bin/python" -m pip install -q --no-deps --no-index "$work"/dist/fedmeta-*.whl
 data=$(pwd)/data
+guide=$(pwd)/docs/extending.md
 mkdir "$work/elsewhere" && cd "$work/elsewhere"
 export WANDB_MODE=disabled FEDMETA_DATA=$data FEDMETA_CONFIG_HOME=$work/user-configs
 fedmeta=$work/venv/bin/fedmeta
@@ -28,3 +30,19 @@ case "$where" in "$site/fedmeta/configs $work/user-configs") ;; *) echo "configs
 grep -q "new-client accuracy" "$work/train.log"
 test -f runs/rmnist-shards/cafeme/seed0/summary.json
 echo "pip install . works: $(head -c 300 "$work/train.log" | tail -n 1)"
+
+# docs/extending.md, installed: the method's class in one's own package, its config in the user's folder
+mkdir -p "$work/mine/mypackage" "$FEDMETA_CONFIG_HOME/method"
+touch "$work/mine/mypackage/__init__.py"
+"$work/venv/bin/python" - "$guide" "$work/mine/mypackage/fedprox.py" "$FEDMETA_CONFIG_HOME/method/fedprox.yaml" <<'PY'
+import re, sys
+guide, code, config = sys.argv[1:]
+blocks = dict(re.findall(r"```(?:python|yaml) (\S+)\n(.*?)```", open(guide).read(), re.S))
+open(code, "w").write(blocks["fedmeta/algorithms/fedprox.py"])
+open(config, "w").write(blocks["configs/method/fedprox.yaml"].replace("algorithm: fedprox", "algorithm: mypackage.fedprox:FedProx"))
+PY
+"$fedmeta" train --help | grep -q "fedprox .*FedProx"
+PYTHONPATH=$work/mine "$fedmeta" train dataset=rmnist method=fedprox federation.rounds=2 federation.clients_per_round=2 \
+  method.local_epochs=1 logger=[csv] output.root=runs > "$work/fedprox.log"
+test -f runs/rmnist-shards/fedprox/seed0/summary.json
+echo "a method of one's own package, installed: $(tail -n 1 "$work/fedprox.log")"
