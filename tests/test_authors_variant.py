@@ -209,11 +209,29 @@ def test_authors_fedavg_trains_on_the_80_percent_in_drop_last_epochs_and_average
     )  # RMNIST's loader batch
 
 
+@pytest.mark.parametrize("method", ["fedavg", "ifca", "fedrep"])
+def test_authors_baselines_read_their_data_in_one_order_fixed_at_the_start(method):
+    """Their training loaders are FedLab's SubsetSampler too: every epoch of every round repeats the
+    order of the client's persistent iterator; the paper variants reshuffle."""
+    client = tiny_client(28)
+    extra = ["method.head_batches=0", "method.body_batches=0"] if method == "fedrep" else []
+    authors, paper = baseline(method, *extra), baseline(method, "variant=paper", *extra)
+    key = "head" if method == "fedrep" else "epochs"
+    order = client.stream("pers", 6, 0, 5, reshuffle=False)
+    first, later = authors.draw(client, 1)[key], authors.draw(client, 7)[key]
+    assert len(first) == len(later) > 5 and all(torch.equal(a.x, b.x) for a, b in zip(first, later))
+    assert all(torch.equal(a.x, b.x) for a, b in zip(first, order))  # the iterator's order
+    per_epoch = len(first) // (authors.cfg.get("local_epochs") or authors.cfg.head_epochs)
+    assert all(torch.equal(a.x, b.x) for a, b in zip(first, first[per_epoch:]))  # every epoch alike
+    reshuffled = paper.draw(client, 1)[key], paper.draw(client, 7)[key]
+    assert not all(torch.equal(a.x, b.x) for a, b in zip(*reshuffled))
+
+
 def test_authors_ditto_trains_w_with_a_kept_adam_after_the_personal_models_batches():
     ditto, client = baseline("ditto"), tiny_client(28)
     assert ditto.cfg.lam == 0.0  # new clients fine-tune without the proximal term
     first = ditto.draw(client, 1)["epochs"]
-    expected = client.stream("pers", 6, 5, 5)  # batches 0–4 went to the personal model
+    expected = client.stream("pers", 6, 5, 5, reshuffle=False)  # batches 0–4 went to the personal model
     assert all(torch.equal(a.x, b.x) for a, b in zip(first, expected)) and len(first) == 5
     ditto.aggregate([ditto.run_client(client, 1)])
     kept = ditto.client_states[client.id]

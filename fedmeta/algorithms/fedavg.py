@@ -6,7 +6,9 @@ global model with the shared personalization procedure (its config sets the step
 Options for the CAFeMe authors' code, which trained its baselines differently (``variant=authors``):
 ``train_split=pers`` (the client's 80 % only), ``drop_last``, ``averaging=uniform``, and — their
 Ditto — ``local_optimizer=adam_kept`` (a per-client Adam kept across rounds) with
-``local_batches=n`` (n batches read from the client's persistent iterator instead of epochs).
+``local_batches=n`` (n batches read from the client's persistent iterator instead of epochs);
+``shuffle=once``: every epoch (and the iterator) reads the client's data in one order, fixed at
+the start (FedLab's SubsetSampler, which all their loaders use).
 """
 
 from __future__ import annotations
@@ -19,12 +21,22 @@ from fedmeta.functional import Params
 class FedAvg(Algorithm):
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
+        reshuffle = cfg.shuffle == "every_epoch"
         if cfg.local_batches:
             start = self.batches_read(client.id) + self.batches_skipped()
-            return {"epochs": client.stream(cfg.train_split, cfg.batch_size, start, cfg.local_batches)}
+            return {
+                "epochs": client.stream(
+                    cfg.train_split, cfg.batch_size, start, cfg.local_batches, reshuffle=reshuffle
+                )
+            }
         return {
             "epochs": client.epochs(
-                cfg.train_split, cfg.batch_size, client.generator(round_), cfg.local_epochs, cfg.drop_last
+                cfg.train_split,
+                cfg.batch_size,
+                client.generator(round_),
+                cfg.local_epochs,
+                cfg.drop_last,
+                reshuffle,
             )
         }
 

@@ -40,16 +40,23 @@ class FedRep(Algorithm):
 
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
+        reshuffle = cfg.shuffle == "every_epoch"
         if self.streamed():  # consecutive batches of the client's persistent iterator
             batches = client.stream(
-                cfg.train_split, cfg.batch_size, self.batches_read(client.id), self.streamed()
+                cfg.train_split,
+                cfg.batch_size,
+                self.batches_read(client.id),
+                self.streamed(),
+                reshuffle=reshuffle,
             )
             return {"head": batches[: cfg.head_batches], "body": batches[cfg.head_batches :]}
         generator = client.generator(round_)
-        head = client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.head_epochs)
+        head = client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.head_epochs, reshuffle=reshuffle)
         return {
             "head": head,
-            "body": client.epochs(cfg.train_split, cfg.batch_size, generator, cfg.body_epochs),
+            "body": client.epochs(
+                cfg.train_split, cfg.batch_size, generator, cfg.body_epochs, reshuffle=reshuffle
+            ),
         }
 
     def client_state(self, client_id: int, params: Params) -> dict:

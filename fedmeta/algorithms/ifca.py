@@ -79,7 +79,12 @@ class IFCA(Algorithm):
         return {
             "choice": client.batch(cfg.train_split, None),
             "epochs": client.epochs(
-                cfg.train_split, cfg.batch_size, client.generator(round_), cfg.local_epochs, cfg.drop_last
+                cfg.train_split,
+                cfg.batch_size,
+                client.generator(round_),
+                cfg.local_epochs,
+                cfg.drop_last,
+                cfg.shuffle == "every_epoch",
             ),
         }
 

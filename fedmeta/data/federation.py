@@ -106,8 +106,23 @@ class Client:
         return [Batch(*self.data.take(chunk)) for chunk in chunks]
 
     def epochs(
-        self, split: str, batch_size: int, generator: torch.Generator, count: int, drop_last: bool = False
+        self,
+        split: str,
+        batch_size: int,
+        generator: torch.Generator,
+        count: int,
+        drop_last: bool = False,
+        reshuffle: bool = True,
     ) -> list[Batch]:
+        """``count`` epochs, each shuffled by ``generator`` — or, without ``reshuffle``, every one in
+        the order of the client's persistent iterator (``stream``'s without reshuffling): a sampler
+        shuffled once, at construction, as the CAFeMe authors' loaders are."""
+        if not reshuffle:
+            return [
+                batch
+                for _ in range(count)
+                for batch in self.epoch(split, batch_size, self.generator(0, TRAIN_STREAM_PURPOSE), drop_last)
+            ]
         return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator, drop_last)]
 
     def stream(
