@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from fedmeta.checkpoint import identity
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, method_label, run_name, setting_name
 from fedmeta.errors import FedmetaError
 from fedmeta.runs import read_summary
@@ -184,13 +185,37 @@ def setting_dataset(setting: DictConfig) -> str:
 
 def finished(job: Job, kept: Path | None = None) -> bool:
     """The run's summary is in its run folder, or among the kept run files (``results/runs/<preset>``,
-    committed: a clone without the runs folder does not run them again)."""
+    committed: a clone without the runs folder does not run them again) — a kept run only if it ran
+    the job's settings (a variant changed since, e.g. a new tuning study, makes it run again)."""
     cfg = compose(list(job.overrides))
-    return any(
-        (folder / run_name(cfg) / "summary.json").exists()
-        for folder in (Path(cfg.output.root), kept)
-        if folder
-    )
+    if (Path(cfg.output.root) / run_name(cfg) / "summary.json").exists():
+        return True
+    if kept is None or not (kept / run_name(cfg) / "summary.json").exists():
+        return False
+    changed = settings_changed(kept / run_name(cfg) / "config.yaml", cfg)
+    if changed:
+        print(f"{kept / run_name(cfg)} ran other settings ({changed[0]}): running it again", file=sys.stderr)
+    return not changed
+
+
+def settings_changed(saved_config: Path, cfg: DictConfig) -> list[str]:
+    """Where the run whose config is ``saved_config`` differs from ``cfg``'s experiment (its identity
+    and rounds). A key the saved config does not have was added since and is taken at its default."""
+    if not saved_config.is_file():
+        return []
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True)
+    except Exception:  # noqa: BLE001 — an unreadable copy is not evidence of other settings
+        return []
+    ours = {**identity(cfg), "rounds": cfg.federation.rounds}
+    theirs = {key: saved.get(key) for key in ours} | {"rounds": (saved.get("federation") or {}).get("rounds")}
+
+    def differ(a, b, prefix: str) -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [d for key in b if key in a for d in differ(a[key], b[key], f"{prefix}{key}.")]
+        return [] if a == b or a is None else [f"{prefix[:-1]}: {a!r} there, {b!r} now"]
+
+    return differ(theirs, ours, "")
 
 
 def vectorized_here(cfg: DictConfig) -> bool:

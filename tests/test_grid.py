@@ -348,3 +348,28 @@ def test_the_published_chain_runs_stage_after_stage(tmp_path, monkeypatch, mnist
     }
     assert summaries["fedavg_ft-authors"]["rounds"] == 0
     assert all(torch.equal(model["fedavg-authors"][k], v) for k, v in model["fedavg_ft-authors"].items())
+
+
+def test_a_kept_run_counts_as_finished_only_if_it_ran_the_jobs_settings(tmp_path):
+    """A committed run of `ditto-tuned` stays finished while tuned.yaml is unchanged; a new study's
+    values make it run again; a key the kept config lacks (added since) is no difference."""
+    from omegaconf import OmegaConf
+
+    from fedmeta.config import compose, run_name
+    from fedmeta.grid import Job, finished
+
+    overrides = ("method=ditto", "seed=0", "federation.rounds=20", f"output.root={tmp_path / 'runs'}")
+    cfg = compose(list(overrides))
+    folder = tmp_path / "kept" / run_name(cfg)
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text("{}")
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    del saved["method"]["shuffle"]  # a key added after the run
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    job = Job("rmnist-shards", "ditto", 0, overrides)
+    assert finished(job, tmp_path / "kept")
+    longer = Job("rmnist-shards", "ditto", 0, (*overrides[:2], "federation.rounds=30", overrides[3]))
+    assert not finished(longer, tmp_path / "kept")  # the kept run ran 20 rounds
+    saved["method"]["local_lr"] = 0.05  # the run used other values than the config gives now
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert not finished(job, tmp_path / "kept")
