@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from fedmeta.errors import FedmetaError
@@ -299,6 +300,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status. A reader that stops reading early
+    (``fedmeta train --help | head -3``) ends the command quietly, with a pipe writer's status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout on exit
+        return 141  # 128 + SIGPIPE, as the shell reports a writer whose reader went away
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = parse(argv)
     except SystemExit as exit_:  # --help (0) or a usage error, said in one line (2)
@@ -389,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     except FedmetaError as exc:
         print(f"fedmeta: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # the reader of our output went away: main ends quietly
     except OSError as exc:  # a read-only output root, a full disk, a folder in the way: name the path
         where = f"{exc.filename}: " if exc.filename else ""
         print(

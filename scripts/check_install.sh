@@ -24,7 +24,8 @@ export WANDB_MODE=disabled FEDMETA_DATA=$data FEDMETA_CONFIG_HOME=$work/user-con
 fedmeta=$work/venv/bin/fedmeta
 where=$("$work/venv/bin/python" -c "import fedmeta.config as c; print(c.CONFIG_DIR, c.USER_CONFIG_DIR)")
 case "$where" in "$site/fedmeta/configs $work/user-configs") ;; *) echo "configs found at $where"; exit 1;; esac
-"$fedmeta" train --print-config method=fedavg_ft variant=authors | grep -q "name: fedavg_ft"
+"$fedmeta" train --print-config method=fedavg_ft variant=authors > "$work/config.txt"  # not piped: grep -q stops reading
+grep -q "name: fedavg_ft" "$work/config.txt"
 "$fedmeta" train dataset=rmnist method=cafeme federation.rounds=2 federation.num_clients=20 federation.num_new_clients=4 \
   federation.clients_per_round=4 personalization.steps=3 logger=[csv] output.root=runs > "$work/train.log"
 grep -q "new-client accuracy" "$work/train.log"
@@ -41,7 +42,8 @@ blocks = dict(re.findall(r"```(?:python|yaml) (\S+)\n(.*?)```", open(guide).read
 open(code, "w").write(blocks["fedmeta/algorithms/fedprox.py"])
 open(config, "w").write(blocks["configs/method/fedprox.yaml"].replace("algorithm: fedprox", "algorithm: mypackage.fedprox:FedProx"))
 PY
-"$fedmeta" train --help | grep -q "fedprox .*FedProx"
+"$fedmeta" train --help > "$work/help.txt"
+grep -q "fedprox .*FedProx" "$work/help.txt"
 PYTHONPATH=$work/mine "$fedmeta" train dataset=rmnist method=fedprox federation.rounds=2 federation.clients_per_round=2 \
   method.local_epochs=1 logger=[csv] output.root=runs > "$work/fedprox.log"
 test -f runs/rmnist-shards/fedprox/seed0/summary.json

@@ -401,3 +401,30 @@ def test_every_key_a_method_accepts_is_read_by_that_method():
         for key, value in refused.get(cfg.method.algorithm, {}).items():
             with pytest.raises(FedmetaError, match=f"method.{key} must be one of"):
                 compose([f"method={method}", f"method.{key}={value}"])
+
+
+@pytest.mark.parametrize(
+    "words,status", [(["train", "--help"], 0), (["train", "--print-config"], 141)]
+)  # argparse's help ignores a closed pipe itself
+def test_a_reader_that_stops_reading_ends_the_command_quietly(words, status):
+    """`fedmeta … | grep -q x` under pipefail: the reader closes the pipe before fedmeta writes; that
+    was "fedmeta: error: Broken pipe: check the path…" and exit 2 (or a traceback for --help)."""
+    import os
+    import subprocess
+    import sys
+
+    reader, writer = os.pipe()
+    os.close(reader)  # gone before the command writes a byte
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from fedmeta.cli import main; sys.exit(main(sys.argv[1:]))",
+            *words,
+        ],
+        stdout=writer,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(writer)
+    assert (done.returncode, done.stderr) == (status, "")
