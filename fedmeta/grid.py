@@ -209,6 +209,9 @@ def settings_changed(saved_config: Path, cfg: DictConfig) -> list[str]:
         return []
     ours = {**identity(cfg), "rounds": cfg.federation.rounds}
     theirs = {key: saved.get(key) for key in ours} | {"rounds": (saved.get("federation") or {}).get("rounds")}
+    for side in (ours, theirs):  # where a warm start's model lies follows the output root: not a setting
+        if isinstance(side.get("model"), dict):
+            side["model"] = {k: v for k, v in side["model"].items() if k != "init_from"}
 
     def differ(a, b, prefix: str) -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
