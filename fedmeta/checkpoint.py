@@ -121,7 +121,7 @@ def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> d
 
 def check_identity(path: Path, saved: dict, cfg: DictConfig, ignore: tuple[str, ...] = ()) -> None:
     """The checkpoint at ``path`` was written by a run of ``cfg``'s experiment (``ignore``: keys that may differ)."""
-    different = [d for d in _differences(saved, identity(cfg)) if not d.startswith(ignore)]
+    different = [d for d in differences(saved, identity(cfg)) if not d.startswith(ignore)]
     if different:
         raise FedmetaError(
             f"{path} belongs to another experiment ({'; '.join(different[:3])}): use the "
@@ -129,14 +129,18 @@ def check_identity(path: Path, saved: dict, cfg: DictConfig, ignore: tuple[str, 
         )
 
 
-def _differences(saved, ours, prefix: str = "") -> list[str]:
+def differences(saved, ours, prefix: str = "", added_ok: bool = False) -> list[str]:
+    """Where the nested mapping ``saved`` differs from ``ours``, one "key: saved there, ours here"
+    each; ``added_ok``: a key ``saved`` lacks (added since it was written) is no difference."""
     if isinstance(saved, dict) and isinstance(ours, dict):
         return [
             d
             for key in sorted(set(saved) | set(ours))
-            for d in _differences(saved.get(key), ours.get(key), f"{prefix}{key}.")
+            for d in differences(saved.get(key), ours.get(key), f"{prefix}{key}.", added_ok)
         ]
-    return [] if saved == ours else [f"{prefix[:-1]}: {saved!r} there, {ours!r} here"]
+    if saved == ours or (added_ok and saved is None):
+        return []
+    return [f"{prefix[:-1]}: {saved!r} there, {ours!r} here"]
 
 
 def _base_net(model: dict) -> dict:

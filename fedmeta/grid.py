@@ -26,7 +26,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from fedmeta.checkpoint import identity
+from fedmeta.checkpoint import differences, identity
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, method_label, run_name, setting_name
 from fedmeta.errors import FedmetaError
 from fedmeta.runs import read_summary
@@ -204,21 +204,13 @@ def settings_changed(saved_config: Path, cfg: DictConfig) -> list[str]:
     if not saved_config.is_file():
         return []
     try:
-        saved = OmegaConf.to_container(OmegaConf.load(saved_config), resolve=True)
-    except Exception:  # noqa: BLE001 — an unreadable copy is not evidence of other settings
+        saved = OmegaConf.load(saved_config)
+        theirs = {**identity(saved), "rounds": saved.federation.get("rounds")}
+    except Exception:  # noqa: BLE001 — an unreadable or partial copy is not evidence of other settings
         return []
     ours = {**identity(cfg), "rounds": cfg.federation.rounds}
-    theirs = {key: saved.get(key) for key in ours} | {"rounds": (saved.get("federation") or {}).get("rounds")}
-    for side in (ours, theirs):  # where a warm start's model lies follows the output root: not a setting
-        if isinstance(side.get("model"), dict):
-            side["model"] = {k: v for k, v in side["model"].items() if k != "init_from"}
-
-    def differ(a, b, prefix: str) -> list[str]:
-        if isinstance(a, dict) and isinstance(b, dict):
-            return [d for key in b if key in a for d in differ(a[key], b[key], f"{prefix}{key}.")]
-        return [] if a == b or a is None else [f"{prefix[:-1]}: {a!r} there, {b!r} now"]
-
-    return differ(theirs, ours, "")
+    # where a warm start's model lies follows the output root: not a setting
+    return [d for d in differences(theirs, ours, added_ok=True) if not d.startswith("model.init_from")]
 
 
 def vectorized_here(cfg: DictConfig) -> bool:
