@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import gzip
 import json
 import os
 import pickle
@@ -132,12 +131,6 @@ def write_mnist(mnist: Path, raw: Path):
         (raw / f"{prefix}-images-idx3-ubyte").write_bytes(header + images.astype(np.uint8).tobytes())
         header = np.array([2049, len(labels)], ">i4").tobytes()
         (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(header + labels.astype(np.uint8).tobytes())
-        for name in (
-            f"{prefix}-images-idx3-ubyte",
-            f"{prefix}-labels-idx1-ubyte",
-        ):  # torchvision checks for these too
-            with gzip.open(raw / f"{name}.gz", "wb") as out:
-                out.write((raw / name).read_bytes())
 
 
 def scores(folder: Path) -> dict:
