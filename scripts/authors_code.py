@@ -150,7 +150,7 @@ def scores(folder: Path) -> dict:
     return found
 
 
-def main():
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=100, help="rounds per method (theirs: 1000)")
     parser.add_argument("--seed", type=int, default=0)
@@ -160,7 +160,11 @@ def main():
         "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count()
     )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "authors_code")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = arguments().parse_args()
     mnist = Path(os.environ.get("FEDMETA_DATA", ROOT / "data")) / "mnist.npz"
     if not mnist.exists():
         fail(f"{mnist} not found: set FEDMETA_DATA to the folder holding mnist.npz")
