@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 import zlib
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +27,10 @@ from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, compose, group_choices, 
 from fedmeta.errors import FedmetaError
 
 MARK = "# written by fedmeta tune:"  # in the header of a tuned.yaml this command may replace
+# A running trial's process writes a heartbeat to the database this often; one silent for the grace
+# period (its process was killed) is marked failed when a study is continued, so it neither counts
+# as a trial nor stays "running" for ever. Long, since a trial on a busy CPU may stall for minutes.
+HEARTBEAT_S, GRACE_S = 60, 600
 
 
 def load_budget(config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -170,9 +175,16 @@ class Study:
         create its tables, and the second finds them made: it tries again, and then opens them."""
         for attempt in range(attempts):
             try:
+                with (
+                    warnings.catch_warnings()
+                ):  # Optuna 5 calls heartbeats experimental: no warning to every user
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    storage = optuna.storages.RDBStorage(
+                        self.storage, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S
+                    )
                 return optuna.create_study(
                     study_name=self.name,
-                    storage=self.storage,
+                    storage=storage,
                     load_if_exists=True,
                     direction="maximize",
                     sampler=optuna.samplers.TPESampler(

@@ -2,6 +2,7 @@
 study run again continues instead of starting over."""
 
 import shutil
+import sqlite3
 
 import pytest
 from omegaconf import OmegaConf
@@ -55,8 +56,19 @@ def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, 
 
     study(3).run(show_progress=False)  # the study holds 3 trials already: nothing runs
     assert len(list((tmp_path / "runs").glob("*/trial*"))) == 3
-    study(4).run(show_progress=False)  # one more
-    assert len(list((tmp_path / "runs").glob("*/trial*"))) == 4
+
+    # A process killed in a trial leaves it "running", its heartbeat old: continuing the study marks
+    # it failed, runs one more trial in its place and counts only the finished ones.
+    import optuna
+
+    killed = optuna.load_study(study_name=result["study"], storage=storage).ask()
+    optuna.storages.RDBStorage(storage).record_heartbeat(killed._trial_id)
+    with sqlite3.connect(tmp_path / "studies.db") as db:
+        db.execute("UPDATE trial_heartbeats SET heartbeat = datetime('now', '-1 hour')")
+    study(4).run(show_progress=False)
+    trials = optuna.load_study(study_name=result["study"], storage=storage).trials
+    assert trials[killed.number].state == optuna.trial.TrialState.FAIL
+    assert len(trials) == 5 and len(list((tmp_path / "runs").glob("*/trial*"))) == 4
 
 
 def test_each_study_draws_its_own_values_and_the_model_proposes_half_of_them(tmp_path, monkeypatch):
