@@ -235,6 +235,7 @@ class Study:
 
         best, states = study.best_trial, optuna.trial.TrialState
         finished = [t for t in study.trials if t.state in (states.COMPLETE, states.PRUNED)]
+        failed = [f"trial {t.number}" for t in study.trials if t.state == states.FAIL]
         tree = OmegaConf.create()
         for key, value in best.params.items():
             OmegaConf.update(tree, key, value, force_add=True)
@@ -266,6 +267,14 @@ class Study:
             "",
             f"Best: trial {best.number}, {100 * best.value:.2f} % → `{self.out.name}`.",
             "",
+            *(
+                [
+                    f"Not counted: {', '.join(failed)} (failed: a run refused its values or its process was killed).",
+                    "",
+                ]
+                if failed
+                else []
+            ),
             "| trial | state | accuracy (%) | last round | " + " | ".join(self.space) + " |",
             "|---|---|---|---|" + "---|" * len(self.space),
         ]

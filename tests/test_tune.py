@@ -69,6 +69,7 @@ def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, 
     trials = optuna.load_study(study_name=result["study"], storage=storage).trials
     assert trials[killed.number].state == optuna.trial.TrialState.FAIL
     assert len(trials) == 5 and len(list((tmp_path / "runs").glob("*/trial*"))) == 4
+    assert f"Not counted: trial {killed.number} (failed" in (tuned.parent / "tuned.study.md").read_text()
 
 
 def test_each_study_draws_its_own_values_and_the_model_proposes_half_of_them(tmp_path, monkeypatch):
