@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,22 +45,23 @@ class Job:
     seed: int
     overrides: tuple[str, ...]
     point: str = ""  # a sweep's point: the swept values that the run folder's name does not hold
-    stage: int = 0  # a preset's chain: runs of stage k start after every run of stage k − 1 has ended
+    stage: int = 0  # a preset's chain: 0 for a fresh start, one more than its source's otherwise
+    source: str = ""  # a preset's chain: the method whose run (same setting and seed) this one starts from
+
+    @property
+    def stacked_seeds(self) -> list | None:
+        """The seeds of a run over several seeds at once (``seeds=[0,1,2]``), else None."""
+        value = next((o.split("=", 1)[1] for o in self.overrides if o.startswith("seeds=")), None)
+        seeds = yaml.safe_load(value) if value is not None else None
+        return seeds if isinstance(seeds, list) else None
 
     @property
     def label(self) -> str:
-        seeds = next(
-            (
-                o.split("=", 1)[1].strip("[]").replace(",", "-")
-                for o in self.overrides
-                if o.startswith("seeds=")
-            ),
-            None,
-        )
+        seeds = self.stacked_seeds
         return (
             (f"{self.point}/" if self.point else "")
             + f"{self.setting}/{self.method}/"
-            + (f"seeds{seeds}" if seeds else f"seed{self.seed}")
+            + (f"seeds{'-'.join(map(str, seeds))}" if seeds else f"seed{self.seed}")
         )
 
 
@@ -124,6 +125,7 @@ def plan(
                         int(seed),
                         (*common, *picks, f"seed={seed}", *handed),
                         stage=stages[method],
+                        source=link["from"] if link else "",
                     )
                 )
     return jobs
@@ -248,6 +250,7 @@ def stacked(jobs: list[Job]) -> list[Job]:
                 (*overrides, f"seeds=[{','.join(map(str, seeds))}]"),
                 group[0].point,
                 group[0].stage,
+                group[0].source,
             )
         )
     return merged
@@ -417,14 +420,58 @@ def run(
     threads = (
         1 if parallel > 1 and executor != "slurm" else 0
     )  # OpenMP threads of parallel runs only fight each other
-    failures = []
-    for stage in sorted({job.stage for job in todo}):  # a chain's stages one after another, each in parallel
+    if executor == "pool":
+        return _run_pool(todo, logs, parallel, threads)
+    if executor == "local":
+        return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
+    failures = []  # SLURM runs an array job's tasks in any order: a chain's stages go one array job each
+    for stage in sorted({job.stage for job in todo}):
         wave = [job for job in todo if job.stage == stage]
-        failures += (
-            _run_pool(wave, logs, parallel, threads)
-            if executor == "pool"
-            else _run_submitit(wave, logs / "submitit", parallel, threads, executor, slurm)
-        )
+        failures += _run_submitit(wave, logs / "submitit", parallel, threads, executor, slurm)
+    return failures
+
+
+def sources(job: Job, jobs: list[Job]) -> list[Job]:
+    """The jobs among ``jobs`` whose final models ``job`` starts from: its chain source's runs of the
+    same sweep point, setting and seeds."""
+    return [
+        other
+        for other in jobs
+        if job.source
+        and (other.method, other.point, other.setting) == (job.source, job.point, job.setting)
+        and set(other.stacked_seeds or [other.seed]) & set(job.stacked_seeds or [job.seed])
+    ]
+
+
+def dispatch(todo: list[Job], parallel: int, start, outcome, poll_s: float = 0.2) -> list[str]:
+    """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
+    finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
+    source failed. ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a
+    failure line or None. Returns the failure lines."""
+    needs = {job: sources(job, todo) for job in todo}
+    waiting, running, failures, succeeded, failed = list(todo), [], [], set(), set()
+    with tqdm(total=len(todo), desc="runs", unit="run") as bar:
+        while waiting or running:
+            for job in [j for j in waiting if any(s in failed for s in needs[j])]:
+                waiting.remove(job)
+                failed.add(job)
+                failures.append(f"{job.label}: not run: the run it starts from failed")
+                tqdm.write(failures[-1])
+                bar.update()
+            ready = [j for j in waiting if all(s in succeeded for s in needs[j])]
+            for job in ready[: parallel - len(running)]:
+                waiting.remove(job)
+                running.append((job, start(job)))
+            time.sleep(poll_s)  # a chain has no circles (chain_stages): something is always running here
+            for job, handle in [r for r in running if r[1].done()]:
+                running.remove((job, handle))
+                if (failure := outcome(job, handle)) is None:
+                    succeeded.add(job)
+                else:
+                    failed.add(job)
+                    failures.append(failure)
+                    tqdm.write(failure)
+                bar.update()
     return failures
 
 
@@ -469,14 +516,10 @@ def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[
             ).returncode
         return _failure(job, code, log)
 
-    failures = []
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(execute, job) for job in todo]
-        for future in tqdm(as_completed(futures), total=len(futures), desc="runs", unit="run"):
-            if (failure := future.result()) is not None:
-                failures.append(failure)
-                tqdm.write(failure)
-    return failures
+        return dispatch(
+            todo, parallel, lambda job: pool.submit(execute, job), lambda job, future: future.result()
+        )
 
 
 def _run_submitit(
@@ -508,27 +551,21 @@ def _run_submitit(
         executor.update_parameters(**options)
     except (ValueError, TypeError, NameError) as exc:
         raise FedmetaError(f"submitit refused the --slurm parameters ({str(exc).splitlines()[0]})") from None
-    waiting, running, failures = list(todo), [], []
-    with tqdm(total=len(todo), desc="runs", unit="run") as bar:
-        if kind == "slurm":  # one array job; SLURM throttles it
-            with executor.batch():
-                submitted = [executor.submit(train_command(job, threads)) for job in waiting]
-            running, waiting = list(zip(todo, submitted)), []
-        while waiting or running:
-            while waiting and len(running) < parallel:
-                job = waiting.pop(0)
-                running.append((job, executor.submit(train_command(job, threads))))
-            time.sleep(1)
-            for job, handle in [r for r in running if r[1].done()]:
-                running.remove((job, handle))
-                try:
-                    handle.result()  # the command's output; its failure raises
-                    code = 0
-                except Exception as exc:  # the run's exit status, or: killed, timed out, failed to start
-                    status = re.search(r"non-zero exit status (\d+)", str(exc))  # CommandFunction's failure
-                    code = int(status[1]) if status else f"{type(exc).__name__}: {_last_line(str(exc))}"
-                if (failure := _failure(job, code, Path(handle.paths.stderr))) is not None:
-                    failures.append(failure)
-                    tqdm.write(failure)
-                bar.update()
-    return failures
+
+    def outcome(job: Job, handle) -> str | None:
+        try:
+            handle.result()  # the command's output; its failure raises
+            code = 0
+        except Exception as exc:  # the run's exit status, or: killed, timed out, failed to start
+            status = re.search(r"non-zero exit status (\d+)", str(exc))  # CommandFunction's failure
+            code = int(status[1]) if status else f"{type(exc).__name__}: {_last_line(str(exc))}"
+        return _failure(job, code, Path(handle.paths.stderr))
+
+    if kind == "slurm":  # one array job, SLURM throttles it (a chain's stage: none starts from another)
+        with executor.batch():
+            submitted = [executor.submit(train_command(job, threads)) for job in todo]
+        handles = dict(zip(todo, submitted))
+        return dispatch(todo, len(todo), handles.__getitem__, outcome, poll_s=1.0)
+    return dispatch(
+        todo, parallel, lambda job: executor.submit(train_command(job, threads)), outcome, poll_s=1.0
+    )

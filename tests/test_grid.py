@@ -8,7 +8,7 @@ import pytest
 
 from fedmeta.cli import main
 from fedmeta.errors import FedmetaError
-from fedmeta.grid import load_preset, plan
+from fedmeta.grid import Job, dispatch, load_preset, plan, sources
 
 TINY = ["federation.rounds=2", "federation.eval_every=1", "personalization.steps=3"]
 
@@ -295,6 +295,48 @@ def test_the_published_chain_hands_each_model_to_the_next_method_in_the_authors_
             datasets=["rmnist-shards"],
             methods=["fedrep-authors"],
         )
+
+
+def test_a_chained_run_starts_when_its_own_source_has_finished_not_the_whole_stage():
+    """A chain on a fast setting goes on while a slow setting's first stage still runs; a run whose
+    source failed is not started; a stacked run waits for the source runs of its seeds."""
+    fast, fast_next = Job("fast", "a", 0, ("seed=0",)), Job("fast", "b", 0, ("seed=0",), stage=1, source="a")
+    slow, slow_next = Job("slow", "a", 0, ("seed=0",)), Job("slow", "b", 0, ("seed=0",), stage=1, source="a")
+    broken = Job("broken", "a", 0, ("seed=0",))
+    broken_next = Job("broken", "b", 0, ("seed=0",), stage=1, source="a")
+    polls = {slow: 5}  # how many looks each run takes to finish; 1 for the others
+    events = []
+
+    class Handle:
+        def __init__(self, job):
+            self.job, self.looks = job, 0
+
+        def done(self):
+            self.looks += 1
+            return self.looks >= polls.get(self.job, 1)
+
+    def start(job):
+        events.append(("start", job.label))
+        return Handle(job)
+
+    def outcome(job, handle):
+        events.append(("end", job.label))
+        return "broken/a/seed0: exit 1" if job is broken else None
+
+    jobs = [fast, slow, broken, fast_next, slow_next, broken_next]
+    failures = dispatch(jobs, 3, start, outcome, poll_s=0)
+    assert events.index(("start", "fast/b/seed0")) < events.index(("end", "slow/a/seed0"))
+    assert events.index(("start", "slow/b/seed0")) > events.index(("end", "slow/a/seed0"))
+    assert ("start", "broken/b/seed0") not in events
+    assert failures == ["broken/a/seed0: exit 1", "broken/b/seed0: not run: the run it starts from failed"]
+
+    stacked = Job("s", "b", 0, ("seeds=[0,1]",), stage=1, source="a")
+    source_runs = [
+        Job("s", "a", 0, ("seeds=[0,1]",)),
+        Job("s", "a", 2, ("seed=2",)),
+        Job("t", "a", 0, ("seed=0",)),
+    ]
+    assert sources(stacked, source_runs) == source_runs[:1] and stacked.label == "s/b/seeds0-1"
 
 
 @pytest.mark.slow
