@@ -36,9 +36,10 @@ def model_of(run_dir):
 
 def simulate(overrides: list[str], *options: str) -> None:
     """``fedmeta flower sim`` in a process of its own: Ray and Flower change the logging and
-    process state of whatever runs them, which the other tests share."""
+    process state of whatever runs them, which the other tests share. A node's reply may wait up
+    to 600 s: Ray's nodes took over the default 120 s to come up on a busy 2-core machine."""
     done = subprocess.run(
-        [sys.executable, "-m", "fedmeta.cli", "flower", "sim", *options, *overrides],
+        [sys.executable, "-m", "fedmeta.cli", "flower", "sim", "--timeout", "600", *options, *overrides],
         capture_output=True,
         text=True,
         env=os.environ | {"OMP_NUM_THREADS": "1"},
