@@ -18,7 +18,8 @@ TRAIN_ARGS := dataset=$(DATASET) method=$(METHOD) $(if $(SEEDS),seeds=[$(subst $
 	$(if $(ACCELERATOR),fabric.accelerator=$(ACCELERATOR)) $(if $(STRATEGY),fabric.strategy=$(STRATEGY)) \
 	$(if $(PRECISION),fabric.precision=$(PRECISION)) $(if $(RESUME),output.resume=true) $(ARGS)
 
-.PHONY: install train test test-all lint config describe download table figures bench tensorboard clean-env
+.PHONY: install train test test-all lint config describe download table figures bench tensorboard clean-env \
+	gpu-kit gpu-rehearse
 
 install: $(VENV)/.ready
 
@@ -71,6 +72,16 @@ lint: install      # formatting, lint rules and the import layers (pyproject.tom
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+
+# make gpu-kit [SETTINGS="rmnist-shards cifar10-shards"]: .gpu/, what a GPU lease carries beside the tree (the wheels
+# the card's image lacks, the settings' data files); refused if it would not fit a lease's 64 MiB
+SETTINGS ?= rmnist-shards
+gpu-kit: install
+	$(BIN)/python scripts/gpu_kit.py $(SETTINGS)
+
+# make gpu-rehearse [JOB=stand-in]: scripts/gpu_job.sh twice on this CPU, as a lease runs it (.cache/rehearse/rehearsal.log)
+gpu-rehearse:
+	$(if $(JOB),JOB=$(JOB)) bash scripts/gpu_rehearse.sh
 
 clean-env:
 	rm -rf $(VENV)

@@ -120,7 +120,7 @@ def make_engine(cfg: DictConfig, device: torch.device) -> Engine:
     if capture == "graph" and device.type != "cuda":
         raise FedmetaError(
             f"federation.capture=graph records CUDA graphs and needs a CUDA device, not {device.type}: "
-            "use capture=static (the same layout, eagerly), compile or none"
+            "use capture=static (the same layout, eagerly) or none"
         )
     return Engine(vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes, capture)
 

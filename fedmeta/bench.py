@@ -391,7 +391,6 @@ CLIENTS = {  # how a row runs a round's clients (configs/bench.yaml: clients)
     "vmap": ["federation.vectorize=true", "federation.capture=none"],
     "static": ["federation.vectorize=true", "federation.capture=static"],  # the recorded layout, run eagerly
     "graph": ["federation.vectorize=true", "federation.capture=graph"],  # CUDA graphs
-    "compile": ["federation.vectorize=true", "federation.capture=compile"],  # torch.compile
 }
 
 

@@ -9,14 +9,19 @@ computation can be recorded and replayed:
 - ``graph``: a CUDA graph (``torch.cuda.graph``). The inputs are copied into static tensors the
   graph was recorded on, the graph is replayed — one launch — and its outputs are copied out
   (the next replay overwrites them).
-- ``compile``: ``torch.compile`` of the same function (``mode="reduce-overhead"`` on CUDA: Inductor's
-  fused kernels, replayed through CUDA graphs too).
 - ``static`` (and ``none``): the function itself, eagerly — what the recording replays, runnable and
   testable on any device.
 
+(``torch.compile`` was tried and removed: Dynamo broke the graph at torch.func's context variables and
+thread checks and compiled only the data gather, while the run reported itself recorded.)
+
 A computation that cannot be recorded (an operation that needs the host mid-computation, a
 precision whose autocast cache cannot be captured) runs eagerly from then on, with one notice.
-Each layout (lanes, batch sizes, steps) is recorded once; a run sees one or two.
+Each layout (lanes, batch sizes, steps) is recorded once; a run sees one or two per computation.
+All recordings of a run share one memory pool — safe because they replay one at a time on one
+stream and each replay's outputs are copied out at once — and a computation keeps only its
+``LAYOUTS_KEPT`` latest layouts: a superseded one (fewer lanes after running out of memory, say)
+is released with its graph.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from fedmeta.config import CAPTURE_MODES
 log = logging.getLogger("fedmeta")
 
 WARMUP_CALLS = 2  # before a CUDA graph is recorded: lazy initialization and allocator warm-up off the graph
-MAX_RECORDINGS = 8  # layouts recorded per engine; past this, new layouts run eagerly
+LAYOUTS_KEPT = 2  # recordings kept per computation (a round, an evaluation); an older layout is released
 
 
 def resolve(vectorize: bool | str, capture: str, device: torch.device) -> tuple[bool, str]:
@@ -61,7 +66,7 @@ def _signature(inputs) -> tuple:
 class _Graph:
     """One CUDA graph of ``fn`` over static copies of its inputs."""
 
-    def __init__(self, fn: Callable, inputs: tuple):
+    def __init__(self, fn: Callable, inputs: tuple, pool):
         self.fn = fn  # and so every tensor it reads (the device data): the graph reads them by address
         self.static = _copy(inputs)
         side = torch.cuda.Stream()
@@ -71,7 +76,7 @@ class _Graph:
                 fn(*self.static)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = fn(*self.static)
 
     def __call__(self, inputs: tuple):
@@ -80,20 +85,6 @@ class _Graph:
                 static.copy_(new, non_blocking=True)
         self.graph.replay()
         return _copy(self.outputs)
-
-
-class _Compiled:
-    def __init__(self, fn: Callable, inputs: tuple):
-        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_flatten(inputs)[0])
-        self.cuda = cuda
-        self.fn = torch.compile(fn, mode="reduce-overhead" if cuda else None, dynamic=False)
-        self.fn(*inputs)  # compiles now, so that a failure falls back before any result is used
-
-    def __call__(self, inputs: tuple):
-        outputs = self.fn(*inputs)
-        return (
-            _copy(outputs) if self.cuda else outputs
-        )  # reduce-overhead's outputs are overwritten by its next replay
 
 
 class Capture:
@@ -106,9 +97,10 @@ class Capture:
                 f"capture mode must be one of {CAPTURE_MODES[1:]} (auto is resolved first), got {mode!r}"
             )
         self.mode = mode
-        self.recordings: dict[tuple, Callable] = {}
+        self.recordings: dict[tuple, dict[tuple, _Graph]] = {}  # per computation, per layout: oldest first
+        self.pool = None  # the memory pool every recording of this run shares
         self.failed: str | None = None  # why the computation runs eagerly after all
-        self.said_full = False
+        self.replayed = self.eager = 0  # calls of each kind, for summary.json
 
     @property
     def pads(self) -> bool:
@@ -117,23 +109,21 @@ class Capture:
 
     @property
     def records(self) -> bool:
-        return self.mode in ("graph", "compile") and self.failed is None
+        return self.mode == "graph" and self.failed is None
 
     def run(self, key: tuple, fn: Callable, inputs: tuple):
         if not self.records:
+            self.eager += 1
             return fn(*inputs)
-        signature = (key, _signature(inputs))
-        recording = self.recordings.get(signature)
+        layouts = self.recordings.setdefault(key, {})
+        signature = _signature(inputs)
+        recording = layouts.get(signature)
         if recording is None:
-            if len(self.recordings) >= MAX_RECORDINGS:
-                if not self.said_full:
-                    self.said_full = True
-                    log.warning(
-                        f"federation.capture: {MAX_RECORDINGS} layouts recorded; further layouts run eagerly"
-                    )
-                return fn(*inputs)
+            if len(layouts) >= LAYOUTS_KEPT:
+                del layouts[next(iter(layouts))]  # the oldest layout: its graph and its memory go
             try:
-                recording = (_Graph if self.mode == "graph" else _Compiled)(fn, inputs)
+                self.pool = self.pool or torch.cuda.graph_pool_handle()
+                recording = _Graph(fn, inputs, self.pool)
             except torch.OutOfMemoryError:  # the engine halves the lanes per call and records those
                 raise
             except Exception as exc:  # noqa: BLE001 — anything the recorder refuses: eager from now on, said once
@@ -143,6 +133,8 @@ class Capture:
                     f"federation.capture={self.mode}: the computation could not be recorded ({self.failed}); "
                     "it runs eagerly (vmapped) instead"
                 )
+                self.eager += 1
                 return fn(*inputs)
-            self.recordings[signature] = recording
+            layouts[signature] = recording
+        self.replayed += 1
         return recording(inputs)

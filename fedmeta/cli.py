@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import time
 
-from fedmeta.errors import FedmetaError
+from fedmeta.errors import FedmetaError, RunStopped
 
 
 class Parser(argparse.ArgumentParser):
@@ -147,13 +149,26 @@ def build_parser() -> Parser:
         "--budget",
         type=float,
         metavar="SECONDS",
-        help="start only the processes estimated (from "
-        "--estimate) to finish in this time: a GPU lease's share of the table",
-    )
-    table_cmd.add_argument(
-        "--estimate", metavar="BENCH_JSON", help="fedmeta bench's results on this machine, for --budget"
+        help="stop every run this many seconds from now at a round boundary, checkpointed "
+        "(run the same command again to continue); for a job that is cut off, see fedmeta campaign",
     )
     table_cmd.add_argument("--out", default="results/TABLES.md")
+    campaign_cmd = commands.add_parser(
+        "campaign",
+        help="the paper's table from short jobs: continue the unfinished units, start the next, stop in time",
+        description="One job of the campaign configs/campaign.yaml: the unfinished units (setting × method × "
+        "seeds) first, then the next ones, every run stopped at the deadline at a round boundary with a "
+        "checkpoint; finished runs and unfinished checkpoints go to results/runs/<preset>/ for the next job, "
+        "the state of every unit to results/campaign.md. Without --budget: only the state.",
+    )
+    campaign_cmd.add_argument(
+        "--budget", type=float, metavar="SECONDS", help="the job's time, from now to the last file written"
+    )
+    campaign_cmd.add_argument("--parallel", type=int, help="units at once (default: configs/campaign.yaml's)")
+    campaign_cmd.add_argument("--out", default="results/campaign.md", help="the state of every unit")
+    campaign_cmd.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="for every run, e.g. federation.capture=none"
+    )
     figures_cmd = commands.add_parser(
         "figures", parents=[grid_args], help="draw the paper's figures into results/"
     )
@@ -372,6 +387,8 @@ def _main(argv: list[str] | None) -> int:
             raise FedmetaError(f"--parallel must be ≥ 1 (runs at once), got {args.parallel}")
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "campaign":
+            return _campaign_command(args)
         if args.command == "sweep":
             return _sweep_command(args)
         if args.command == "data" and args.data_command == "download":
@@ -397,6 +414,9 @@ def _main(argv: list[str] | None) -> int:
         summary = train(cfg)
         if summary is None:  # another process of a multi-process run: the main one reports
             return 0
+    except RunStopped as exc:  # SIGTERM or output.stop_at: checkpointed, to be continued
+        print(f"fedmeta: {exc}", file=sys.stderr)
+        return RunStopped.EXIT_STATUS
     except FedmetaError as exc:
         print(f"fedmeta: error: {exc}", file=sys.stderr)
         return 2
@@ -437,21 +457,6 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _bench_rows(path) -> list[dict]:
-    try:
-        rows = json.loads(path.read_text())["rows"]
-        if not isinstance(rows, list) or not all(
-            isinstance(r, dict) and "seconds_per_round" in r for r in rows
-        ):
-            raise ValueError("rows are not bench rows")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FedmetaError(
-            f"--estimate {path}: not a fedmeta bench result ({type(exc).__name__}): "
-            "give the bench.json that fedmeta bench wrote on this machine"
-        ) from None
-    return rows
-
-
 def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     """``fedmeta table`` / ``fedmeta figures``: run a preset's grid (finished runs skipped), then report."""
     from pathlib import Path
@@ -465,14 +470,9 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     kept = Path("results") / "runs" / args.preset  # the runs' small files, committed: what the report reads
     grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
-    budget = None
-    if args.command == "table" and (args.budget is not None) != (args.estimate is not None):
-        raise FedmetaError(
-            "--budget SECONDS and --estimate BENCH_JSON go together (fedmeta bench writes the estimate), "
-            "e.g. --budget 480 --estimate results/gpu/bench.json"
-        )
-    if args.command == "table" and args.budget is not None:
-        budget = (args.budget, _bench_rows(Path(args.estimate)))
+    budget = args.budget if args.command == "table" else None
+    if budget is not None and not (budget > 0 and math.isfinite(budget)):
+        raise FedmetaError(f"--budget must be a number of seconds > 0, got {budget}")
     if should_run:
         jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
         failures = grid.run(
@@ -482,10 +482,13 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
             kept,
             args.executor,
             args.slurm,
-            budget,
+            None if budget is None else time.time() + budget,
         )
         for line in failures:
-            print(f"fedmeta: failed run: {line}", file=sys.stderr)
+            print(
+                f"fedmeta: {'' if line.startswith(grid.STOPPED) else 'failed run: '}{line}", file=sys.stderr
+            )
+        failures = [line for line in failures if not line.startswith(grid.STOPPED)]
     report.archive(root, kept)
     if args.command == "table":
         print(report.write_tables(args.preset, preset, kept, Path(args.out), "fedmeta " + " ".join(argv)))
@@ -496,6 +499,33 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"wrote {path}")
     report.log_report(args.preset, preset, kept, written)
     return 1 if failures else 0
+
+
+def _campaign_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedmeta import campaign
+    from fedmeta.config import compose
+
+    plan = campaign.load()
+    kept = Path("results") / "runs" / plan.preset
+    if args.budget is not None:
+        if not (args.budget > plan.reserve_seconds and math.isfinite(args.budget)):
+            raise FedmetaError(
+                f"--budget must be a number of seconds above the {plan.reserve_seconds} s the job keeps "
+                f"for its files (configs/campaign.yaml: reserve_seconds), got {args.budget}"
+            )
+        if args.parallel is not None and args.parallel < 1:
+            raise FedmetaError(f"--parallel must be ≥ 1 (units at once), got {args.parallel}")
+        plan.overrides = [*plan.overrides, *args.overrides]
+        compose(list(plan.overrides))  # a bad override: one line before anything runs
+        record = campaign.run(plan, args.budget, kept, Path("runs") / plan.preset, args.parallel)
+        advanced = "; ".join(f"{unit}: {b} → {a}" for unit, (b, a) in record["units"].items())
+        print(f"campaign: {record['seconds']:.0f} s; advanced: {advanced or 'nothing'}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(campaign.status(plan, kept))
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _flower_command(args: argparse.Namespace) -> int:

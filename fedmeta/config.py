@@ -249,7 +249,7 @@ def apply_overrides(
     return cfg
 
 
-CAPTURE_MODES = ("auto", "none", "static", "graph", "compile")  # federation.capture (fedmeta.capture)
+CAPTURE_MODES = ("auto", "none", "static", "graph")  # federation.capture (fedmeta.capture)
 # a client's batches: drawn afresh | a persistent iterator reshuffled every epoch | shuffled once
 # (fedmeta.data.federation)
 BATCHES = ("independent", "stream", "stream_fixed")
@@ -452,6 +452,14 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
         and padding >= 0
         or padding in ("same", "valid"),
         f"model.padding must be an integer ≥ 0, same or valid, got {padding!r}",
+    )
+    stop_at = cfg.output.get("stop_at")
+    _require(
+        stop_at is None
+        or isinstance(stop_at, (int, float))
+        and not isinstance(stop_at, bool)
+        and stop_at > 0,
+        f"output.stop_at must be null or a Unix time in seconds (e.g. $(( $(date +%s) + 600 ))), got {stop_at!r}",
     )
     setting = cfg.output.setting
     _require(

@@ -257,6 +257,8 @@ class Engine:
             "vectorized": self.vectorize,
             "capture": self.capture.mode if self.vectorize else "none",
             "recorded": self.vectorize and self.capture.records,
+            "calls_replayed": self.capture.replayed,  # of the vmapped rounds and evaluations: recorded ones
+            "calls_eager": self.capture.eager,  # and eager ones (none where all were recorded)
             "fallback": self.fallback or self.capture.failed,
         }
 
@@ -265,7 +267,6 @@ class Engine:
             return "clients one at a time"
         return "clients vmapped" + {
             "graph": ", rounds as CUDA graphs",
-            "compile": ", rounds compiled",
             "static": ", fixed layout",
         }.get(self.capture.mode, "")
 

@@ -18,8 +18,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -28,10 +29,12 @@ from tqdm.auto import tqdm
 
 from fedmeta.checkpoint import differences, identity
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, method_label, run_name, setting_name
-from fedmeta.errors import FedmetaError
+from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.runs import read_summary
 
 EXECUTORS = ("pool", "local", "slurm")
+STOPPED = "stopped"  # a failure line that starts with it: the run stopped early, checkpointed, to continue
+KILL_AFTER = 15  # seconds a run has after SIGTERM at the deadline to checkpoint and exit, then it is killed
 
 
 def load_preset(name: str) -> DictConfig:
@@ -333,65 +336,6 @@ def default_parallel() -> int:
     return 0 if torch.cuda.is_available() else 1
 
 
-STARTUP_SECONDS = 60  # a unit's process: imports, data to the device, the first recordings
-
-
-def unit_seconds(job: Job, rows: list[dict]) -> float | None:
-    """A process's estimated wall time from bench rows (``fedmeta bench``'s results): its seeds ×
-    (rounds × the fastest measured seconds per seed and round + its evaluations × one evaluation of
-    the new clients), plus start-up; None when no row measured its data set, method and variant."""
-    cfg = compose(list(job.overrides))
-    seeds = len(cfg.seeds) if cfg.seeds else 1
-    fed = cfg.federation
-    match = [
-        r
-        for r in rows
-        if r["dataset"] == cfg.dataset.name
-        and r["method"] == cfg.method.name
-        and r["variant"] == cfg.variant
-        and r["precision"] == str(cfg.fabric.precision)
-        and r.get("matmul_precision", "highest") == cfg.fabric.matmul_precision
-    ]
-    if not match:
-        return None
-    per_round, evaluation = fastest(match, fed.num_new_clients)
-    evaluations = math.ceil(fed.rounds / fed.eval_every) + (fed.rounds % fed.eval_every != 0)
-    return STARTUP_SECONDS + seeds * (fed.rounds * per_round + evaluations * evaluation)
-
-
-def fastest(rows: list[dict], new_clients: int) -> tuple[float, float]:
-    """The seconds of a round and of one evaluation of ``new_clients``, the fastest of bench rows."""
-    per_client = min(
-        r["evaluation_seconds"] / r["new_clients"]
-        if "evaluation_seconds" in r
-        else r["personalize_seconds_per_client"]
-        for r in rows
-    )
-    return min(r["seconds_per_round"] for r in rows), per_client * new_clients
-
-
-def within_budget(todo: list[Job], rows: list[dict], budget: float) -> list[Job]:
-    """The processes to start so that all of them finish in ``budget`` seconds, in the grid's order:
-    estimated one after another (a card shared by processes at once does no more work than their
-    sum, and may do less). Each process left out is said in one line, with its estimate."""
-    chosen, total = [], 0.0
-    for job in todo:
-        seconds = unit_seconds(job, rows)
-        if seconds is not None and total + seconds <= budget:
-            chosen.append(job)
-            total += seconds
-            print(f"starting {job.label}: ~{seconds:.0f} s")
-        else:
-            reason = (
-                "no bench row measured it"
-                if seconds is None
-                else f"~{seconds:.0f} s, {budget - total:.0f} s left"
-            )
-            print(f"not starting {job.label}: {reason}")
-    print(f"{len(chosen)} of {len(todo)} processes fit {budget:.0f} s (~{total:.0f} s estimated)")
-    return chosen
-
-
 def run(
     jobs: list[Job],
     root: Path,
@@ -399,11 +343,16 @@ def run(
     kept: Path | None = None,
     executor: str = "pool",
     slurm: list[str] = (),
-    budget: tuple[float, list[dict]] | None = None,
+    stop_at: float | None = None,
+    admit: Callable[[list[Job], Job], str | None] | None = None,
 ) -> list[str]:
-    """Run the jobs not yet finished on ``executor``; returns one line per failed run (its log holds the rest).
-    ``budget`` (seconds, bench rows): start only the processes estimated to finish in that time.
-    ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods)."""
+    """Run the jobs not yet finished on ``executor``; returns one line per run that failed or was
+    stopped (its log holds the rest; a stopped one's line starts with ``STOPPED``).
+    ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods).
+    ``stop_at`` (a Unix time): every run stops at its last round boundary before it, checkpointed
+    (``output.stop_at``), none starts after it, and one still running then is sent SIGTERM, then
+    killed ``KILL_AFTER`` seconds later. ``admit(running, job)``: None where ``job`` may start beside
+    the running ones, else why not (a campaign's limit on what its unfinished runs may leave behind)."""
     if executor not in EXECUTORS:
         raise FedmetaError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     remaining = [job for job in jobs if not finished(job, kept)]
@@ -412,16 +361,16 @@ def run(
         f"{len(jobs) - len(remaining)} of {len(jobs)} runs already finished in {root}; {len(remaining)} to run "
         f"in {len(todo)} processes, {parallel or 'all'} at a time ({executor})"
     )
-    if budget is not None:
-        todo = within_budget(todo, budget[1], budget[0])
     parallel = parallel or max(1, len(todo))
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     threads = (
         1 if parallel > 1 and executor != "slurm" else 0
     )  # OpenMP threads of parallel runs only fight each other
+    if stop_at is not None:
+        todo = [replace(job, overrides=(*job.overrides, f"output.stop_at={int(stop_at)}")) for job in todo]
     if executor == "pool":
-        return _run_pool(todo, logs, parallel, threads)
+        return _run_pool(todo, logs, parallel, threads, stop_at, admit)
     if executor == "local":
         return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
     failures = []  # SLURM runs an array job's tasks in any order: a chain's stages go one array job each
@@ -443,11 +392,21 @@ def sources(job: Job, jobs: list[Job]) -> list[Job]:
     ]
 
 
-def dispatch(todo: list[Job], parallel: int, start, outcome, poll_s: float = 0.2) -> list[str]:
+def dispatch(
+    todo: list[Job],
+    parallel: int,
+    start,
+    outcome,
+    poll_s: float = 0.2,
+    stop_at: float | None = None,
+    admit: Callable[[list[Job], Job], str | None] | None = None,
+) -> list[str]:
     """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
     finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
-    source failed. ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a
-    failure line or None. Returns the failure lines."""
+    source failed, none after ``stop_at``, and only those ``admit(running, job)`` lets in (None; else
+    it says why not: one it refuses with nothing running is not run).
+    ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a failure line or
+    None. Returns the failure lines."""
     needs = {job: sources(job, todo) for job in todo}
     waiting, running, failures, succeeded, failed = list(todo), [], [], set(), set()
     with tqdm(total=len(todo), desc="runs", unit="run") as bar:
@@ -458,10 +417,28 @@ def dispatch(todo: list[Job], parallel: int, start, outcome, poll_s: float = 0.2
                 failures.append(f"{job.label}: not run: the run it starts from failed")
                 tqdm.write(failures[-1])
                 bar.update()
+            if stop_at is not None and time.time() >= stop_at:
+                for job in waiting:  # past the deadline: what has not started stays for the next job
+                    failures.append(f"{STOPPED}: {job.label}: not started before the deadline")
+                    bar.update()
+                waiting.clear()
             ready = [j for j in waiting if all(s in succeeded for s in needs[j])]
-            for job in ready[: parallel - len(running)]:
-                waiting.remove(job)
-                running.append((job, start(job)))
+            refused = {}
+            for job in ready:
+                if len(running) >= parallel:
+                    break
+                why = admit([r[0] for r in running], job) if admit else None
+                if why is None:
+                    waiting.remove(job)
+                    running.append((job, start(job)))
+                else:
+                    refused[job] = why
+            if refused and not running:  # refused even alone: it cannot run here
+                for job, why in refused.items():
+                    waiting.remove(job)
+                    failures.append(f"{STOPPED}: {job.label}: not started: {why}")
+                    tqdm.write(failures[-1])
+                    bar.update()
             time.sleep(poll_s)  # a chain has no circles (chain_stages): something is always running here
             for job, handle in [r for r in running if r[1].done()]:
                 running.remove((job, handle))
@@ -497,10 +474,20 @@ def _last_line(text: str) -> str:
 def _failure(job: Job, code, log: Path) -> str | None:
     if code == 0:
         return None
+    if code == RunStopped.EXIT_STATUS:
+        said = _last_line(log.read_text() if log.exists() else "").removeprefix("fedmeta: ")
+        return f"{STOPPED}: {job.label}: {said}"
     return f"{job.label}: exit {code}: {_last_line(log.read_text() if log.exists() else '')} (log: {log})"
 
 
-def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[str]:
+def _run_pool(
+    todo: list[Job],
+    logs: Path,
+    parallel: int,
+    threads: int,
+    stop_at: float | None = None,
+    admit: Callable[[list[Job], Job], str | None] | None = None,
+) -> list[str]:
     env = dict(os.environ) | (
         {"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {}
     )
@@ -508,18 +495,39 @@ def _run_pool(todo: list[Job], logs: Path, parallel: int, threads: int) -> list[
     def execute(job: Job) -> str | None:
         log = logs / f"{job.label.replace('/', '-')}.log"
         with open(log, "w") as out:
-            code = subprocess.run(
+            process = subprocess.Popen(
                 [sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
-            ).returncode
+            )
+            code = _wait(process, stop_at)
         return _failure(job, code, log)
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         return dispatch(
-            todo, parallel, lambda job: pool.submit(execute, job), lambda job, future: future.result()
+            todo,
+            parallel,
+            lambda job: pool.submit(execute, job),
+            lambda job, future: future.result(),
+            stop_at=stop_at,
+            admit=admit,
         )
+
+
+def _wait(process: subprocess.Popen, stop_at: float | None) -> int:
+    """The run's exit status; one still running at ``stop_at`` (its own deadline check misjudged a
+    round) gets SIGTERM, to checkpoint at its next round boundary, and is killed if it has not
+    exited ``KILL_AFTER`` seconds later (its last checkpoint on disk is whole)."""
+    try:
+        return process.wait(None if stop_at is None else max(0.0, stop_at - time.time()))
+    except subprocess.TimeoutExpired:
+        process.terminate()
+    try:
+        return process.wait(KILL_AFTER)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
 
 
 def _run_submitit(

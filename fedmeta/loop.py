@@ -9,8 +9,10 @@ new clients every ``eval_every`` rounds and at the end, checkpointing, and write
 from __future__ import annotations
 
 import logging
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +25,7 @@ from fedmeta import checkpoint
 from fedmeta.assemble import build, hardware_name, make_engine, make_fabric, rehearse, seed_configs
 from fedmeta.config import run_name, setting_name
 from fedmeta.engine import Engine
-from fedmeta.errors import FedmetaError
+from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.evaluation import PersonalizationResult
 from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds, gather_updates
 from fedmeta.runs import RunLock, RunRecorder, check_run_folder
@@ -53,9 +55,10 @@ def train(
     configs = seed_configs(cfg)
     runs: list[Run] = []
     try:
-        for one in configs:
-            runs.append(Run(fabric, one, len(configs)))
-        return _train(fabric, cfg, runs, show_progress, on_evaluation, engine)
+        with Stopper(cfg.output.stop_at) as stopper:
+            for one in configs:
+                runs.append(Run(fabric, one, len(configs)))
+            return _train(fabric, cfg, runs, show_progress, on_evaluation, engine, stopper)
     finally:
         for run in runs:
             run.recorder.close(
@@ -71,6 +74,7 @@ def _train(
     show_progress: bool,
     on_evaluation: Callable[[int, float], None] | None,
     engine: Engine,
+    stopper: Stopper,
 ) -> dict | list[dict] | None:
     fed = cfg.federation
     shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
@@ -92,6 +96,10 @@ def _train(
         active = [run for run in runs if run.error is None and run.first_round <= round_]
         if not active:
             break
+        due = round_ % fed.eval_every == 0 or round_ == fed.rounds
+        if why := stopper.reason(due):
+            _stop(runs, round_ - 1, fed.rounds, why, stopper)
+        stopper.rounds_started = True
         tick = time.perf_counter()
         outcomes = federated_rounds(
             [run.federated for run in active],
@@ -102,6 +110,7 @@ def _train(
             engine,
             fed.client_failure_rate,
         )
+        stopper.round_seconds.append(time.perf_counter() - tick)
         seconds = (time.perf_counter() - tick) / len(active)  # a stacked seed's share of the lockstep round
         evaluating = [
             run
@@ -114,6 +123,8 @@ def _train(
             if evaluating
             else []
         )
+        if evaluating:
+            stopper.evaluation_seconds = time.perf_counter() - tick
         evaluations = dict(zip(map(id, evaluating), results))
         for run, outcome in zip(active, outcomes):
             if outcome.error:  # divergence: this run stops, its last good checkpoint stays as it is
@@ -144,13 +155,16 @@ def _train(
             if on_evaluation and id(run) in evaluations and len(runs) == 1:
                 on_evaluation(round_, run.result.accuracy)
             if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
+                tick = time.perf_counter()
                 run.save_checkpoint(round_)
+                stopper.checkpoint_seconds = time.perf_counter() - tick
         shown = active[0]
         bar.set_postfix(
             loss=f"{outcomes[0].loss:.3f}",
             acc="-" if shown.result is None else f"{shown.result.accuracy:.3f}",
         )
 
+    stopper.rounds_started = False  # from here a stop request stops at once: the last round is checkpointed
     final = [
         run
         for run in runs
@@ -184,6 +198,77 @@ def _train(
     if not fabric.is_global_zero:
         return None
     return summaries if cfg.seeds else summaries[0]
+
+
+def _stop(runs: list[Run], last: int, rounds: int, why: str, stopper: Stopper) -> None:
+    """Checkpoint every running seed at round ``last`` (unless it is already) and stop the run."""
+    saved = []
+    for run in runs:
+        if run.error is None and run.first_round <= last and run.saved_round != last:
+            run.save_checkpoint(last)
+        if run.saved_round:
+            saved.append(run)
+    where = (
+        f"checkpointed in {saved[0].dir}" + (f" and {len(saved) - 1} more" if len(saved) > 1 else "")
+        if saved
+        else "no round was trained, nothing to keep"
+    )
+    stopper.restore()  # a second SIGTERM from here ends the process at once
+    raise RunStopped(
+        f"stopped after round {last} of {rounds} ({why}); {where}: continue with output.resume=true"
+    )
+
+
+class Stopper:
+    """Ends a run early at a round boundary, checkpointed, so that it resumes where it stopped:
+    on SIGTERM (what SLURM, ``timeout``, ``docker stop`` and a preempted job's host send) and before
+    a round that would end past ``output.stop_at`` (a wall-clock Unix time: a job's deadline),
+    judged from the last rounds', evaluation's and checkpoint's durations in this process.
+    Outside the rounds (setting up, the final evaluation) SIGTERM stops at once, as Ctrl-C does:
+    every checkpoint on disk is complete, so nothing is lost."""
+
+    MARGIN = 1.5  # a round may take longer than the median of the last ones
+
+    def __init__(self, stop_at: float | None):
+        self.stop_at, self.signalled, self.rounds_started = stop_at, False, False
+        self.round_seconds: list[float] = []
+        self.evaluation_seconds = self.checkpoint_seconds = 0.0
+        self._previous = None
+
+    def __enter__(self) -> Stopper:
+        if threading.current_thread() is threading.main_thread():  # only the main thread takes signals
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if not self.rounds_started or self.signalled:
+            raise RunStopped(
+                "stopped by SIGTERM; the last checkpoint is kept: continue with output.resume=true"
+            )
+        self.signalled = True  # the round under way finishes and is checkpointed
+
+    def reason(self, evaluating: bool) -> str | None:
+        """Why the next round must not start, or None."""
+        if self.signalled:
+            return "SIGTERM"
+        if self.stop_at is None:
+            return None
+        recent = self.round_seconds[-5:]
+        needed = (
+            self.MARGIN * (statistics.median(recent) if recent else 0.0)
+            + (self.evaluation_seconds if evaluating else 0.0)
+            + self.checkpoint_seconds
+        )
+        late = time.time() + needed > self.stop_at
+        return f"output.stop_at comes before another round's ~{needed:.1f} s would end" if late else None
 
 
 class Run:

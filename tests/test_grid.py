@@ -187,66 +187,32 @@ def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_f
 
 
 @pytest.mark.slow
-def test_a_lease_budget_starts_only_the_units_that_fit_and_tables_keep_each_presets_section(
+def test_a_budget_stops_every_run_checkpointed_and_tables_keep_each_presets_section(
     tmp_path, monkeypatch, mnist_dir, capsys
 ):
-    """fedmeta table --budget S --estimate BENCH_JSON (scripts/gpu_table.sh): a unit whose estimate
-    does not fit is not started, and says so; a preset's section of TABLES.md is written beside the
-    other presets' sections, never over them."""
+    """fedmeta table --budget S: a run still going at the deadline stops at a round boundary,
+    checkpointed, said in one line that is not a failure, and the same command without it continues;
+    a preset's section of TABLES.md is written beside the other presets' sections, never over them."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
-    row = {
-        "dataset": "rmnist",
-        "variant": "paper",
-        "precision": "32-true",
-        "matmul_precision": "highest",
-        "personalize_seconds_per_client": 0.01,
-        "new_clients": 2,
-    }
-    estimate = tmp_path / "bench.json"
-    estimate.write_text(
-        json.dumps(
-            {
-                "rows": [
-                    {**row, "method": "local", "seconds_per_round": 0.01},
-                    {**row, "method": "perfedavg", "seconds_per_round": 1000.0},
-                ]
-            }
-        )
-    )
-    args = [
-        "table",
-        "--datasets",
-        "rmnist-shards",
-        "--methods",
-        "local",
-        "perfedavg",
-        "fedavg",
-        "--seeds",
-        "0",
-        "1",
-        *TINY,
-        "federation.vectorize=true",
-        "--budget",
-        "100",
-        "--estimate",
-        str(estimate),
-    ]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert "starting rmnist-shards/local/seeds0-1: ~61 s" in out
-    assert "not starting rmnist-shards/perfedavg/seeds0-1: ~4" in out and "s, 39 s left" in out
-    assert "not starting rmnist-shards/fedavg/seeds0-1: no bench row measured it" in out
-    finished = sorted(p.parts[-3] for p in tmp_path.glob("runs/quick/rmnist-shards/*/seed*/summary.json"))
-    assert finished == ["local", "local"]
+    args = ["table", "--datasets", "rmnist-shards", "--methods", "local", "--seeds", "0", *TINY]
+    assert main([*args, "federation.rounds=400", "federation.eval_every=400", "--budget", "25"]) == 0
+    err = capsys.readouterr().err
+    assert "fedmeta: stopped: rmnist-shards/local/seed0: stopped after round" in err, err
+    assert "failed run" not in err
+    run = tmp_path / "runs" / "quick" / "rmnist-shards" / "local" / "seed0"
+    assert (run / "checkpoint.ckpt").is_file() and not (run / "summary.json").exists()
+    done = len((run / "metrics.csv").read_text().splitlines()) - 1
+    assert main([*args, "federation.rounds=400", "federation.eval_every=400"]) == 0
+    assert f'"resumed_at_round": {done}' in (run / "summary.json").read_text()
     quick = (tmp_path / "results" / "TABLES.md").read_text()
     assert main(["table", "--preset", "paper", "--no-run"]) == 0
     both = (tmp_path / "results" / "TABLES.md").read_text()
     assert both.startswith("# Results\n") and "## Preset `quick`" in both and "## Preset `paper`" in both
     section = quick[quick.index("<!-- preset quick -->") : quick.index("<!-- end of preset quick -->")]
     assert section in both  # the quick section untouched by the paper one
-    assert main(["table", "--no-run", "--budget", "10"]) == 2
-    assert "--budget SECONDS and --estimate BENCH_JSON go together" in capsys.readouterr().err
+    assert main(["table", "--no-run", "--budget", "-1"]) == 2
+    assert "--budget must be a number of seconds > 0" in capsys.readouterr().err
 
 
 def test_the_published_chain_hands_each_model_to_the_next_method_in_the_authors_order():

@@ -31,10 +31,11 @@ def would_run(*args, **kwargs):
 @pytest.fixture
 def no_work(monkeypatch):
     """Every command's work replaced by WouldRun; after its checks, nothing heavy runs."""
-    from fedmeta import bench, grid, tune
+    from fedmeta import bench, campaign, grid, tune
     from fedmeta.data import download
 
     monkeypatch.setattr(grid, "run", would_run)
+    monkeypatch.setattr(campaign, "run", would_run)
     monkeypatch.setattr(bench, "device_peaks", would_run)
     monkeypatch.setattr(tune.Study, "run", would_run)
     monkeypatch.setattr(download, "_fetch", would_run)
@@ -163,11 +164,11 @@ COMMANDS = {
             **GRID_OPTIONS,
             "--no-run": None,
             "--budget": NUMBERS,
-            "--estimate": st.sampled_from(["bench.json", "nope.json", ""]),
             "--out": JUNK,
         },
         [],
     ),
+    ("campaign",): ({"--budget": NUMBERS, "--parallel": NUMBERS, "--out": JUNK}, [OVERRIDES]),
     ("figures",): ({**GRID_OPTIONS, "--run": None, "--out-dir": JUNK}, []),
     ("sweep",): (
         {"--root": JUNK, "--parallel": NUMBERS, "--executor": GRID_OPTIONS["--executor"]},

@@ -1,0 +1,190 @@
+"""Short jobs that may be cut off at any time: a run stops at its deadline or on SIGTERM at a round
+boundary, checkpointed, and continues to the result it would have had; a campaign plans its units in
+its order within what a job may carry, refuses a checkpoint of other settings, and a job on another
+machine continues a carried checkpoint."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from fedmeta import campaign, grid
+from fedmeta.config import compose
+from fedmeta.errors import RunStopped
+from fedmeta.loop import Stopper, train
+
+TINY = [
+    "federation.rounds=4",
+    "federation.eval_every=4",
+    "federation.num_new_clients=2",
+    "federation.clients_per_round=3",
+    "personalization.steps=1",
+    "logger=[]",
+]
+
+
+def test_a_run_past_its_deadline_stops_checkpointed_and_resumes_to_the_same_result(
+    tmp_path, mnist_dir, monkeypatch
+):
+    args = ["method=fedavg", *TINY, f"dataset.dir={mnist_dir}"]
+    whole = train(compose([*args, f"output.root={tmp_path / 'whole'}"]), show_progress=False)
+    monkeypatch.setattr(Stopper, "MARGIN", 1e9)  # once a round is measured, no other fits before the deadline
+    cut = [*args, f"output.root={tmp_path / 'cut'}"]
+    with pytest.raises(RunStopped, match=r"stopped after round 1 of 4 \(output.stop_at .*output.resume=true"):
+        train(compose([*cut, f"output.stop_at={time.time() + 3600:.0f}"]), show_progress=False)
+    run = tmp_path / "cut" / "rmnist-shards" / "fedavg" / "seed0"
+    assert (run / "checkpoint.ckpt").is_file() and not (run / "summary.json").exists()
+    assert not (run.parent / "seed0.lock").exists()
+    monkeypatch.undo()
+    resumed = train(compose([*cut, "output.resume=true"]), show_progress=False)
+    assert resumed["resumed_at_round"] == 1
+    assert (resumed["accuracy"], resumed["curve"]) == (whole["accuracy"], whole["curve"])
+
+
+def test_sigterm_stops_a_run_at_the_next_round_boundary_in_one_line(tmp_path, mnist_dir):
+    command = [sys.executable, "-m", "fedmeta.cli", "train", "method=fedavg", *TINY, "federation.rounds=1000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    process = subprocess.Popen(
+        [*command, f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    metrics = tmp_path / "rmnist-shards" / "fedavg" / "seed0" / "metrics.csv"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    said = [line for line in err.splitlines() if line.startswith("fedmeta")]
+    assert process.returncode == RunStopped.EXIT_STATUS, err
+    assert len(said) == 1 and "(SIGTERM)" in said[0] and "output.resume=true" in said[0], said
+    rounds = len(metrics.read_text().splitlines()) - 1
+    assert f"stopped after round {rounds} of 1000" in said[0]  # every round it trained is checkpointed
+    assert not (metrics.parent.parent / "seed0.lock").exists()
+
+
+def test_the_campaign_runs_the_table_first_in_the_papers_order():
+    plan = campaign.load()
+    units = campaign.units(plan, Path("runs/paper"))
+    preset = grid.load_preset(plan.preset)
+    assert [u.label for u in units[:9]] == [f"rmnist-shards/{m}" for m in preset.methods]
+    assert len(units) == len(preset.settings) * len(preset.methods)  # every table cell and figure point
+    grids = [preset.settings[u.setting].grid for u in units]
+    assert grids == sorted(grids, key=lambda g: g != "table")  # the table before the figures' runs
+    assert all(len(u.jobs) == len(preset.seeds) and u.rounds == 1000 for u in units[:9])
+
+
+def tiny_campaign(mnist_dir, **changes):
+    return OmegaConf.create(
+        {
+            "preset": "quick",
+            "order": ["rmnist-shards"],
+            "overrides": [
+                *TINY,
+                "federation.rounds=3",
+                "federation.vectorize=true",
+                f"dataset.dir={mnist_dir}",
+            ],
+            "carry_mib": 40,
+            "parallel": {"cuda": 1, "cpu": 1},
+            "reserve_seconds": 1,
+        }
+        | changes
+    )
+
+
+def under_way(kept: Path, unit: campaign.Unit) -> None:
+    """Make ``unit`` look under way in ``kept``: its first seed at round 1."""
+    folder = unit.folders(kept)[0]
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.ckpt").write_bytes(b"")
+    (folder / "metrics.csv").write_text("round,train_loss\n1,0.5\n")
+
+
+def test_a_job_continues_the_units_under_way_first_within_what_it_may_carry(tmp_path, mnist_dir, monkeypatch):
+    plan = tiny_campaign(mnist_dir, carry_mib=3)
+    kept, root = tmp_path / "kept", tmp_path / "runs"
+    all_units = campaign.units(plan, root)
+    under_way(kept, all_units[5])
+    started, refusals = [], []
+
+    def record(jobs, root_, parallel, kept_, stop_at, admit):
+        started.extend(jobs)
+        alone = [grid.Job(j.setting, j.method, j.seed, j.overrides) for j in jobs[:1]]
+        refusals.append(admit([], alone[0]))
+        refusals.append(admit(alone, jobs[-1]))
+        return []
+
+    monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
+    monkeypatch.setattr(grid, "run", record)
+    record_ = campaign.run(plan, 600, kept, root, parallel=1)
+    # the unit under way, then two new ones (as many as may follow in one job: twice what runs at once)
+    assert [(j.method, j.seed) for j in started][:3] == [(all_units[5].method, s) for s in (0, 1, 2)]
+    assert [j.method for j in started[3:]] == [all_units[0].method] * 3 + [all_units[1].method] * 3
+    # one seed's checkpoint alone fits 3 MiB (RMNIST's CNN, ~2.5 MiB); two seeds' do not
+    assert refusals[0] is None and "would pass carry_mib=3" in refusals[1]
+    assert (kept / "jobs.jsonl").read_text().count("\n") == 1 and record_["parallel"] == 1
+
+
+def test_a_checkpoint_of_other_settings_is_refused_in_one_line_and_kept(
+    tmp_path, mnist_dir, monkeypatch, capsys
+):
+    plan = tiny_campaign(mnist_dir)
+    kept = tmp_path / "kept"
+    unit = campaign.units(plan, tmp_path / "runs")[8]  # local: quick to run
+    job = unit.jobs[0]
+    monkeypatch.setattr(Stopper, "MARGIN", 1e9)
+    with pytest.raises(RunStopped):
+        train(
+            compose(
+                [
+                    *job.overrides,
+                    "method.batch_size=8",
+                    f"output.root={kept}",
+                    f"output.stop_at={time.time() + 600:.0f}",
+                ]
+            ),
+            show_progress=False,
+        )
+    saved = (unit.folders(kept)[0] / "checkpoint.ckpt").read_bytes()
+    problem = campaign.carry_in(unit, kept, tmp_path / "runs")
+    assert "was written by other settings (method.batch_size: 8 there" in problem
+    assert (unit.folders(kept)[0] / "checkpoint.ckpt").read_bytes() == saved
+    assert not unit.folders(tmp_path / "runs")[0].exists()  # nothing carried in
+
+
+@pytest.mark.slow
+def test_a_carried_checkpoint_continues_in_the_next_job_on_another_machine(
+    tmp_path, mnist_dir, monkeypatch, capsys
+):
+    """A job stops a unit at round 1 and carries its checkpoint out; the next job, in another runs
+    folder (another machine, from the files a clone holds), carries it in and finishes it from there."""
+    monkeypatch.chdir(tmp_path)
+    plan = tiny_campaign(mnist_dir, methods=["local"])
+    kept = tmp_path / "results" / "runs" / "quick"
+    first_machine, second_machine = tmp_path / "one", tmp_path / "two"
+    [unit] = campaign.units(plan, first_machine)
+    stacked = grid.stacked(unit.jobs)[0]
+    monkeypatch.setattr(Stopper, "MARGIN", 1e9)
+    with pytest.raises(RunStopped):
+        train(compose([*stacked.overrides, f"output.stop_at={time.time() + 600:.0f}"]), show_progress=False)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert campaign.carry_out([unit], first_machine, kept) > 0
+    shutil.rmtree(first_machine)
+    assert unit.rounds_done(kept) == [1, 1, 1]
+    record = campaign.run(plan, 900, kept, second_machine, parallel=1)
+    assert f"resuming {unit.label} at rounds [1, 1, 1]" in capsys.readouterr().out
+    assert record["units"][unit.label] == [[1, 1, 1], [3, 3, 3]]
+    for folder in unit.folders(kept):
+        assert (folder / "summary.json").is_file() and not (folder / "checkpoint.ckpt").exists()
+        assert '"resumed_at_round": 1' in (folder / "summary.json").read_text()
+    assert "| 1 | rmnist-shards | local | done |" in campaign.status(plan, kept)
