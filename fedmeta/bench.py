@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedmeta.config import CONFIG_DIR
@@ -104,12 +105,33 @@ class _OperatorCount:
         return self.mode.__exit__(*exc)
 
 
+class HostReads(TorchFunctionMode):
+    """Counts the reads of a computed value by the host (``float(t)``, ``t.item()``, ``bool(t)``,
+    ``t.tolist()``…): on a GPU each one waits for the device to finish everything queued before it.
+    Integer tensors on the CPU are not counted: there they are the host's own data (the round's
+    client sample), not values the computation produced."""
+
+    READS = {"__float__", "__bool__", "__int__", "__index__", "item", "tolist", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS and args and isinstance(args[0], torch.Tensor):
+            tensor = args[0]
+            if tensor.device.type != "cpu" or tensor.is_floating_point() or tensor.dtype == torch.bool:
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def count_calls(run_round, device: torch.device) -> dict:
     """One round's dispatched operators — the host work a recorded round saves (a replayed graph
-    dispatches none) — and on a GPU a second round's kernel and graph launches (torch.profiler)."""
-    with _OperatorCount() as ops:
+    dispatches none) — and its host reads of computed values (``HostReads``: each a sync on a GPU),
+    and on a GPU a second round's kernel and graph launches (torch.profiler)."""
+    with _OperatorCount() as ops, HostReads() as reads:
         run_round()
-    counts = {"ops_per_round": ops.calls}
+    counts = {"ops_per_round": ops.calls, "host_reads_per_round": reads.count}
     if device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -502,7 +524,7 @@ def run(
     print(
         f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} "
         f"{'seeds':>5s} "
-        f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'launch':>7s} "
+        f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'reads':>5s} {'launch':>7s} "
         f"{'pers s/cl':>9s} "
         f"{'eval s':>7s} {'peak MB':>8s}"
     )
@@ -532,7 +554,8 @@ def run(
             f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
             f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
             f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
-            f"{row['ops_per_round']:8.0f} {launches} {row['personalize_seconds_per_client']:9.2f} {evaluation} "
+            f"{row['ops_per_round']:8.0f} {row['host_reads_per_round']:5d} {launches} "
+            f"{row['personalize_seconds_per_client']:9.2f} {evaluation} "
             f"{row['peak_rss_mb']:8.0f}",
             flush=True,
         )

@@ -166,7 +166,9 @@ def make_client_app(overrides: str | None = None, dp: dict | None = None) -> Cli
         return RecordDict(
             {
                 "update": ArrayRecord({k: v.contiguous() for k, v in update.params.items()}),
-                "metrics": MetricRecord({"client": client.id, "weight": update.weight, "loss": update.loss}),
+                "metrics": MetricRecord(
+                    {"client": client.id, "weight": update.weight, "loss": float(update.loss)}
+                ),
             }
         )
 

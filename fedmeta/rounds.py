@@ -15,7 +15,7 @@ import torch
 from lightning.fabric import Fabric
 from omegaconf import DictConfig
 
-from fedmeta.algorithms import Algorithm
+from fedmeta.algorithms import Algorithm, ClientUpdate
 from fedmeta.data import Federation
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.engine import Engine
@@ -108,16 +108,51 @@ def federated_rounds(
                 places.append((r, i))
     for (r, i), result in zip(places, engine.local_updates(lanes, round_)):
         results[r][i] = result
-    return [_aggregate(run.algorithm, round_, gather(run_results)) for run, run_results in zip(runs, results)]
+    gathered = [gather(run_results) for run_results in results]
+    screened = iter(_screen([u for run_results in gathered for u in run_results if not isinstance(u, str)]))
+    return [
+        _aggregate(
+            run.algorithm,
+            round_,
+            run_results,
+            [next(screened) for u in run_results if not isinstance(u, str)],
+        )
+        for run, run_results in zip(runs, gathered)
+    ]
 
 
-def _aggregate(algorithm: Algorithm, round_: int, results: list) -> RoundOutcome:
+def _screen(updates: list[ClientUpdate]) -> list[tuple[bool, float]]:
+    """Each update's finiteness (its loss and every parameter it sends) and its loss, read from the
+    device at once: one host read a round, however many clients and seeds (a check per client
+    would make the host wait for the device once per client)."""
+    if not updates:
+        return []
+    tensors = [u.loss for u in updates if isinstance(u.loss, torch.Tensor)]
+    tensors += [p for u in updates for p in u.params.values()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    losses = torch.stack([torch.as_tensor(u.loss, dtype=torch.float64, device=device) for u in updates])
+    sent = [p for u in updates for p in u.params.values()]
+    if sent:  # x·0 is 0 where x is finite, NaN where it is not: a norm of them is NaN if any is not
+        norms = torch.stack(torch._foreach_norm(torch._foreach_mul(sent, 0.0), 2, dtype=torch.float64))
+        owners = torch.tensor([i for i, u in enumerate(updates) for _ in u.params], device=device)
+        losses_and_norms = losses + torch.zeros_like(losses).index_add_(0, owners, norms)
+    else:
+        losses_and_norms = losses
+    finite, values = torch.stack([torch.isfinite(losses_and_norms).to(losses.dtype), losses]).tolist()
+    return [(bool(ok), value) for ok, value in zip(finite, values)]
+
+
+def _aggregate(
+    algorithm: Algorithm, round_: int, results: list, screened: list[tuple[bool, float]]
+) -> RoundOutcome:
+    """``screened``: (finite, loss) of each update among ``results``, in order (``_screen``)."""
     dropped = [r for r in results if isinstance(r, str)]
     finished = [r for r in results if not isinstance(r, str)]
-    finite = [u.is_finite() for u in finished]  # one device sync per client
+    finite = [ok for ok, _ in screened]
+    losses = {id(u): loss for u, (_, loss) in zip(finished, screened)}
     updates = [u for u, ok in zip(finished, finite) if ok]
     dropped += [
-        f"client {u.client_id} sent a non-finite loss or update (loss {u.loss})"
+        f"client {u.client_id} sent a non-finite loss or update (loss {losses[id(u)]})"
         for u, ok in zip(finished, finite)
         if not ok
     ]
@@ -128,7 +163,7 @@ def _aggregate(algorithm: Algorithm, round_: int, results: list) -> RoundOutcome
                 float("nan"),
                 dropped,
                 f"round {round_}: client {bad.client_id} produced a non-finite loss "
-                f"or update (loss {bad.loss}), as did every client of the round: lower the learning rates "
+                f"or update (loss {losses[id(bad)]}), as did every client of the round: lower the learning rates "
                 "or use fabric.precision=32-true",
             )
         if not all(DROPPED_OUT in line for line in dropped):
@@ -139,7 +174,7 @@ def _aggregate(algorithm: Algorithm, round_: int, results: list) -> RoundOutcome
             )
         return RoundOutcome(float("nan"), dropped)  # all dropped out: the global model stays as it is
     algorithm.aggregate(updates)
-    return RoundOutcome(sum(u.loss for u in updates) / len(updates), dropped)
+    return RoundOutcome(sum(losses[id(u)] for u in updates) / len(updates), dropped)
 
 
 def federated_round(

@@ -226,3 +226,32 @@ def test_stacked_seeds_are_the_seeds_run_alone(method, tmp_path, mnist_dir):
             assert float(b["train_loss"]) == pytest.approx(float(a["train_loss"]), rel=1e-2)
         assert (tmp_path / "stacked" / run / "checkpoint.ckpt").exists()
     assert alone[0]["curve"] != alone[1]["curve"]  # the seeds are different federations
+
+
+@pytest.mark.parametrize("method", ["fedavg_ft", "cafeme"])
+def test_a_round_reads_computed_values_once_however_many_clients_and_seeds(method, uneven):
+    """The round's losses and finiteness checks are reduced on the device and read by the host once
+    (HostReads: each such read is a sync on a GPU), not once per client or seed."""
+    from fedmeta.bench import HostReads
+    from fedmeta.rounds import federated_rounds
+
+    name, *variant = method.split()
+    cfg = compose([f"method={name}", *variant, *SMALL, *FAST[method]])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    reads = {}
+    for clients, seeds in ((2, 1), (4, 1), (4, 3)):
+        runs = [
+            Federated(
+                build_algorithm(cfg, 10),
+                build_federation(uneven, {"name": "dirichlet", "alpha": 0.5}, 12, 4, 0.25, seed=seed),
+                seed,
+            )
+            for seed in range(seeds)
+        ]
+        engine = Engine(True)
+        federated_rounds(runs, 1, clients, engine=engine)
+        with HostReads() as counted:
+            outcomes = federated_rounds(runs, 2, clients, engine=engine)
+        assert all(o.error is None and o.loss > 0 for o in outcomes)
+        reads[clients, seeds] = counted.count
+    assert reads == {(2, 1): 1, (4, 1): 1, (4, 3): 1}

@@ -16,7 +16,6 @@ A client is therefore data plus a seed: no per-client module copies.
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -50,7 +49,7 @@ class ClientUpdate:
     client_id: int
     params: Params  # what the client sends to the server, detached: a subset of the global names
     weight: float  # its share in the aggregate
-    loss: float  # the training loss it reports
+    loss: torch.Tensor | float  # the training loss it reports: a device scalar until the round reads them all
     state: dict | None = (
         None  # what the client keeps for its next round (FedRep's head, the authors' Adam moments)
     )
@@ -60,13 +59,9 @@ class ClientUpdate:
             self.client_id,
             _tree_to(self.params, device),
             self.weight,
-            self.loss,
+            _tree_to(self.loss, device),
             _tree_to(self.state, device),
         )
-
-    def is_finite(self) -> bool:
-        checks = [torch.isfinite(p).all() for p in self.params.values()]
-        return math.isfinite(self.loss) and (not checks or bool(torch.stack(checks).all()))  # one device sync
 
 
 def _tree_to(tree, device):
@@ -204,7 +199,7 @@ class Algorithm(nn.Module):
             client.id,
             {k: p.detach() for k, p in result.params.items()},
             self.update_weight(client),
-            float(result.loss),
+            result.loss.detach(),
             result.state or None,
         )
 
@@ -225,9 +220,11 @@ class Algorithm(nn.Module):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 senders = [u for u in updates if name in u.params]
-                if senders:
-                    total = sum((u.weight * u.params[name] for u in senders), torch.zeros_like(p))
-                    p.copy_(total / sum(u.weight for u in senders))
+                if senders:  # two kernels a parameter, however many clients sent it
+                    dtype = torch.promote_types(p.dtype, torch.float32)  # bfloat16 weights would round
+                    weights = torch.tensor([u.weight for u in senders], dtype=dtype, device=p.device)
+                    stacked = torch.stack([u.params[name] for u in senders]).to(dtype)
+                    p.copy_(torch.tensordot(weights / weights.sum(), stacked, dims=1))
 
     def local_sgd(
         self,

@@ -96,7 +96,7 @@ class IFCA(Algorithm):
         return LocalResult(trained, loss, {}, {"cluster": j})
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
-        j = int(result.extra["cluster"])
+        j = int(result.extra["cluster"])  # which model it sends: one host read a client, IFCA's own
         clusters = range(self.clusters) if self.cfg.share_body else [j]
         sent = {
             f"nets.{c}.{n}": p.detach()
@@ -104,7 +104,7 @@ class IFCA(Algorithm):
             for n, p in result.params.items()
             if c == j or not n.startswith(CLASSIFIER)
         }
-        return ClientUpdate(client.id, sent, self.update_weight(client), float(result.loss))
+        return ClientUpdate(client.id, sent, self.update_weight(client), result.loss.detach())
 
     def personalization_data(self, client: Client) -> ClientData:
         return {"choice": client.batch("pers", None)}

@@ -18,4 +18,4 @@ class Local(Algorithm):
         return LocalResult({}, self.loss(params, data["batch"]).detach(), {}, {})
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
-        return ClientUpdate(client.id, {}, 0.0, float(result.loss))
+        return ClientUpdate(client.id, {}, 0.0, result.loss.detach())
