@@ -34,6 +34,7 @@ from fedmeta.runs import read_summary
 
 EXECUTORS = ("pool", "local", "slurm")
 STOPPED = "stopped"  # a failure line that starts with it: the run stopped early, checkpointed, to continue
+LAST_START = 30  # no run starts this close to the deadline: too little time for its start-up and a round
 KILL_AFTER = 15  # seconds a run has after SIGTERM at the deadline to checkpoint and exit, then it is killed
 
 
@@ -403,7 +404,7 @@ def dispatch(
 ) -> list[str]:
     """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
     finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
-    source failed, none after ``stop_at``, and only those ``admit(running, job)`` lets in (None; else
+    source failed, none within ``LAST_START`` seconds of ``stop_at``, and only those ``admit(running, job)`` lets in (None; else
     it says why not: one it refuses with nothing running is not run).
     ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a failure line or
     None. Returns the failure lines."""
@@ -417,8 +418,8 @@ def dispatch(
                 failures.append(f"{job.label}: not run: the run it starts from failed")
                 tqdm.write(failures[-1])
                 bar.update()
-            if stop_at is not None and time.time() >= stop_at:
-                for job in waiting:  # past the deadline: what has not started stays for the next job
+            if stop_at is not None and time.time() >= stop_at - LAST_START:
+                for job in waiting:  # near the deadline: what has not started stays for the next job
                     failures.append(f"{STOPPED}: {job.label}: not started before the deadline")
                     bar.update()
                 waiting.clear()

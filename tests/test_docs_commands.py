@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedmeta import bench, grid
-from fedmeta.cli import _bench_rows, parse
+from fedmeta import bench, campaign, grid
+from fedmeta.cli import parse
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_mapping
 from fedmeta.data.download import CATALOG, LEARN2LEARN
 from fedmeta.reevaluate import TEST_TIME_KEYS
@@ -127,8 +127,9 @@ def dry_run(argv: list[str], tmp_path: Path) -> None:
         assert jobs or args.command == "figures"
         for job in jobs[:3]:
             check_config(compose(list(job.overrides)), args.overrides)
-        if getattr(args, "estimate", None):
-            assert _bench_rows(ROOT / args.estimate)
+    elif args.command == "campaign":
+        plan = campaign.load()
+        check_config(compose([*plan.overrides, *args.overrides]), args.overrides)
     elif args.command == "bench":
         config = load_mapping(
             ROOT / args.config if args.config else bench.CONFIG_DIR / "bench.yaml", "a bench config"

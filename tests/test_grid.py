@@ -196,7 +196,7 @@ def test_a_budget_stops_every_run_checkpointed_and_tables_keep_each_presets_sect
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
     args = ["table", "--datasets", "rmnist-shards", "--methods", "local", "--seeds", "0", *TINY]
-    assert main([*args, "federation.rounds=400", "federation.eval_every=400", "--budget", "25"]) == 0
+    assert main([*args, "federation.rounds=400", "federation.eval_every=400", "--budget", "45"]) == 0
     err = capsys.readouterr().err
     assert "fedmeta: stopped: rmnist-shards/local/seed0: stopped after round" in err, err
     assert "failed run" not in err
