@@ -257,15 +257,21 @@ def status(campaign: DictConfig, kept: Path) -> str:
     lines += [
         "",
         f"**{counts['done']} units done, {counts['under way']} under way, {counts['to do']} to do.** "
-        f"Projected time left: {left_seconds / 3600:.2f} h at the measured speeds"
-        + (f", plus {unmeasured} units not measured yet" if unmeasured else "")
-        + " (a unit with no speed of its own takes its method's on the same data set, where measured).",
+        + (
+            "No unit has been measured yet: no projection."
+            if unmeasured == counts["under way"] + counts["to do"]
+            else f"Projected time left: {left_seconds / 3600:.2f} h at the measured speeds"
+            + (f", plus {unmeasured} units not measured yet" if unmeasured else "")
+            + " (a unit with no speed of its own takes its method's on the same data set, where measured)."
+        ),
         "",
         "## Jobs",
         "",
         "| started (UTC) | hardware | budget s | wall s | units at once | rounds per seed: before → after |",
         "|---|---|---|---|---|---|",
     ]
+    if not _jobs(kept):
+        lines.append("| none yet | | | | | |")
     for job in _jobs(kept):
         moved = "; ".join(f"{label}: {b} → {a}" for label, (b, a) in job["units"].items()) or "none"
         lines.append(

@@ -404,8 +404,9 @@ def dispatch(
 ) -> list[str]:
     """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
     finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
-    source failed, none within ``LAST_START`` seconds of ``stop_at``, and only those ``admit(running, job)`` lets in (None; else
-    it says why not: one it refuses with nothing running is not run).
+    source failed, none within ``LAST_START`` seconds of ``stop_at``, and only those
+    ``admit(running, job)`` lets in (None; else it says why not: one it refuses with nothing
+    running is not run).
     ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a failure line or
     None. Returns the failure lines."""
     needs = {job: sources(job, todo) for job in todo}

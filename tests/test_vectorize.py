@@ -103,9 +103,12 @@ def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, unev
     assert not torch.equal(seq_curves[:, -1], seq_curves[:, 0])  # personalization moved the accuracies
     assert seq_states.keys() == vec_states.keys()  # FedRep heads / the authors' Adam moments, per client
     for client_id, state in seq_states.items():
-        flat_seq = torch.cat([t.flatten().double() for t in _leaves(state)])
-        flat_vec = torch.cat([t.flatten().double() for t in _leaves(vec_states[client_id])])
-        torch.testing.assert_close(flat_vec, flat_seq, rtol=1e-8, atol=1e-10)
+        for seq, vec in zip(_leaves(state), _leaves(vec_states[client_id])):
+            # states kept in float32 (client_state_dtype) round there: a last-bit flip is not a difference
+            tight = seq.dtype == torch.float64
+            torch.testing.assert_close(
+                vec.double(), seq.double(), rtol=1e-8 if tight else 1.3e-6, atol=1e-10 if tight else 1e-8
+            )
 
 
 def _leaves(tree):
