@@ -122,6 +122,8 @@ def make_engine(cfg: DictConfig, device: torch.device) -> Engine:
             f"federation.capture=graph records CUDA graphs and needs a CUDA device, not {device.type}: "
             "use capture=static (the same layout, eagerly) or none"
         )
+    if capture == "graph":  # one fixed layout, recorded once: cuDNN may time its algorithms for it
+        torch.backends.cudnn.benchmark = True
     return Engine(vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes, capture)
 
 

@@ -79,6 +79,8 @@ def _train(
     fed = cfg.federation
     shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
     first = min(run.first_round for run in runs)
+    # a resumed run knows its rounds' time from before: the deadline is judged from the first round on
+    stopper.round_seconds = [seconds * len(runs) for seconds in runs[0].round_seconds[-5:]]
     label = (
         f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}"
         + (f" ×{len(runs)} seeds" if len(runs) > 1 else "")

@@ -195,15 +195,15 @@ def test_a_budget_stops_every_run_checkpointed_and_tables_keep_each_presets_sect
     a preset's section of TABLES.md is written beside the other presets' sections, never over them."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
-    args = ["table", "--datasets", "rmnist-shards", "--methods", "local", "--seeds", "0", *TINY]
+    args = ["table", "--datasets", "rmnist-shards", "--methods", "fedavg", "--seeds", "0", *TINY]
     assert main([*args, "federation.rounds=400", "federation.eval_every=400", "--budget", "45"]) == 0
     err = capsys.readouterr().err
-    assert "fedmeta: stopped: rmnist-shards/local/seed0: stopped after round" in err, err
+    assert "fedmeta: stopped: rmnist-shards/fedavg/seed0: stopped after round" in err, err
     assert "failed run" not in err
-    run = tmp_path / "runs" / "quick" / "rmnist-shards" / "local" / "seed0"
+    run = tmp_path / "runs" / "quick" / "rmnist-shards" / "fedavg" / "seed0"
     assert (run / "checkpoint.ckpt").is_file() and not (run / "summary.json").exists()
     done = len((run / "metrics.csv").read_text().splitlines()) - 1
-    assert main([*args, "federation.rounds=400", "federation.eval_every=400"]) == 0
+    assert main([*args, f"federation.rounds={done + 1}", "federation.eval_every=400"]) == 0  # one more round
     assert f'"resumed_at_round": {done}' in (run / "summary.json").read_text()
     quick = (tmp_path / "results" / "TABLES.md").read_text()
     assert main(["table", "--preset", "paper", "--no-run"]) == 0
