@@ -164,11 +164,19 @@ def run(campaign: DictConfig, budget: float, kept: Path, root: Path, parallel: i
     sizes: dict[grid.Job, float] = {}
 
     def admit(running: list[grid.Job], job: grid.Job) -> str | None:
+        if campaign.carry_mib is None:  # a shared file system: nothing travels between jobs
+            return None
         for one in (job, *running):
             sizes.setdefault(one, checkpoint_mib(one))
         total = sum(sizes[one] for one in running) + sizes[job]
         if total <= campaign.carry_mib:
             return None
+        if not running:
+            return (
+                f"its checkpoints (~{sizes[job]:.0f} MiB) alone pass carry_mib={campaign.carry_mib}, what a "
+                "job may leave for the next: run it where jobs share a disk (carry_mib: null in "
+                "configs/campaign.yaml) or in a job long enough to finish it"
+            )
         return (
             f"its checkpoints (~{sizes[job]:.0f} MiB) with the running units' would pass "
             f"carry_mib={campaign.carry_mib}"

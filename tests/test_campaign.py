@@ -121,6 +121,7 @@ def test_a_job_continues_the_units_under_way_first_within_what_it_may_carry(tmp_
         alone = [grid.Job(j.setting, j.method, j.seed, j.overrides) for j in jobs[:1]]
         refusals.append(admit([], alone[0]))
         refusals.append(admit(alone, jobs[-1]))
+        refusals.append(admit([], grid.stacked(jobs[:3])[0]))  # a unit's three seeds in one process
         return []
 
     monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
@@ -131,6 +132,7 @@ def test_a_job_continues_the_units_under_way_first_within_what_it_may_carry(tmp_
     assert [j.method for j in started[3:]] == [all_units[0].method] * 3 + [all_units[1].method] * 3
     # one seed's checkpoint alone fits 3 MiB (RMNIST's CNN, ~2.5 MiB); two seeds' do not
     assert refusals[0] is None and "would pass carry_mib=3" in refusals[1]
+    assert "alone pass carry_mib=3" in refusals[2] and "carry_mib: null" in refusals[2]
     assert (kept / "jobs.jsonl").read_text().count("\n") == 1 and record_["parallel"] == 1
 
 
