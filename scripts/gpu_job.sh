@@ -7,7 +7,8 @@
 # Carry .gpu/ (make gpu-kit: the wheels the card's image lacks, the data files of the settings).
 # Stages, each given its share of what is left and stopped at it:
 #   1. $OUT/gpu.txt: the machine, written first, whatever fails after;
-#   2. the kit's wheels whose module does not import, into /tmp/fedmeta-site (no network needed);
+#   2. the kit's wheels whose module does not import, into /tmp/fedmeta-site (no network needed),
+#      then the card's matmul peaks (fp32, TF32, bf16) added to gpu.txt;
 #   3. on a GPU, tests/test_capture.py's GPU tests (recorded against eager rounds, float64), at most
 #      EQUIVALENCE_SECONDS (default 45): if they fail, the table's runs do not record their rounds;
 #   4. fedmeta campaign --budget (what is left): the unfinished units of configs/campaign.yaml first,
@@ -79,6 +80,11 @@ if [ -d .gpu/data ]; then  # the kit's data files, and RMNIST's, which travels w
   export FEDMETA_DATA=${FEDMETA_DATA:-$PWD/.gpu/data}
 fi
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1 FEDMETA_CACHE=${FEDMETA_CACHE:-/tmp/fedmeta-cache}
+
+timeout 30 "$PY" -c "import torch; from fedmeta.bench import device_peaks
+d = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+print('matmul peaks, GFLOP/s:', {k: round(v) for k, v in device_peaks(d, 4096 if d.type == 'cuda' else 1024).items()})" \
+  >> "$OUT/gpu.txt" 2>&1 && tail -n 1 "$OUT/gpu.txt"  # the job's own peak, for the runs' % of it
 
 read -r -a RUN_ARGS <<< "${CAMPAIGN_ARGS:-}"
 if "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
