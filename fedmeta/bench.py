@@ -361,13 +361,24 @@ def speedups(rows: list[dict]) -> list[dict]:
     return result
 
 
+def fastest(rows: list[dict], new_clients: int) -> tuple[float, float]:
+    """The seconds of a round and of one evaluation of ``new_clients``, the fastest of bench rows."""
+    per_client = min(
+        r["evaluation_seconds"] / r["new_clients"]
+        if "evaluation_seconds" in r
+        else r["personalize_seconds_per_client"]
+        for r in rows
+    )
+    return min(r["seconds_per_round"] for r in rows), per_client * new_clients
+
+
 def project(result: dict, preset_name: str) -> list[str]:
     """Projected wall time of ``make table PRESET=preset_name`` on the machine of ``result``: per
     table setting whose data set was benched, every method × seed at its fastest measured way
     (sequential, vmap or stacked seeds; fp32), rounds × s/round per seed plus the preset's
     evaluations × one evaluation of the new clients. Partitions of one data set are costed alike."""
     from fedmeta.config import compose
-    from fedmeta.grid import fastest, load_preset, preset_budget, setting_dataset
+    from fedmeta.grid import load_preset, preset_budget, setting_dataset
 
     preset = load_preset(preset_name)
     lines, total = [], 0.0
@@ -554,7 +565,7 @@ def run(
             f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
             f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
             f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
-            f"{row['ops_per_round']:8.0f} {row['host_reads_per_round']:5d} {launches} "
+            f"{row['ops_per_round']:8.0f} {row['host_reads_per_round']:5.0f} {launches} "
             f"{row['personalize_seconds_per_client']:9.2f} {evaluation} "
             f"{row['peak_rss_mb']:8.0f}",
             flush=True,
