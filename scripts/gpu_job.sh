@@ -68,8 +68,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SITE=/tmp/fedmeta-site
 for wheel in .gpu/wheels/*.whl; do
   [ -e "$wheel" ] || break
-  module=$(unzip -Z1 "$wheel" | awk -F/ '/\/__init__\.py$/ && NF == 2 {print $1; exit}')
-  module=${module:-$(basename "$wheel" | cut -d- -f1)}
+  module=$("$PY" -c "import sys, zipfile  # the wheel's first package, else its name
+names = [n.split('/')[0] for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.count('/') == 1 and n.endswith('/__init__.py')]
+print(names[0] if names else sys.argv[1].split('/')[-1].split('-')[0])" "$wheel")
   "$PY" -c "import $module" 2>/dev/null && continue
   timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$wheel" \
     && at "installed $(basename "$wheel")"
