@@ -103,13 +103,17 @@ def carry_in(unit: Unit, kept: Path, root: Path) -> str | None:
         problem = _foreign(source / "checkpoint.ckpt", compose(list(job.overrides)))
         if problem:
             return f"{source / 'checkpoint.ckpt'} {problem}: delete it to start that run over"
-        if _rounds_done(target, unit.rounds) >= _rounds_done(source, unit.rounds):
-            continue
-        target.mkdir(parents=True, exist_ok=True)
-        for name in CARRIED:
-            if (source / name).is_file():
-                shutil.copy2(source / name, target / name)
+        if _rounds_done(target, unit.rounds) < _rounds_done(source, unit.rounds):
+            _copy_run(source, target)
     return None
+
+
+def _copy_run(source: Path, target: Path) -> None:
+    """An unfinished run's files and checkpoint, from one runs folder to another."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in CARRIED:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
 
 
 def _foreign(path: Path, cfg: DictConfig) -> str | None:
@@ -215,10 +219,7 @@ def carry_out(todo: list[Unit], root: Path, kept: Path) -> float:
             if (target / "summary.json").is_file():
                 (target / "checkpoint.ckpt").unlink(missing_ok=True)
             elif (source / "checkpoint.ckpt").is_file() and not (source / "summary.json").is_file():
-                target.mkdir(parents=True, exist_ok=True)
-                for name in CARRIED:
-                    if (source / name).is_file():
-                        shutil.copy2(source / name, target / name)
+                _copy_run(source, target)
                 total += (target / "checkpoint.ckpt").stat().st_size / 2**20
     return total
 

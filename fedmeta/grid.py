@@ -476,10 +476,10 @@ def _last_line(text: str) -> str:
 def _failure(job: Job, code, log: Path) -> str | None:
     if code == 0:
         return None
+    said = _last_line(log.read_text() if log.exists() else "")
     if code == RunStopped.EXIT_STATUS:
-        said = _last_line(log.read_text() if log.exists() else "").removeprefix("fedmeta: ")
-        return f"{STOPPED}: {job.label}: {said}"
-    return f"{job.label}: exit {code}: {_last_line(log.read_text() if log.exists() else '')} (log: {log})"
+        return f"{STOPPED}: {job.label}: {said.removeprefix('fedmeta: ')}"
+    return f"{job.label}: exit {code}: {said} (log: {log})"
 
 
 def _run_pool(
