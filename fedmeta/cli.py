@@ -318,16 +318,27 @@ def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status. A reader that stops reading early
     (``fedmeta train --help | head -3``) ends the command quietly, with a pipe writer's status."""
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # a buffered stdout (no PYTHONUNBUFFERED) meets a closed pipe here, not at exit
+        return status
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout on exit
+        _stdout_to_devnull()
         return 141  # 128 + SIGPIPE, as the shell reports a writer whose reader went away
+
+
+def _stdout_to_devnull() -> None:
+    """What is left in stdout's buffer goes nowhere: Python flushes it on exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _main(argv: list[str] | None) -> int:
     try:
         args = parse(argv)
     except SystemExit as exit_:  # --help (0) or a usage error, said in one line (2)
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:  # argparse's help ignores a reader that left; so does its flush
+            _stdout_to_devnull()
         return int(exit_.code or 0)
 
     try:
