@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +33,15 @@ CONFIG_DIR = (
     if (_CHECKOUT_CONFIGS / "config.yaml").is_file()
     else Path(__file__).resolve().parent / "configs"
 )
-# Where fedmeta tune writes tuned variants: the checkout's configs/, or (installed: never into
-# site-packages) $FEDMETA_CONFIG_HOME, else ~/.config/fedmeta — read after CONFIG_DIR.
-USER_CONFIG_DIR = (
-    CONFIG_DIR
-    if CONFIG_DIR == _CHECKOUT_CONFIGS
-    else Path(os.environ.get("FEDMETA_CONFIG_HOME") or Path.home() / ".config" / "fedmeta").expanduser()
-)
+
+
+def user_config_dir() -> Path:
+    """The user's own config files: $FEDMETA_CONFIG_HOME, else ~/.config/fedmeta. Read before
+    CONFIG_DIR (a file of the same name there wins), checkout or installed package alike; fedmeta
+    tune writes its tuned variants here."""
+    return Path(os.environ.get("FEDMETA_CONFIG_HOME") or Path.home() / ".config" / "fedmeta").expanduser()
+
+
 GROUPS = ("dataset", "partition", "method", "variant")
 GROUP_WORDS = {
     "dataset": "data set",
@@ -53,14 +56,48 @@ PRECISIONS = ("32-true", "32", "64-true", "bf16-true", "16-true", "bf16-mixed", 
 
 
 def _group_dirs(group: str, config_dir: Path) -> list[Path]:
-    """Where a group's files are: ``config_dir``, and for the installed configs also the user's folder."""
-    return [config_dir / group] + (
-        [USER_CONFIG_DIR / group] if config_dir == CONFIG_DIR != USER_CONFIG_DIR else []
-    )
+    """Where a group's files are: the user's folder first (for the package's configs), then ``config_dir``."""
+    user = user_config_dir()
+    return ([user / group] if config_dir == CONFIG_DIR and user != CONFIG_DIR else []) + [config_dir / group]
+
+
+_SKIPPED: dict[Path, str] = {}  # a user's file that is not a config, and why: said once per process
+
+
+def _readable(path: Path, config_dir: Path) -> bool:
+    """Whether ``path`` can be read as a config file. The package's files are; a user's file that
+    is not a regular file, not UTF-8 YAML or not a mapping is skipped with one notice, so that
+    one broken file in the user's folder does not break every command (``--help`` included)."""
+    if config_dir in path.parents:
+        return True
+    if path not in _SKIPPED:
+        why = ""
+        if not path.is_file():  # a folder, a pipe (which would block the read), a dangling link
+            why = "not a regular file"
+        elif path.stat().st_size > 1 << 20:
+            why = "over 1 MiB"
+        else:
+            try:
+                why = (
+                    "" if isinstance(OmegaConf.load(path), DictConfig) else "not a mapping of keys to values"
+                )
+            except Exception as exc:  # YAML's parser errors, bytes that are not UTF-8
+                why = f"does not parse as YAML ({type(exc).__name__})"
+        _SKIPPED[path] = why
+        if why:
+            print(f"fedmeta: note: skipped {path}: {why}", file=sys.stderr)
+    return not _SKIPPED[path]
 
 
 def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
-    return sorted({p.stem for folder in _group_dirs(group, config_dir) for p in folder.glob("*.yaml")})
+    return sorted(
+        {
+            p.stem
+            for folder in _group_dirs(group, config_dir)
+            for p in folder.glob("*.yaml")
+            if _readable(p, config_dir)
+        }
+    )
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a file name of a config folder, or a setting: no path
@@ -120,21 +157,31 @@ def group_file(group: str, name: str, config_dir: Path = CONFIG_DIR) -> Path:
         (
             folder / f"{name}.yaml"
             for folder in _group_dirs(group, config_dir)
-            if (folder / f"{name}.yaml").is_file()
+            if plain and (folder / f"{name}.yaml").exists() and _readable(folder / f"{name}.yaml", config_dir)
         ),
         None,
     )
     if not plain or path is None:
+        where = " and ".join(str(folder) for folder in _group_dirs(group, config_dir))
         raise FedmetaError(
-            f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)}"
+            f"unknown {GROUP_WORDS[group]} {name!r}: choose one of {group_choices(group, config_dir)} "
+            f"(the files in {where})"
         )
     return path
 
 
-def load_group(group: str, name: str, config_dir: Path) -> DictConfig:
-    cfg = OmegaConf.load(group_file(group, name, config_dir))
+def load_group(group: str, name: str, config_dir: Path, _seen: tuple[str, ...] = ()) -> DictConfig:
+    """A choice's file merged over the file it ``inherits`` (a file of the user's may inherit a package's)."""
+    path = group_file(group, name, config_dir)
+    _require(name not in _seen, f"{path} inherits itself (through {' → '.join(_seen)}): break the loop")
+    cfg = OmegaConf.load(path)
     parent = cfg.pop("inherits", None)
-    return OmegaConf.merge(load_group(group, parent, config_dir), cfg) if parent else cfg
+    if not parent:
+        return cfg
+    try:
+        return OmegaConf.merge(load_group(group, parent, config_dir, (*_seen, name)), cfg)
+    except OmegaConfBaseException as exc:
+        raise FedmetaError(f"{path} does not fit the file it inherits: {str(exc).splitlines()[0]}") from None
 
 
 @dataclass(frozen=True)
@@ -150,6 +197,24 @@ def method_card(name: str, config_dir: Path = CONFIG_DIR) -> MethodCard:
     cfg = load_group("method", name, config_dir)
     tune = cfg.get("tune")
     return MethodCard(str(cfg.get("label") or name), OmegaConf.to_container(tune) if tune else {})
+
+
+def _layers(choice: dict, base: DictConfig, config_dir: Path) -> tuple[list[DictConfig], str, dict]:
+    """The chosen files in merge order, the variant, and the data set and partition picked."""
+    dataset = load_group("dataset", choice["dataset"] or base.defaults.dataset, config_dir)
+    partition = load_group("partition", choice["partition"] or dataset.pop("default_partition"), config_dir)
+    dataset.pop("default_partition", None)
+    method = load_group("method", choice["method"] or base.defaults.method, config_dir)
+    layers = [base, dataset, partition, method]
+    variant = choice["variant"] or base.defaults.variant
+    if variant != "paper":  # the method file itself is the "paper" setting
+        name = method.method.name
+        available = ["paper", *group_choices(f"variant/{name}", config_dir)]
+        if variant not in available:
+            raise FedmetaError(f"method {name!r} has no variant {variant!r}: choose one of {available}")
+        layers.append(load_group("variant", f"{name}/{variant}", config_dir))
+    picked = {"dataset": dataset.dataset.name, "partition": partition.partition.name}
+    return layers, variant, picked
 
 
 def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -172,19 +237,13 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
             settings.append(override)
     base = OmegaConf.load(config_dir / "config.yaml")
 
-    dataset = load_group("dataset", choice["dataset"] or base.defaults.dataset, config_dir)
-    partition = load_group("partition", choice["partition"] or dataset.pop("default_partition"), config_dir)
-    dataset.pop("default_partition", None)
-    method = load_group("method", choice["method"] or base.defaults.method, config_dir)
-    layers = [base, dataset, partition, method]
-    variant = choice["variant"] or base.defaults.variant
-    if variant != "paper":  # the method file itself is the "paper" setting
-        name = method.method.name
-        available = ["paper", *group_choices(f"variant/{name}", config_dir)]
-        if variant not in available:
-            raise FedmetaError(f"method {name!r} has no variant {variant!r}: choose one of {available}")
-        layers.append(load_group("variant", f"{name}/{variant}", config_dir))
-    picked = {"dataset": dataset.dataset.name, "partition": partition.partition.name}
+    try:
+        layers, variant, picked = _layers(choice, base, config_dir)
+    except OmegaConfBaseException as exc:  # a file of the user's without a key every such file has
+        raise FedmetaError(
+            f"a chosen config file lacks {getattr(exc, 'full_key', None) or str(exc).splitlines()[0]!r}: "
+            f"check your own files in {user_config_dir()}"
+        ) from None
     for layer in list(
         layers
     ):  # ``when: {dataset=rmnist: {...}}``: settings for one data set or partition only
@@ -201,7 +260,13 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
         layer.pop("label", None)
         layer.pop("tune", None)
         choices |= OmegaConf.to_container(layer.pop("choices", None) or OmegaConf.create())
-    cfg = OmegaConf.merge(*layers)
+    try:
+        cfg = OmegaConf.merge(*layers)
+    except OmegaConfBaseException as exc:  # a file of the user's whose values do not fit the keys they set
+        raise FedmetaError(
+            f"the chosen config files do not merge ({str(exc).splitlines()[0]}): check your own files "
+            f"in {user_config_dir()}"
+        ) from None
     cfg.variant = variant
     del cfg["defaults"]
     OmegaConf.set_struct(cfg, True)

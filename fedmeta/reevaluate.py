@@ -57,6 +57,14 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
             "it is not the config.yaml fedmeta wrote for this run"
         ) from None
     base = compose(choices)
+    named = OmegaConf.select(saved, "method.algorithm", default=None)
+    if named is not None and named != base.method.algorithm:
+        # A run folder is data: it may come from anyone, and its config must never choose code to import.
+        raise FedmetaError(
+            f"{run_dir / 'config.yaml'} names method.algorithm {str(named)[:80]!r}, but method "
+            f"{saved.method.name!r} is {base.method.algorithm!r} here: fedmeta imports no code a run folder "
+            "names; evaluate it where that method's file is installed, or correct the file"
+        )
     try:  # today's defaults under the saved config, so runs from before a new key still load
         OmegaConf.set_struct(base, False)
         cfg = OmegaConf.merge(base, saved)

@@ -6,15 +6,20 @@ with the values TPE proposes; its new-client accuracy at each intermediate evalu
 to the study, and the median pruner stops trials that fall below the median of the earlier ones at
 the same round. The study lives in a database (SQLite under ``runs/tune/`` by default, or any
 database URL several machines can share), so a study that is interrupted — or run from several
-machines at once — continues where it is. After every finished trial the best settings so far are
-written to ``configs/variant/<method>/tuned.yaml`` (``variant=tuned``) and the study's summary to
-``tuned.study.md`` beside it.
+machines at once — continues where it is, but only under the settings it was started with. After
+every finished trial the best settings so far are written to ``<config home>/variant/<method>/tuned.yaml``
+(``variant=tuned``; the config home is $FEDMETA_CONFIG_HOME, else ~/.config/fedmeta, read before the
+package's configs/) and the study's summary to ``tuned.study.md`` beside it. The package's committed
+``configs/variant/<method>/tuned.yaml`` is replaced only with ``--replace-committed``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import re
 import time
 import warnings
 import zlib
@@ -23,7 +28,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, compose, group_choices, method_card, setting_name
+from fedmeta.config import CONFIG_DIR, compose, group_choices, method_card, setting_name, user_config_dir
 from fedmeta.errors import FedmetaError
 
 MARK = "# written by fedmeta tune:"  # in the header of a tuned.yaml this command may replace
@@ -80,6 +85,8 @@ class Study:
         root: Path = Path("runs/tune"),
         config_dir: Path = CONFIG_DIR,
         overwrite: bool = False,
+        new_study: bool = False,
+        replace_committed: bool = False,
     ):
         tunable = [m for m in group_choices("method", config_dir) if method_card(m, config_dir).tune]
         if method not in tunable:
@@ -119,34 +126,60 @@ class Study:
                     f"configs/method/{method}.yaml: its tune: block searches {key}, which its config does not have"
                 )
         self.setting = setting_name(cfg)
-        self.name = f"{method}-{self.setting}-{self.rounds}rounds-seed{self.seed}"
+        # What a study's trials must share; recorded in the study, compared when it is continued.
+        self.settings = {"overrides": self.base, "space": self.space}
+        digest = hashlib.sha1(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:8]
+        self.name = f"{method}-{self.setting}-{self.rounds}rounds-seed{self.seed}" + (
+            f"-{digest}" if new_study else ""
+        )
         self.root = root / self.name
         if storage is not None and not storage.strip():
             raise FedmetaError(
                 "--storage is empty: give a database URL (e.g. sqlite:///studies.db), or leave the option "
                 "out for the default SQLite file under runs/tune/"
             )
-        self.out = (
-            (USER_CONFIG_DIR if config_dir == CONFIG_DIR else config_dir)
-            / "variant"
-            / cfg.method.name
-            / "tuned.yaml"
-        )
-        if self.out.exists() and MARK not in self.out.read_text() and not overwrite:
+        variant_file = Path("variant") / cfg.method.name / "tuned.yaml"
+        home = user_config_dir() if config_dir == CONFIG_DIR else config_dir
+        self.out = (config_dir if replace_committed else home) / variant_file
+        self.replaces = self._replaces(self.out)
+        if self.replaces and not overwrite and not replace_committed:
             raise FedmetaError(
-                f"{self.out} was written by hand, not by fedmeta tune: pass --overwrite to replace it"
+                f"{self.out} holds {self.replaces}: pass --overwrite to replace it with this study's values"
             )
+        committed = config_dir / variant_file
+        self.shadows = (
+            f"; variant=tuned reads it before {committed} ({self._replaces(committed) or 'none'})"
+            if self.out != committed and committed.is_file()
+            else ""
+        )
         root.mkdir(parents=True, exist_ok=True)  # every input checked: only now is anything created
         self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
         self.storage_label = (
             storage or f"SQLite, {root / 'studies.db'}"
         )  # what the summary says: no machine's absolute path
 
+    def _replaces(self, path: Path) -> str | None:
+        """What ``path`` holds that this study would replace: None when absent or this study's own."""
+        if not path.is_file():
+            return None
+        text = path.read_text(errors="replace")[:2000]
+        study = re.search(re.escape(MARK) + r" (\S+)", text)
+        if study and study[1] == self.name:
+            return None
+        if not study:
+            return "values written by hand, not by fedmeta tune"
+        score = re.search(r"accuracy of that trial: ([\d.]+) %", text)
+        size = re.search(r"The best of (\d+) trials", text)
+        return f"the best of {size[1] if size else '?'} trials of study {study[1]}" + (
+            f", {score[1]} %" if score else ""
+        )
+
     def run(self, show_progress: bool = True) -> dict:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = self._open(optuna)
+        self._check_settings(study)
         done = [
             t
             for t in study.trials
@@ -167,8 +200,29 @@ class Study:
             "study": self.name,
             "best_accuracy": study.best_value,
             "best": study.best_params,
-            "tuned": str(self.out),
+            "tuned": str(self.out)
+            + (f" (replacing {self.replaces})" if self.replaces else "")
+            + self.shadows,
         }
+
+    def _check_settings(self, study) -> None:
+        """A new study records its settings; a continued one must have been started with the same."""
+        saved, settings = study.user_attrs.get("settings"), json.loads(json.dumps(self.settings))
+        if saved is None:
+            study.set_user_attr("settings", settings)
+            return
+        if saved == settings:
+            return
+        before, now = (dict(o.split("=", 1) for o in s["overrides"]) for s in (saved, settings))
+        changes = [
+            f"{key}={before.get(key, '(unset)')} then, {now.get(key, '(unset)')} now"
+            for key in sorted(before.keys() | now.keys())
+            if before.get(key) != now.get(key)
+        ] + (["its search space"] if saved["space"] != settings["space"] else [])
+        raise FedmetaError(
+            f"study {self.name} was started under other settings ({'; '.join(changes)}): its trials would "
+            "mix with these; run it with the settings it has, or pass --new-study to start a study of these"
+        )
 
     def _open(self, optuna, attempts: int = 3):
         """The study, created or continued. Two studies started at once on a new database both

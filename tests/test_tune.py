@@ -21,9 +21,10 @@ TINY = [
 
 
 @pytest.mark.slow
-def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, mnist_dir):
-    configs = tmp_path / "configs"
-    shutil.copytree(CONFIG_DIR, configs)
+def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, mnist_dir, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(home))
+    committed = (CONFIG_DIR / "variant" / "perfedavg" / "tuned.yaml").read_bytes()
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
 
     def study(trials: int) -> Study:
@@ -35,20 +36,21 @@ def test_study_writes_the_best_trial_as_the_tuned_variant_and_resumes(tmp_path, 
             seed=None,
             storage=storage,
             root=tmp_path / "runs",
-            config_dir=configs,
         )
 
     result = study(3).run(show_progress=False)
-    tuned = configs / "variant" / "perfedavg" / "tuned.yaml"
+    tuned = home / "variant" / "perfedavg" / "tuned.yaml"  # the user's config home, not the package's
+    assert (CONFIG_DIR / "variant" / "perfedavg" / "tuned.yaml").read_bytes() == committed
+    assert "variant=tuned reads it before" in result["tuned"]
     text = tuned.read_text()
     assert MARK in text and "tuning seed 100" in text
     best = OmegaConf.load(tuned)
     assert best.method.inner_lr == result["best"]["method.inner_lr"]
-    space = method_card("perfedavg", configs).tune
+    space = method_card("perfedavg").tune
     for key, bounds in space.items():
         low, high = bounds["log"]
         assert low <= OmegaConf.select(best, key) <= high
-    cfg = compose(["method=perfedavg", "variant=tuned"], configs)  # the result is a variant like any other
+    cfg = compose(["method=perfedavg", "variant=tuned"])  # the result is a variant like any other
     assert cfg.personalization.lr == result["best"]["personalization.lr"]
     table = (tuned.parent / "tuned.study.md").read_text()
     assert table.count("| complete |") + table.count("| pruned |") == 3
@@ -101,7 +103,7 @@ def test_each_study_draws_its_own_values_and_the_model_proposes_half_of_them(tmp
     tuned.write_text(
         f"# The best of 20 trials …\n{MARK} fedrep-rmnist-shards-10rounds-seed100 (trial 13 of 20)\n"
     )
-    monkeypatch.setattr(report, "USER_CONFIG_DIR", tmp_path)
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path))
     assert report.method_label("fedrep-tuned") == "FedRep (tuned: trial 13 of 20)"
 
 
@@ -152,7 +154,7 @@ def test_a_tuned_row_run_with_an_earlier_studys_values_says_so(tmp_path, monkeyp
         f"# The best of 20 trials …\n{MARK} fedrep-rmnist-shards-10rounds-seed100 (trial 13 of 20)\n"
         "method:\n  local_lr: 0.02\npersonalization:\n  lr: 0.01\n"
     )
-    monkeypatch.setattr(report, "USER_CONFIG_DIR", tmp_path)
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path))
     same, earlier = tmp_path / "run0", tmp_path / "run1"
     for folder, lr in ((same, 0.02), (earlier, 0.05)):
         folder.mkdir()
@@ -161,3 +163,50 @@ def test_a_tuned_row_run_with_an_earlier_studys_values_says_so(tmp_path, monkeyp
     assert report.method_label("fedrep-tuned", [same, earlier]) == (
         "FedRep (tuned: an earlier study's values, not those of tuned.yaml now)"
     )
+
+
+def test_a_study_neither_replaces_a_committed_variant_nor_mixes_settings(tmp_path, monkeypatch):
+    """`fedmeta tune fedavg_ft --trials 2 --rounds 1` once replaced the committed tuned.yaml (the
+    best of 20 trials) unasked, and continued a study started under other settings."""
+    import optuna
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(home))
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+
+    def study(overrides: list[str], **flags) -> Study:
+        return Study("fedavg_ft", overrides, 2, 1, None, storage, root=tmp_path / "runs", **flags)
+
+    first = study(["federation.clients_per_round=5"])
+    assert first.out == home / "variant" / "fedavg_ft" / "tuned.yaml" and not first.replaces
+    first._check_settings(first._open(optuna))  # a new study records its settings
+    second = study(["federation.clients_per_round=2"])
+    with pytest.raises(FedmetaError, match=r"other settings \(federation.clients_per_round=5 then, 2 now\)"):
+        second._check_settings(second._open(optuna))
+    third = study(["federation.clients_per_round=2"], new_study=True)
+    assert third.name != first.name and third.name.startswith(first.name)
+    third._check_settings(third._open(optuna))
+
+    (home / "variant" / "fedavg_ft").mkdir(parents=True)
+    shutil.copy(CONFIG_DIR / "variant" / "fedavg_ft" / "tuned.yaml", first.out)  # another study's values
+    with pytest.raises(
+        FedmetaError, match=r"holds the best of 20 trials of study .*98.46 %: pass --overwrite"
+    ):
+        study(["federation.clients_per_round=5"])
+    assert study(["federation.clients_per_round=5"], overwrite=True).replaces.endswith("98.46 %")
+
+    configs = tmp_path / "configs"  # the package's own file: replaced only when asked, naming what it held
+    shutil.copytree(CONFIG_DIR, configs)
+    replacing = Study(
+        "fedavg_ft",
+        [],
+        2,
+        1,
+        None,
+        storage,
+        root=tmp_path / "runs",
+        config_dir=configs,
+        replace_committed=True,
+    )
+    assert replacing.out == configs / "variant" / "fedavg_ft" / "tuned.yaml"
+    assert "98.46 %" in replacing.replaces

@@ -8,6 +8,8 @@ configs/method/<name>.yaml. docs/extending.md walks through adding one.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from lightning.fabric.plugins import Precision
 
@@ -34,14 +36,17 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
-    """A registered algorithm, or ``package.module:Class`` — an Algorithm subclass of your own package."""
+    """A registered algorithm, or ``package.module:Class`` — an Algorithm subclass of your own package,
+    named by a method file of your own (never by a run folder: see ``fedmeta.reevaluate``). It is
+    imported from the installed packages and $PYTHONPATH, never from the working folder that
+    ``python -m`` puts first on the path, where someone else's files (a shared run folder) may lie."""
     if name in ALGORITHMS:
         return ALGORITHMS[name]
     module, _, attribute = str(name).partition(":")
     found = None
     if attribute:
         try:
-            found = getattr(importlib.import_module(module), attribute, None)
+            found = getattr(_import_outside_working_folder(module), attribute, None)
         except ImportError as exc:
             raise FedmetaError(
                 f"method.algorithm {name!r}: cannot import {module} ({exc}): is its package on the path?"
@@ -52,6 +57,17 @@ def algorithm_class(name: str) -> type[Algorithm]:
         f"unknown algorithm {name!r}: choose one of {sorted(ALGORITHMS)}, or give package.module:Class "
         "of an Algorithm subclass"
     )
+
+
+def _import_outside_working_folder(module: str):
+    """``python -m`` puts the working folder first on the path; $PYTHONPATH's entries stay."""
+    path = sys.path[:]
+    if path and path[0] in ("", os.getcwd()):
+        del sys.path[0]
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path[:] = path
 
 
 def build_model(cfg, num_classes: int, sources: tuple[str, ...] = ()):

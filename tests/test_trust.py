@@ -1,0 +1,115 @@
+"""What fedmeta reads from files others may have written — a shared run folder, the user's config
+home, a tuning study — is data: it never chooses code to import, never breaks a command, and a
+study never replaces or mixes results without being told to."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from fedmeta.config import compose
+from fedmeta.errors import FedmetaError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shared_run(folder: Path, algorithm: str) -> Path:
+    """A finished run's folder as someone might share it: its config naming ``algorithm``."""
+    run = folder / "rmnist-shards" / "local" / "seed0"
+    run.mkdir(parents=True)
+    cfg = compose(["method=local"])
+    cfg.method.algorithm = algorithm
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run / "checkpoint.ckpt").write_bytes(b"")
+    (run / "summary.json").write_text("{}")
+    return run
+
+
+def fedmeta(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m fedmeta.cli`` (as torchrun runs it): the working folder is first on its path."""
+    return subprocess.run(
+        [sys.executable, "-m", "fedmeta.cli", *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("probe", ["this:Y", "antigravity:X", "evil:X"])
+def test_a_run_folder_that_names_a_module_runs_nothing(tmp_path, probe):
+    """The three probes: the Zen of Python printed, $BROWSER started, a file of the folder imported.
+    Each is refused in one line before any import."""
+    run = shared_run(tmp_path / "shared", probe)
+    outside = tmp_path / "written-outside"
+    (run / "evil.py").write_text(f"open({str(outside)!r}, 'w').write('ran')\nclass X: pass\n")
+    browser = tmp_path / "browser.sh"
+    browser.write_text(f"#!/bin/sh\ntouch {outside}\n")
+    browser.chmod(0o755)
+    result = fedmeta(["evaluate", "."], cwd=run, env={"BROWSER": str(browser)})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "fedmeta imports no code a run folder names" in result.stderr
+    assert "Beautiful is better than ugly" not in result.stdout + result.stderr
+    assert not outside.exists()
+
+
+def test_a_module_of_ones_own_is_not_imported_from_the_working_folder(tmp_path, monkeypatch):
+    """``module:Class`` typed in one's own method file resolves through the installed packages and
+    $PYTHONPATH; a same-named file in the working folder (first on ``python -m``'s path) is not read."""
+    from fedmeta.algorithms import algorithm_class
+
+    (tmp_path / "planted.py").write_text("raise SystemExit('imported from the working folder')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as python -m fedmeta.cli, run here, would have it
+    with pytest.raises(FedmetaError, match="cannot import planted"):
+        algorithm_class("planted:Algorithm")
+
+
+BROKEN_FILES = {
+    "garbage": b"\x00\xff{[: not yaml",
+    "a list": b"- a\n- b\n",
+    "not UTF-8": b"method:\n  name: \xff\xfe\n",
+    "empty": b"",
+}
+
+
+@pytest.mark.parametrize("kind", [*BROKEN_FILES, "fifo", "folder"])
+def test_a_broken_file_in_the_config_home_is_skipped_with_one_notice(tmp_path, monkeypatch, kind):
+    from fedmeta.cli import main
+
+    home = tmp_path / "home"
+    (home / "method").mkdir(parents=True)
+    path = home / "method" / "mine.yaml"
+    if kind == "fifo":
+        os.mkfifo(path)  # read, it would block every command for ever
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(BROKEN_FILES[kind])
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(home))
+    result = fedmeta(["train", "--help"], cwd=tmp_path, env={"FEDMETA_CONFIG_HOME": str(home)})
+    assert result.returncode == 0 and "cafeme" in result.stdout
+    notes = [line for line in result.stderr.splitlines() if line.startswith("fedmeta: note: skipped")]
+    assert len(notes) == (kind != "empty") == len(result.stderr.splitlines()), result.stderr
+    assert main(["train", "method=cafeme", "--print-config"]) == 0  # every other choice still works
+
+
+def test_the_config_home_is_read_first_in_a_checkout_too(tmp_path, monkeypatch):
+    """An editable install reads $FEDMETA_CONFIG_HOME as an installed one does; an unknown name says
+    where fedmeta looked."""
+    home = tmp_path / "home"
+    (home / "method").mkdir(parents=True)
+    (home / "method" / "fedavg_slow.yaml").write_text(
+        "# FedAvg at a tenth of the step size.\ninherits: fedavg\nmethod:\n  name: fedavg_slow\n  local_lr: 0.001\n"
+    )
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(home))
+    assert compose(["method=fedavg_slow"]).method.local_lr == 0.001
+    with pytest.raises(FedmetaError, match=f"unknown method 'nope'.*{home / 'method'}"):
+        compose(["method=nope"])
+    (home / "method" / "loop.yaml").write_text("inherits: loop\n")
+    with pytest.raises(FedmetaError, match="inherits itself"):
+        compose(["method=loop"])
