@@ -383,19 +383,24 @@ class Engine:
         )
 
     # ---- the shared test-time procedure ------------------------------------------------------
-    def personalization_curves(self, lanes: list[Lane], cfg) -> torch.Tensor:
-        """(lanes, steps + 1): each new client's held-out accuracy after 0…steps personalization steps."""
+    def personalization_curves(
+        self, lanes: list[Lane], cfg, done: Callable[[int], None] = lambda clients: None
+    ) -> torch.Tensor:
+        """(lanes, steps + 1): each new client's held-out accuracy after 0…steps personalization steps.
+        ``done(n)`` is called as each n clients are finished (a progress bar)."""
         if not lanes:
             return torch.empty(0, cfg.steps + 1)
         if self.vectorize and len(lanes) > 1:
             try:
-                return torch.cat(self._in_chunks(lambda c: self._vectorized_curves(c, cfg), lanes))
+                return torch.cat(
+                    self._in_chunks(lambda c: _then(self._vectorized_curves(c, cfg), done, len(c)), lanes)
+                )
             except (FedmetaError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 — vmap could not run it: one at a time instead
                 self._give_up(lanes[0][0], exc)
 
-        return torch.stack(self.map(lambda item: personalize_client(*item, cfg)[1], lanes))
+        return torch.stack(self.map(lambda item: _then(personalize_client(*item, cfg)[1], done, 1), lanes))
 
     def _vectorized_curves(self, lanes: list[Lane], cfg) -> torch.Tensor:
         algorithm = _for_vmap(lanes)
@@ -420,3 +425,8 @@ class Engine:
         for (_, client), client_losses in zip(lanes, losses):
             check_finite(client, client_losses)
         return curves.cpu()
+
+
+def _then(result, done: Callable[[int], None], clients: int):
+    done(clients)
+    return result

@@ -67,6 +67,22 @@ def train(
             run.lock.release()  # a run that failed to set up never took its lock
 
 
+def _evaluate(
+    fabric: Fabric, runs: list, cfg: DictConfig, engine: Engine, show_progress: bool, round_: int
+) -> list:
+    """``evaluate_on_ranks`` with a progress bar of its own: an evaluation (every new client
+    personalized for ``personalization.steps`` steps) may take longer than many rounds."""
+    clients = sum(len(run.federation.new_clients[fabric.global_rank :: fabric.world_size]) for run in runs)
+    with tqdm(
+        total=clients,
+        desc=f"round {round_}: personalizing the new clients",
+        unit="client",
+        leave=False,
+        disable=not (show_progress and fabric.is_global_zero),
+    ) as bar:
+        return evaluate_on_ranks(fabric, runs, cfg.personalization, engine, bar.update)
+
+
 def _train(
     fabric: Fabric,
     cfg: DictConfig,
@@ -121,7 +137,7 @@ def _train(
         ]
         tick = time.perf_counter()
         results = (
-            evaluate_on_ranks(fabric, [run.federated for run in evaluating], cfg.personalization, engine)
+            _evaluate(fabric, [run.federated for run in evaluating], cfg, engine, show_progress, round_)
             if evaluating
             else []
         )
@@ -176,7 +192,7 @@ def _train(
         final
     ):  # resumed at its last round (rounds lowered to the checkpoint's): the final evaluation is still due
         for run, result in zip(
-            final, evaluate_on_ranks(fabric, [r.federated for r in final], cfg.personalization, engine)
+            final, _evaluate(fabric, [r.federated for r in final], cfg, engine, show_progress, fed.rounds)
         ):
             run.result = result
             run.recorder.log_curve(fed.rounds, result.curve)

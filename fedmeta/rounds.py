@@ -204,16 +204,20 @@ def federated_round(
 
 
 def evaluate_on_ranks(
-    fabric: Fabric, runs: list[Federated], personalization: DictConfig, engine: Engine | None = None
+    fabric: Fabric,
+    runs: list[Federated],
+    personalization: DictConfig,
+    engine: Engine | None = None,
+    done: Callable[[int], None] = lambda clients: None,
 ) -> list[PersonalizationResult]:
     """The shared test-time procedure on every federation's new clients, all computed together
     and spread over the Fabric world like a round (rank r takes clients r, r+W, …); each
-    federation's curves are gathered back in client order."""
+    federation's curves are gathered back in client order. ``done(n)``: n of this rank's clients finished."""
     engine = engine or Engine()
     world, rank = fabric.world_size, fabric.global_rank
     mine = [run.federation.new_clients[rank::world] for run in runs]
     curves = engine.personalization_curves(
-        [(run.algorithm, c) for run, clients in zip(runs, mine) for c in clients], personalization
+        [(run.algorithm, c) for run, clients in zip(runs, mine) for c in clients], personalization, done
     )
     results, offset = [], 0
     for run, clients in zip(runs, mine):

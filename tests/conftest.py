@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,11 @@ import torch
 from fedmeta.data import load_dataset
 from fedmeta.data.sources import data_dir
 
-os.environ.setdefault("WANDB_MODE", "disabled")
+# W&B as a user has it (offline, unless $WANDB_MODE says otherwise), its own files (settings, cache,
+# staged artifacts) in a temporary home rather than the user's
+_wandb_home = tempfile.mkdtemp(prefix="fedmeta-tests-wandb-")
+for _variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+    os.environ.setdefault(_variable, _wandb_home)
 # Small batches: one thread is as fast as two on a quiet machine and far faster on a busy one
 # (OpenMP threads spin against any other load).
 torch.set_num_threads(1)

@@ -99,9 +99,9 @@ class CAFeMe(Algorithm):
         held_out = len(client.indices("held_out"))
         if cfg.eval_batch_size is not None and held_out < cfg.eval_batch_size and not self.said_outer_size:
             self.said_outer_size = True
-            log.warning(
-                f"CAFeMe: the outer batch is a client's whole held-out split where it holds fewer than "
-                f"method.eval_batch_size={cfg.eval_batch_size} images (client {client.id}: {held_out})"
+            log.info(  # the protocol's, as the authors' code has it: nothing to act on
+                f"CAFeMe: a client with fewer than method.eval_batch_size={cfg.eval_batch_size} held-out images "
+                f"(client {client.id}: {held_out}) takes them all as its outer batch, as the paper's protocol does"
             )
         return {"inner": inner, "outer": client.batch("held_out", cfg.eval_batch_size, generator)}
 
