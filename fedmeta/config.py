@@ -61,7 +61,7 @@ def _group_dirs(group: str, config_dir: Path) -> list[Path]:
     return ([user / group] if config_dir == CONFIG_DIR and user != CONFIG_DIR else []) + [config_dir / group]
 
 
-_SKIPPED: dict[Path, str] = {}  # a user's file that is not a config, and why: said once per process
+_SKIPPED: dict[tuple, str] = {}  # a user's file that is not a config, and why: said once per version of it
 
 
 def _readable(path: Path, config_dir: Path) -> bool:
@@ -70,11 +70,16 @@ def _readable(path: Path, config_dir: Path) -> bool:
     one broken file in the user's folder does not break every command (``--help`` included)."""
     if config_dir in path.parents:
         return True
-    if path not in _SKIPPED:
+    try:
+        stat = path.stat()
+    except OSError:  # a dangling link
+        stat = None
+    version = (path, stat and (stat.st_ino, stat.st_mode, stat.st_size, stat.st_mtime_ns))
+    if version not in _SKIPPED:
         why = ""
         if not path.is_file():  # a folder, a pipe (which would block the read), a dangling link
             why = "not a regular file"
-        elif path.stat().st_size > 1 << 20:
+        elif stat.st_size > 1 << 20:
             why = "over 1 MiB"
         else:
             try:
@@ -83,10 +88,10 @@ def _readable(path: Path, config_dir: Path) -> bool:
                 )
             except Exception as exc:  # YAML's parser errors, bytes that are not UTF-8
                 why = f"does not parse as YAML ({type(exc).__name__})"
-        _SKIPPED[path] = why
+        _SKIPPED[version] = why
         if why:
             print(f"fedmeta: note: skipped {path}: {why}", file=sys.stderr)
-    return not _SKIPPED[path]
+    return not _SKIPPED[version]
 
 
 def group_choices(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
@@ -267,10 +272,28 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
             f"the chosen config files do not merge ({str(exc).splitlines()[0]}): check your own files "
             f"in {user_config_dir()}"
         ) from None
+    _check_shape(cfg, base)
     cfg.variant = variant
     del cfg["defaults"]
     OmegaConf.set_struct(cfg, True)
     return apply_overrides(cfg, settings, choices)
+
+
+def _check_shape(cfg: DictConfig, base: DictConfig) -> None:
+    """The merged files have the sections every config has, as mappings: a file of the user's that
+    sets a section to a value (``federation: 3``) or names no method is refused in one line."""
+    sections = [key for key, value in base.items() if isinstance(value, DictConfig)]
+    for key in ("dataset", "partition", "method", *sections):
+        mapping = isinstance(cfg.get(key), DictConfig)
+        _require(
+            mapping and (key in sections or "name" in cfg[key]),
+            f"the chosen config files leave {key} {'without a name' if mapping else 'no section'}: "
+            f"check your own files in {user_config_dir()}",
+        )
+    _require(
+        isinstance(cfg.method.get("algorithm"), str),
+        f"the chosen method file names no method.algorithm: check your own files in {user_config_dir()}",
+    )
 
 
 def apply_overrides(
@@ -281,6 +304,25 @@ def apply_overrides(
     composed files declared them."""
     for override in settings:
         key, value = override.split("=", 1)
+        # OmegaConf would turn a value under the key into a group (federation.rounds.x=3 makes
+        # federation.rounds a mapping), failing later in a check far from the cause
+        parts = key.split(".")
+        for depth in range(1, len(parts)):
+            parent = ".".join(parts[:depth])
+            node = OmegaConf.select(cfg, parent, default=_ABSENT)
+            if node is _ABSENT:
+                break  # an unknown key: the merge below names it
+            if not OmegaConf.is_dict(node):
+                shown = (
+                    f"[{','.join(map(str, node))}]"
+                    if _is_list(node)
+                    else NULLABLE.get(parent, "…")
+                    if node is None
+                    else node
+                )
+                raise FedmetaError(
+                    f"{key}: {parent} is a value, not a group of keys: set {parent} itself, e.g. {parent}={shown}"
+                )
         _require(
             "${" not in value,
             f"{key}: interpolations (${{…}}) are not taken on the command line; write the value "
@@ -311,9 +353,20 @@ def apply_overrides(
             f"unknown or invalid config key {key!r}: see configs/ for the keys that exist"
         ) from None
     validate(cfg, choices or {})
+    steps = cfg.personalization.steps
+    _require(
+        steps <= MAX_PERSONALIZATION_STEPS,
+        f"personalization.steps must be at most {MAX_PERSONALIZATION_STEPS}, got {steps}: each step's batch "
+        "is drawn before the first step and each step's accuracy recorded (curves.csv, summary.json), so "
+        "memory and files grow with the steps (the paper takes 50)",
+    )
     return cfg
 
 
+# 20 times the paper's 50: on a CPU about 20 minutes per evaluation of the 20 new clients, and a
+# vectorized evaluation of CIFAR-10 holds 12 GB of drawn batches
+MAX_PERSONALIZATION_STEPS = 1000
+_ABSENT = object()  # OmegaConf.select's answer for a key that does not exist (None is a value)
 CAPTURE_MODES = ("auto", "none", "static", "graph")  # federation.capture (fedmeta.capture)
 # a client's batches: drawn afresh | a persistent iterator reshuffled every epoch | shuffled once
 # (fedmeta.data.federation)

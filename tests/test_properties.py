@@ -9,6 +9,7 @@ import io
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -259,7 +260,9 @@ def finished_run(tmp_path_factory, mnist_dir) -> tuple[Path, list[str]]:
     return root, args
 
 
-DAMAGE = st.sampled_from(["missing", "empty", "cut", "list", "garbage", "link", "folder", "fifo"])
+DAMAGE = st.sampled_from(["missing", "empty", "cut", "list", "garbage", "link", "folder", "fifo", "module"])
+# what a shared run folder's config.yaml could name as its method's code: never imported
+MODULES = ["this:Y", "antigravity:X", "os:system", "fedmeta.algorithms:FedAvg", "builtins:print"]
 
 
 @pytest.mark.slow
@@ -281,8 +284,11 @@ DAMAGE = st.sampled_from(["missing", "empty", "cut", "list", "garbage", "link", 
         max_size=3,
     ),
     st.sampled_from(["evaluate", "evaluate --unfinished", "resume", "overwrite"]),
+    st.permutations(MODULES),
 )
-def test_generated_run_folders_are_used_or_refused_in_one_line(tmp_path, finished_run, damage, command):
+def test_generated_run_folders_are_used_or_refused_in_one_line(
+    tmp_path, finished_run, damage, command, modules
+):
     source, args = finished_run
     root = tmp_path / "root"
     shutil.rmtree(root, ignore_errors=True)
@@ -297,7 +303,11 @@ def test_generated_run_folders_are_used_or_refused_in_one_line(tmp_path, finishe
             path.unlink()
         if how == "missing":
             continue
-        if how == "link":
+        if how == "module":  # the config names code to run; other files get it as text that is no such file
+            path.write_text(
+                data.decode(errors="replace").replace("algorithm: local", f"algorithm: '{modules.pop()}'")
+            )
+        elif how == "link":
             path.symlink_to(outside)
         elif how == "folder":
             path.mkdir()
@@ -318,8 +328,71 @@ def test_generated_run_folders_are_used_or_refused_in_one_line(tmp_path, finishe
         "resume": ["train", *args[:-1], f"output.root={root}", "output.resume=true"],
         "overwrite": ["train", *args[:-1], f"output.root={root}", "output.overwrite=true"],
     }[command]
+    imported = set(sys.modules)
     code, err = run_main(argv, seconds=180)
     event(f"{command}: {code}")
     assert_exit_0_or_one_line(code, err)
+    assert not {"this", "antigravity"} & (set(sys.modules) - imported)  # a run folder names no code to import
+    if damage.get("config.yaml") == "module" and command.startswith("evaluate"):
+        assert code == 2
     assert outside.read_text() == "someone else's file\n"  # never written through a link
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "root"]  # nothing beside the roots
+
+
+# --- the user's config home ------------------------------------------------------------------------------
+
+BROKEN = st.sampled_from(
+    ["garbage", "list", "not utf-8", "fifo", "folder", "empty", "no name", "loop", "wrong type"]
+)
+CONTENT = {
+    "garbage": b"\x00\xff{[: not this",
+    "list": b"- a\n- b\n",
+    "not utf-8": b"method:\n  name: \xff\xfe\n",
+    "empty": b"",
+    "no name": b"method:\n  lr: 1\n",
+    "loop": b"inherits: mine\n",
+    "wrong type": b"inherits: fedavg\nfederation: 3\nmethod:\n  name: mine\n",
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.dictionaries(
+        st.sampled_from(["method", "dataset", "partition", "variant/cafeme", "preset"]), BROKEN, min_size=1
+    ),
+    st.sampled_from(
+        [
+            ["--help"],
+            ["train", "--help"],
+            ["tune", "--help"],
+            ["train", "--print-config"],
+            ["train", "method=mine", "--print-config"],
+            ["train", "dataset=mine", "--print-config"],
+            ["train", "variant=mine", "--print-config"],
+            ["table", "--preset", "mine", "--no-run"],
+        ]
+    ),
+)
+def test_a_config_home_with_broken_files_breaks_no_command(tmp_path, monkeypatch, no_work, files, argv):
+    """Every broken file of the user's own is skipped with a note or refused in one line; help always works."""
+    home = tmp_path / "home"
+    shutil.rmtree(home, ignore_errors=True)
+    for group, how in files.items():
+        (home / group).mkdir(parents=True)
+        path = home / group / "mine.yaml"
+        if how == "fifo":
+            os.mkfifo(path)
+        elif how == "folder":
+            path.mkdir()
+        else:
+            path.write_bytes(CONTENT[how])
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(home))
+    work = tmp_path / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code, err = run_main(argv, seconds=60)
+    event(f"{argv[0]}: {code}")
+    assert_exit_0_or_one_line(code, err)
+    if "--help" in argv or argv == ["train", "--print-config"]:
+        assert code == 0, err
