@@ -246,26 +246,73 @@ def test_a_corrupt_archive_is_one_line(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "folder-dirichlet").exists()
 
 
-def test_a_mirror_that_never_answers_times_out_in_one_line(tmp_path, monkeypatch, capsys):
-    """A server that accepts the connection and then says nothing: the download gives up after
-    its timeout and retries, in one line, and leaves no temporary folder behind."""
+@pytest.fixture
+def silent_server():
+    """A server that accepts connections and never says a word; yields its URL. After 60 s it hangs
+    up on everyone, so a download without a timeout fails the test instead of hanging it."""
     import socket
 
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    held, stop = [], threading.Event()
+
+    def accept():
+        deadline = threading.Timer(60, stop.set)
+        deadline.start()
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                pass
+        deadline.cancel()
+        for connection in held:
+            connection.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/"
+    stop.set()
+    thread.join()
+    listener.close()
+
+
+def test_a_mirror_that_never_answers_times_out_in_one_line(silent_server, tmp_path, monkeypatch, capsys):
+    """A server that accepts the connection and then says nothing: the download shows what it waits
+    for, gives up after its timeout and retries, ends in one line naming the URL and what to do, and
+    leaves no temporary folder behind."""
     from fedmeta.data import download as downloads
 
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)  # accepted by the kernel, never read or answered
     monkeypatch.setattr(downloads, "TIMEOUT_S", 0.5)
     monkeypatch.setattr(downloads, "ATTEMPTS", 2)
     (tmp_path / ".mnist-download-stale").mkdir()  # left by a killed download
-    try:
-        assert download("mnist", f"http://127.0.0.1:{silent.getsockname()[1]}/", tmp_path) == 2
-    finally:
-        silent.close()
+    assert download("mnist", silent_server, tmp_path) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "failed" in err and "--mirror" in err
+    progress, _, error = err.rpartition("\r")  # the progress bar, then the line that replaces it
+    assert "train-images-idx3-ubyte.gz: 0.00B" in progress and "try 2 of 2" in progress
+    assert error == (
+        f"fedmeta: error: downloading {silent_server}train-images-idx3-ubyte.gz failed: the server accepted "
+        "the connection, then sent nothing for 0.5 s (2 tries): check the network, or pass --mirror URL "
+        "of a server that answers\n"
+    )
     assert list(tmp_path.iterdir()) == []  # neither the stale folder nor this download's
+
+
+def test_a_download_shows_its_progress_and_checks_its_md5(mirror, tmp_path, capsys):
+    import hashlib
+
+    from fedmeta.data import download as downloads
+    from fedmeta.errors import FedmetaError
+
+    folder, url = mirror
+    payload = bytes(range(256)) * 1000
+    (folder / "blob.bin").write_bytes(payload)
+    md5 = hashlib.md5(payload).hexdigest()
+    assert downloads._fetch(f"{url}blob.bin", md5, tmp_path, None).read_bytes() == payload
+    assert "blob.bin: 100%" in capsys.readouterr().err
+    with pytest.raises(FedmetaError, match="does not match the publisher's MD5 0123"):
+        downloads._fetch(f"{url}blob.bin", "0123", tmp_path, None)
 
 
 def test_a_mirror_that_is_not_a_url_is_one_line(tmp_path, capsys):

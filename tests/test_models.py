@@ -228,3 +228,47 @@ def test_functional_adam_and_sgd_match_torch_optim():
             params, state = step(params, gr, state)
         for k in start:
             torch.testing.assert_close(params[k], leaves[k].detach(), rtol=1e-12, atol=1e-12)
+
+
+# ---- sizes that would take more than the machine: refused from shapes, before any allocation ----
+@pytest.mark.parametrize(
+    "overrides,key,fix",
+    [
+        (["model.dense_units=[1000000000]"], "model.dense_units=[1000000000]", "model.dense_units"),
+        (["method=ifca", "model.dense_units=[1000000000]"], "model.dense_units=[1000000000]", "dense_units"),
+        (
+            ["model.conv_channels=[1000000,1000000]"],
+            "model.conv_channels=[1000000, 1000000]",
+            "conv_channels",
+        ),
+        (["dataset.image_size=100000"], "dataset.image_size=100000", "lower dataset.image_size"),
+    ],
+)
+def test_a_model_beyond_the_machine_is_refused_in_one_line_naming_its_key(overrides, key, fix):
+    from fedmeta.algorithms import build_model
+    from fedmeta.config import compose
+    from fedmeta.errors import FedmetaError
+
+    with pytest.raises(FedmetaError) as refused:
+        build_model(compose(overrides), num_classes=10)
+    message = str(refused.value)
+    assert message.startswith(f"{key}: the model's parameters (") and "\n" not in message
+    assert " GB, more than this machine's " in message and fix in message
+    assert "kernel" not in message  # the conv stack is not the cause
+
+
+def test_a_dense_layer_fed_by_a_large_image_names_the_image_size(monkeypatch):
+    """The largest parameter is the first dense layer's, wide because of the features the conv stack
+    leaves of a 256×256 image: the image size is the key to change, not the dense units."""
+    from fedmeta.algorithms import build_model
+    from fedmeta.config import compose
+    from fedmeta.data import memory
+    from fedmeta.errors import FedmetaError
+
+    cfg = compose(["method=fedavg_ft", "dataset.image_size=256", "method.batch_size=2"])
+    build_model(cfg, num_classes=10)  # fits this machine
+    monkeypatch.setattr(memory, "machine_bytes", lambda: 10**7)
+    with pytest.raises(
+        FedmetaError, match=r"^dataset.image_size=256: .* the conv stack leaves [0-9,]+ features"
+    ):
+        build_model(cfg, num_classes=10)

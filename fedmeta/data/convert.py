@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import os
 import pickle
 import tarfile
 import warnings
@@ -20,6 +21,9 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".gif", ".tif", ".tiff"}
+VALID_FOLDERS = ("valid", "val", "validation")  # the validation split's folders (split 2)
+SPLIT_FOLDERS = {"train", "test", *VALID_FOLDERS}
+LAYOUT = "a folder data set is <class>/<image> or train|test|valid/<class>/<image>, directly under its path"
 
 
 def mnist_idx(
@@ -134,20 +138,21 @@ def image_tree(
     mode: str = "RGB",
     train_folders: tuple[str, ...] = ("train",),
     test_folders: tuple[str, ...] = ("test",),
+    valid_folders: tuple[str, ...] = VALID_FOLDERS,
 ) -> dict[str, np.ndarray]:
-    """ImageFolder trees — folders, zip or tar archives of ``…/<class>/<image>`` — as one data set.
+    """ImageFolder trees — folders (see ``folder_images``), zip or tar archives of ``…/<class>/<image>``
+    — as one data set.
 
     The class of an image is its folder path (so Omniglot's ``alphabet/character`` stays unique)
-    without its split folder; an image is in the test split when its path goes through one of
-    ``test_folders``, else in the training split. ``size`` center-crops and resizes every image to a square (needed
-    when sizes differ); ``mode`` is PIL's "RGB" or "L".
+    without its split folder; an image is in the test split (1) when its path goes through one of
+    ``test_folders``, in the validation split (2) through one of ``valid_folders``, else in the
+    training split. ``size`` center-crops and resizes every image to a square (needed when sizes
+    differ); ``mode`` is PIL's "RGB" or "L".
     """
     from PIL import Image, ImageOps
 
-    tests, splits_named = (
-        {f.lower() for f in test_folders},
-        {f.lower() for f in (*train_folders, *test_folders)},
-    )
+    tests, valids = {f.lower() for f in test_folders}, {f.lower() for f in valid_folders}
+    splits_named = {f.lower() for f in (*train_folders, *test_folders, *valid_folders)}
     images, class_names, splits = [], [], []
     for name, data in (item for source in sources for item in _tree_members(source)):
         try:
@@ -165,7 +170,13 @@ def image_tree(
             ) from None
         folders = PurePosixPath(name).parts[:-1]
         class_names.append("/".join(f for f in folders if f.lower() not in splits_named))
-        splits.append(any(f.lower() in tests for f in folders))
+        splits.append(
+            1
+            if any(f.lower() in tests for f in folders)
+            else 2
+            if any(f.lower() in valids for f in folders)
+            else 0
+        )
     if not images:
         raise ValueError(
             f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {', '.join(str(s) for s in sources)}"
@@ -185,21 +196,71 @@ def image_tree(
 def _tree_members(source: Path) -> Iterator[tuple[str, bytes]]:
     """(relative path, bytes) of every image file under a folder (sorted), zip or tar (archive order:
     fixed by the file, and a compressed tar cannot seek back), so the same files give the same arrays."""
-    is_image = lambda name: PurePosixPath(name).suffix.lower() in IMAGE_SUFFIXES  # noqa: E731
     if source.is_dir():
-        for path in sorted(p for p in source.rglob("*") if p.is_file() and is_image(p.name)):
+        for path in folder_images(source):
             yield path.relative_to(source).as_posix(), path.read_bytes()
     elif zipfile.is_zipfile(source):
         with zipfile.ZipFile(source) as archive:
-            for name in (n for n in archive.namelist() if is_image(n) and "__MACOSX" not in n):
+            for name in (n for n in archive.namelist() if _is_image(n) and "__MACOSX" not in n):
                 yield name, archive.read(name)
     elif tarfile.is_tarfile(source):
         with tarfile.open(source) as archive:
             for member in archive:
-                if member.isfile() and is_image(member.name):
+                if member.isfile() and _is_image(member.name):
                     yield member.name, archive.extractfile(member).read()
     else:
         raise ValueError(f"{source} is neither a folder nor a zip or tar archive")
+
+
+def tree_image_count(source: Path) -> int | None:
+    """How many images ``image_tree`` would decode from a folder or a zip; None for a tar, which
+    only a pass through all of it could count."""
+    if source.is_dir():
+        return len(folder_images(source))
+    if zipfile.is_zipfile(source):
+        with zipfile.ZipFile(source) as archive:
+            return sum(_is_image(n) and "__MACOSX" not in n for n in archive.namelist())
+    return None
+
+
+def _is_image(name: str) -> bool:
+    return PurePosixPath(name).suffix.lower() in IMAGE_SUFFIXES
+
+
+def folder_images(root: Path) -> list[Path]:
+    """The images of an ImageFolder folder, sorted: ``<class>/<image>``, or
+    ``<split>/<class>/<image>`` under the split folders (train, test, valid), and nothing deeper.
+
+    The folder is never walked recursively: a path that is not laid out so (``/``, a home folder)
+    is refused at its first folder that does not fit, having read the names in that folder alone.
+    Hidden entries (.DS_Store, .ipynb_checkpoints) and files that are not images are passed over."""
+
+    def visible(folder) -> list[os.DirEntry]:
+        with os.scandir(folder) as entries:
+            return sorted((e for e in entries if not e.name.startswith(".")), key=lambda e: e.name)
+
+    def class_folders(folder) -> list[os.DirEntry]:
+        entries = visible(folder)
+        if loose := next((e for e in entries if e.is_file() and _is_image(e.name)), None):
+            raise ValueError(f"the image {loose.path} lies outside a class folder: {LAYOUT}")
+        return [e for e in entries if e.is_dir()]
+
+    images = []
+    for top in class_folders(root):
+        split_folder = top.name.lower() in SPLIT_FOLDERS
+        for folder in class_folders(top) if split_folder else [top]:
+            entries = visible(folder)
+            if inner := next((e for e in entries if e.is_dir()), None):
+                raise ValueError(f"{folder.path} holds a folder ({inner.name}), not only images: {LAYOUT}")
+            found = [Path(e.path) for e in entries if e.is_file() and _is_image(e.name)]
+            if not found:
+                raise ValueError(
+                    f"{folder.path} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}): {LAYOUT}"
+                )
+            images += found
+    if not images:
+        raise ValueError(f"{root} holds no class folders: {LAYOUT}")
+    return images
 
 
 def learn2learn_splits(dataset_class, root: Path, size: int) -> dict[str, np.ndarray]:

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from fedmeta.data.sources import load_npz, load_source
+from fedmeta.data.memory import refuse_beyond_memory
+from fedmeta.data.sources import SPLITS, load_npz, load_source
 from fedmeta.errors import FedmetaError
 
 
@@ -51,8 +52,9 @@ def build_rmnist(
             f"dataset.options.interpolation must be bilinear or nearest, got {interpolation!r}"
         )
     arrays = load_npz("mnist", directory, download)
-    train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
+    train = training_split(arrays, "mnist.npz")
     images = images_to_tensor(arrays["x"][train])
+    refuse_constant(images, "mnist.npz")
     labels = torch.from_numpy(arrays["y"][train]).long()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     groups = torch.empty(len(labels), dtype=torch.long)
@@ -72,19 +74,54 @@ def images_to_tensor(x: np.ndarray) -> torch.Tensor:
     return images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2).contiguous()
 
 
-def standardize(images: torch.Tensor) -> torch.Tensor:
-    """Per-channel zero mean, unit variance (statistics of this very set)."""
+def training_split(arrays: dict[str, np.ndarray], source: str) -> np.ndarray:
+    """Which images are in the training split (0; every image of a file without a ``split``), checked
+    to hold two classes or more: a model cannot be trained on fewer."""
+    if "split" not in arrays:
+        return np.ones(len(arrays["y"]), bool)
+    train = arrays["split"] == 0
+    if not train.any():
+        values, counts = np.unique(arrays["split"], return_counts=True)
+        found = ", ".join(f"{n} {SPLITS.get(int(v), v)}" for v, n in zip(values, counts))
+        raise FedmetaError(
+            f"{source} has no training images (split 0), only {found}: training uses split 0 alone; "
+            "mark the training images 0 (a folder: put them in train/<class>/ or <class>/)"
+        )
+    if len(classes := np.unique(arrays["y"][train])) < 2:
+        name = arrays["classes"][classes[0]] if "classes" in arrays else f"label {classes[0]}"
+        raise FedmetaError(
+            f"{source}: its training split (split 0) holds one class only ({name}): "
+            "a classifier needs training images of two classes or more"
+        )
+    return train
+
+
+def refuse_constant(images: torch.Tensor, source: str) -> None:
+    """Images that are all one value (std 0) cannot be standardized or learnt from: said here, not
+    as a non-finite loss rounds later."""
+    if len(images) and images.amin() == images.amax():
+        raise FedmetaError(
+            f"{source}: the images are constant (every pixel {round(images.flatten()[0].item() * 255)}, "
+            "std 0): there is nothing to learn from them; check the files"
+        )
+
+
+def standardize(images: torch.Tensor, source: str = "the data set") -> torch.Tensor:
+    """Per-channel zero mean, unit variance (statistics of this very set); ``source`` names the
+    images where they are constant."""
+    refuse_constant(images, source)
     mean = images.mean(dim=(0, 2, 3), keepdim=True)
     std = images.std(dim=(0, 2, 3), keepdim=True)
-    return images.sub_(mean).div_(std)
+    # a channel of one value (blue always 0) carries nothing: centred to 0, it is left unscaled
+    return images.sub_(mean).div_(torch.where(std > 0, std, 1.0))
 
 
 def build_cifar10(directory: Path, seed: int, download: bool = True) -> ImageDataset:
     """CIFAR-10's 50,000 training images, 32×32 RGB."""
     arrays = load_npz("cifar10", directory, download)
-    train = arrays["split"] == 0
+    train = training_split(arrays, "cifar10.npz")
     return ImageDataset(
-        x=standardize(images_to_tensor(arrays["x"][train])),
+        x=standardize(images_to_tensor(arrays["x"][train]), "cifar10.npz"),
         y=torch.from_numpy(arrays["y"][train]).long(),
         num_classes=10,
     )
@@ -97,7 +134,7 @@ def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDat
     if "writer" not in arrays:
         raise FedmetaError(f"{directory}/femnist.npz has no writer array: the writers partition needs it")
     return ImageDataset(
-        x=standardize(images_to_tensor(255 - arrays["x"])),
+        x=standardize(images_to_tensor(255 - arrays["x"]), "femnist.npz"),
         y=torch.from_numpy(arrays["y"]).long(),
         num_classes=62,
         groups=torch.from_numpy(arrays["writer"]).long(),
@@ -140,7 +177,11 @@ def build_meta_dataset(
         lambda images: to_shape(images, 3, 32),
     )
     return ImageDataset(
-        x=standardize(x), y=y, num_classes=classes_per_client, groups=owners, sources=tuple(used)
+        x=standardize(x, f"meta_dataset sources {', '.join(used)}"),
+        y=y,
+        num_classes=classes_per_client,
+        groups=owners,
+        sources=tuple(used),
     )
 
 
@@ -159,11 +200,22 @@ def build_folder(
         raise FedmetaError(
             "dataset=folder needs dataset.options.path=<canonical .npz, ImageFolder folder or archive>"
         )
-    arrays = load_source(path, directory, download, size=image_size, channels=channels)
-    train = arrays["split"] == 0 if "split" in arrays else np.ones(len(arrays["y"]), bool)
+
+    def refuse_oversized(count: int) -> None:
+        refuse_beyond_memory(
+            count * channels * image_size**2 * 4,
+            f"dataset.image_size={image_size}: {'one image' if count == 1 else f'{count:,} images'} of "
+            f"{channels}×{image_size}×{image_size} float32",
+            "lower dataset.image_size",
+        )
+
+    refuse_oversized(1)  # before a single image is decoded at that size, then before all of them are
+    arrays = load_source(path, directory, download, image_size, channels, before_decoding=refuse_oversized)
+    train = training_split(arrays, path)
+    refuse_oversized(int(train.sum()))
     labels = torch.from_numpy(arrays["y"][train]).long()
     return ImageDataset(
-        x=standardize(to_shape(arrays["x"][train], channels, image_size)),
+        x=standardize(to_shape(arrays["x"][train], channels, image_size), path),
         y=labels,
         num_classes=int(labels.max()) + 1,
     )

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import http.client
 import io
 import pickle
 import shutil
-import socket
+import sys
 import tarfile
 import tempfile
 import time
 import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 from torchvision.datasets import CIFAR10, CIFAR100, DTD, MNIST, Omniglot
-from torchvision.datasets.utils import download_url
+from torchvision.datasets.utils import USER_AGENT
+from tqdm.auto import tqdm
 
 from fedmeta.data import convert
 from fedmeta.errors import FedmetaError
@@ -214,47 +218,76 @@ def _requests_to(mirror: str | None):
 
 
 def _fetch(url: str, md5: str | None, folder: Path, mirror: str | None) -> Path:
+    """``url`` (or the mirror's file of its name) into ``folder``, with a progress bar that the
+    error line replaces, checked against ``md5`` unless it is None."""
     filename = url.rsplit("/", 1)[1]
     if mirror:
         url = f"{mirror.rstrip('/')}/{filename}"
-    try:
-        _with_retries(lambda: download_url(url, str(folder), filename, md5))
-    except RuntimeError:  # torchvision's "File not found or corrupted." after the checksum test
+    with tqdm(desc=filename, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr) as bar:
+        try:
+            digest = _with_retries(lambda: _get(url, folder / filename, bar), bar)
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+            bar.leave = False  # the error line alone is left on the terminal
+            raise _failure(url, exc) from None
+    if md5 is not None and digest != md5:
         raise FedmetaError(
             f"{filename} from {url} does not match the publisher's MD5 {md5}: the download is "
             "corrupt or the mirror serves another file (--no-verify skips the check)"
-        ) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise FedmetaError(
-            f"downloading {url} failed ({exc}): check the network, or pass --mirror URL"
-        ) from None
-    except ValueError as exc:  # urllib: "unknown url type"
-        raise FedmetaError(
-            f"{url} is not a URL fedmeta can fetch ({exc}): give --mirror as http(s)://host/folder/"
-        ) from None
+        )
     return folder / filename
 
 
-TIMEOUT_S, ATTEMPTS = 60, 3  # per connection and read; tries per file
+def _failure(url: str, exc: Exception) -> FedmetaError:
+    """The line for a download that failed: urllib wraps what fails while connecting in a URLError,
+    and lets a timeout while waiting for the answer through as it is."""
+    if isinstance(exc, TimeoutError):
+        cause = f"the server accepted the connection, then sent nothing for {TIMEOUT_S} s"
+    elif isinstance(getattr(exc, "reason", None), TimeoutError):
+        cause = f"no connection within {TIMEOUT_S} s"
+    else:
+        cause = None
+    if cause:
+        return FedmetaError(
+            f"downloading {url} failed: {cause} ({ATTEMPTS} tries): check the network, "
+            "or pass --mirror URL of a server that answers"
+        )
+    if isinstance(exc, ValueError):  # urllib: "unknown url type"
+        return FedmetaError(
+            f"{url} is not a URL fedmeta can fetch ({exc}): give --mirror as http(s)://host/folder/"
+        )
+    return FedmetaError(f"downloading {url} failed ({exc}): check the network, or pass --mirror URL")
 
 
-def _with_retries(fetch: Callable[[], None]) -> None:
-    """``fetch`` with a socket timeout (a server that accepts and never answers must not hang the
-    download), tried again after 1 s and 2 s on network errors."""
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(TIMEOUT_S)
-    try:
-        for attempt in range(ATTEMPTS):
-            try:
-                return fetch()
-            except urllib.error.HTTPError:  # the server answered (404, 403): asking again will not help
+TIMEOUT_S, ATTEMPTS = 60, 3  # the longest wait for a byte (connecting, or reading); tries per file
+CHUNK = 1 << 16
+
+
+def _get(url: str, target: Path, bar: tqdm) -> str:
+    """One GET of ``url`` into ``target``, counted on ``bar``; its MD5. Connecting and every read
+    wait at most TIMEOUT_S for a byte: a server that accepts and never answers must not hang it."""
+    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+    digest = hashlib.md5(usedforsecurity=False)
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response, target.open("wb") as out:
+        bar.reset(total=response.length)
+        while chunk := response.read(CHUNK):
+            out.write(chunk)
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _with_retries(fetch: Callable[[], str], bar: tqdm) -> str:
+    """``fetch``, tried again after 1 s and 2 s on network errors, which ``bar`` shows meanwhile."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return fetch()
+        except urllib.error.HTTPError:  # the server answered (404, 403): asking again will not help
+            raise
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+            if attempt == ATTEMPTS - 1:
                 raise
-            except (urllib.error.URLError, TimeoutError, ConnectionError):
-                if attempt == ATTEMPTS - 1:
-                    raise
-                time.sleep(2**attempt)
-    finally:
-        socket.setdefaulttimeout(previous)
+            bar.set_postfix_str(f"{getattr(exc, 'reason', exc)}: try {attempt + 2} of {ATTEMPTS}")
+            time.sleep(2**attempt)
 
 
 def save_canonical(target: Path, **arrays: np.ndarray) -> None:

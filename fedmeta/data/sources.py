@@ -14,6 +14,7 @@ import hashlib
 import os
 import tarfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -52,19 +53,27 @@ def _find_or_convert(name: str, directory: Path) -> Path:
 
 
 def _converted_tree(tree: Path, target: Path, **options) -> Path:
-    """An ImageFolder tree (folder, zip or tar) decoded once into the canonical file ``target``."""
+    """An ImageFolder tree (folder, zip or tar) decoded once into the canonical file ``target``,
+    checked first: a tree that is no data set leaves no cache file behind."""
     if not target.exists():
         try:
-            save_canonical(target, **convert.image_tree(tree, **options))
+            arrays = convert.image_tree(tree, **options)
         except (OSError, tarfile.TarError, zipfile.BadZipFile, ValueError) as exc:
             raise FedmetaError(f"{tree} could not be read as an ImageFolder tree ({exc})") from None
+        save_canonical(target, **check_canonical(arrays, tree))
     return target
 
 
 def _fingerprint(path: Path) -> str:
-    """What the decoded copy of a tree depends on: every file's relative path, size and
+    """What the decoded copy of a tree depends on: every image's relative path, size and
     modification time (a folder's own time does not change when a file inside it is edited)."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    if path.is_dir():
+        try:
+            files = convert.folder_images(path)
+        except (OSError, ValueError) as exc:
+            raise FedmetaError(f"{path} is not an ImageFolder folder: {exc}") from None
+    else:
+        files = [path]
     return "|".join(
         f"{p.relative_to(path) if path.is_dir() else p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
         for p in files
@@ -72,11 +81,17 @@ def _fingerprint(path: Path) -> str:
 
 
 def load_source(
-    entry: str, directory: Path, download: bool = True, size: int | None = None, channels: int = 3
+    entry: str,
+    directory: Path,
+    download: bool = True,
+    size: int | None = None,
+    channels: int = 3,
+    before_decoding: Callable[[int], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """A data set named in a config: a path to a canonical ``.npz`` or to an ImageFolder tree
     (folder, zip or tar; decoded once into the cache, as ``channels``-channel images, resized to
-    ``size`` if given), else the name of a canonical file (see ``load_npz``)."""
+    ``size`` if given), else the name of a canonical file (see ``load_npz``). ``before_decoding``
+    is given the number of images of a folder or zip that is about to be decoded (it may refuse)."""
     path = Path(entry).expanduser()
     if not path.exists() and (directory / path).exists():
         path = directory / path
@@ -95,6 +110,8 @@ def load_source(
         return read_canonical(path)
     key = hashlib.sha1(f"{path.resolve()}|{_fingerprint(path)}|{size}|{channels}".encode()).hexdigest()[:12]
     target = cache_dir() / "trees" / f"{path.stem}-{key}.npz"
+    if before_decoding and not target.exists() and (count := convert.tree_image_count(path)):
+        before_decoding(count)
     return read_canonical(_converted_tree(path, target, size=size, mode="L" if channels == 1 else "RGB"))
 
 
@@ -123,7 +140,7 @@ def load_npz(name: str, directory: Path, download: bool = True) -> dict[str, np.
 
 
 def read_canonical(path: Path) -> dict[str, np.ndarray]:
-    """The arrays of a canonical ``.npz``, checked for the two every data set needs."""
+    """The arrays of a canonical ``.npz``, checked (``check_canonical``)."""
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
@@ -131,6 +148,15 @@ def read_canonical(path: Path) -> dict[str, np.ndarray]:
         raise FedmetaError(
             f"{path} is not a readable .npz archive ({exc}): delete it and download again"
         ) from None
+    return check_canonical(arrays, path)
+
+
+SPLITS = {0: "train", 1: "test", 2: "validation"}
+
+
+def check_canonical(arrays: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """``arrays`` if they are in the canonical form every data set needs; else one line naming
+    ``path``, the file or tree they come from."""
     missing = {"x", "y"} - arrays.keys()
     if missing:
         raise FedmetaError(
@@ -167,8 +193,15 @@ def read_canonical(path: Path) -> dict[str, np.ndarray]:
             f"{path}: split must hold one integer per image (0 train, 1 test, 2 validation), "
             f"got {arrays['split'].dtype} of shape {arrays['split'].shape}"
         )
-    if len(np.unique(y)) < 2:
+    if "split" in arrays and (unknown := sorted(set(np.unique(arrays["split"]).tolist()) - SPLITS.keys())):
         raise FedmetaError(
-            f"{path}: a classification data set needs at least 2 classes, found {len(np.unique(y))}"
+            f"{path}: split values must be 0 (train), 1 (test) or 2 (validation), found {unknown}: "
+            "an image of another value would belong to no split"
+        )
+    if len(classes := np.unique(y)) < 2:
+        names = f" ({', '.join(map(str, arrays['classes'][classes]))})" if "classes" in arrays else ""
+        raise FedmetaError(
+            f"{path}: a classification data set needs at least 2 classes, found {len(classes)}{names}: "
+            "give it images of two classes or more"
         )
     return arrays

@@ -52,6 +52,10 @@ def dense_block(in_units: int, out_units: int) -> nn.Sequential:
     )
 
 
+class ConvStackError(ValueError):
+    """The conv blocks shrink the images to nothing (a kernel larger than what is left of them)."""
+
+
 class ConvFeatures(nn.Module):
     """The conv blocks shared in shape by the base network and the modulator's extractor h_x."""
 
@@ -69,8 +73,20 @@ class ConvFeatures(nn.Module):
             conv_block(a, b, kernel_size, padding) for a, b in zip(channels, channels[1:])
         )
         self.channels_last = True
-        with torch.no_grad():
-            self.flat_dim = self(torch.zeros(2, in_channels, image_size, image_size)).shape[1]
+        self.flat_dim = self._probe(in_channels, image_size)
+
+    def _probe(self, in_channels: int, image_size: int) -> int:
+        """The features per image, from shapes alone: on the meta device, a probe costs no memory
+        whatever the image size, and a shape error can only be the conv stack's."""
+        params = {name: p.to("meta") for name, p in self.named_parameters()}
+        try:
+            with torch.no_grad():
+                x = torch.func.functional_call(
+                    self, params, (torch.zeros(2, in_channels, image_size, image_size, device="meta"),)
+                )
+        except RuntimeError as exc:
+            raise ConvStackError(str(exc).splitlines()[0]) from None
+        return x.shape[1]
 
     def forward(
         self, x: torch.Tensor, after_block: Callable | None = None, mask: torch.Tensor | None = None
