@@ -19,7 +19,7 @@ from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.algorithms import Algorithm
-from fedmeta.errors import FedmetaError
+from fedmeta.errors import FedmetaError, write_failure
 
 # Settings a run may change when it resumes: how long, how often, how fast — not what it computes.
 RESUMABLE = {
@@ -80,9 +80,12 @@ def save(
         "history": history,
     }
     tmp = path.with_name(path.name + ".tmp")
-    fabric.save(tmp, state)
-    if fabric.is_global_zero:
-        os.replace(tmp, path)  # atomic: the old checkpoint stays whole until the new one is
+    try:
+        fabric.save(tmp, state)
+        if fabric.is_global_zero:
+            os.replace(tmp, path)  # atomic: the old checkpoint stays whole until the new one is
+    except OSError as exc:  # a full disk: Lightning's error names its own temporary file
+        raise write_failure(path, tmp, exc) from None
     fabric.barrier()
 
 
@@ -152,6 +155,28 @@ def _base_net(model: dict) -> dict:
     return model
 
 
+FINISHED_RUN = (
+    "runs/<setting>/<method>/seed<k> (where fedmeta train left summary.json and checkpoint.ckpt; "
+    "{seed} in the path stands for this run's seed)"
+)
+
+
+def _source_summary(path: Path) -> dict:
+    """The summary.json of a warm start's source run, or one line saying why it is not one."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        why = type(exc).__name__
+    else:
+        if isinstance(summary, dict):
+            return summary
+        why = f"a JSON {type(summary).__name__}, not a mapping"
+    raise FedmetaError(
+        f"model.init_from: {path} is not a finished run's summary ({why}): run that run again, or give "
+        f"another finished run's folder, {FINISHED_RUN}"
+    )
+
+
 def warm_start(algorithm: Algorithm, cfg: DictConfig) -> dict | None:
     """``model.init_from``: this run starts from another finished run's final global model — its base
     network placed in every IFCA model, or in CAFeMe's base (the modulator starts fresh); nothing of
@@ -160,14 +185,16 @@ def warm_start(algorithm: Algorithm, cfg: DictConfig) -> dict | None:
         return None
     source = Path(str(cfg.model.init_from).replace("{seed}", str(cfg.seed)))
     path = source / "checkpoint.ckpt"
-    if not (source / "summary.json").is_file() or not path.is_file():
+    missing = [name for name in ("summary.json", "checkpoint.ckpt") if not (source / name).is_file()]
+    if missing:
         raise FedmetaError(
-            f"model.init_from={source}: not a finished run's folder (summary.json and checkpoint.ckpt): "
-            "give the run folder of a finished run, e.g. runs/rmnist-shards/fedavg/seed0"
+            f"model.init_from: {source} "
+            + ("does not exist" if not source.is_dir() else f"holds no {' and no '.join(missing)}")
+            + f", so it is not a finished run's folder: give one, {FINISHED_RUN}"
         )
+    summary = _source_summary(source / "summary.json")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        model, summary = saved["federation"]["model"], json.loads((source / "summary.json").read_text())
+        model = torch.load(path, map_location="cpu", weights_only=True)["federation"]["model"]
     except Exception as exc:  # noqa: BLE001 — whatever a corrupt file raises
         raise FedmetaError(
             f"model.init_from: {path} cannot be read ({type(exc).__name__}): it is corrupt or not a "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -54,6 +55,21 @@ class Seeds(Names):
 def build_parser() -> Parser:
     parser = Parser(prog="fedmeta", description="Personalized federated learning with meta-learning.")
     commands = parser.add_subparsers(dest="command", required=True)
+    grid_args = _grid_options()
+    _train_parser(commands)
+    _data_parser(commands)
+    _evaluate_parser(commands)
+    _table_parser(commands, grid_args)
+    _campaign_parser(commands)
+    _figures_parser(commands, grid_args)
+    _sweep_parser(commands, grid_args)
+    _flower_parser(commands)
+    _bench_parser(commands)
+    _tune_parser(commands)
+    return parser
+
+
+def _train_parser(commands) -> None:
     from fedmeta.config import catalog
 
     train_cmd = commands.add_parser(
@@ -68,6 +84,9 @@ def build_parser() -> Parser:
     )
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def _data_parser(commands) -> None:
     data_cmd = commands.add_parser("data", help="inspect data sets").add_subparsers(
         dest="data_command", required=True
     )
@@ -88,6 +107,9 @@ def build_parser() -> Parser:
         "--mirror", help="base URL that serves the publisher's files under their own names"
     )
     download_cmd.add_argument("--no-verify", action="store_true", help="skip the publisher's MD5 check")
+
+
+def _evaluate_parser(commands) -> None:
     evaluate_cmd = commands.add_parser(
         "evaluate",
         help="re-run test-time personalization on a finished run",
@@ -106,6 +128,10 @@ def build_parser() -> Parser:
     evaluate_cmd.add_argument(
         "--unfinished", action="store_true", help="evaluate the last checkpoint of an unfinished run"
     )
+
+
+def _grid_options() -> Parser:
+    """The options every grid command shares (table, figures; sweep takes the executor's)."""
     grid_args = Parser(add_help=False)
     grid_args.add_argument("--preset", default="quick", help="configs/preset/<name>.yaml (quick | paper)")
     grid_args.add_argument(
@@ -137,8 +163,17 @@ def build_parser() -> Parser:
         help="submitit parameters for the jobs, e.g. --slurm partition=gpu,gpus_per_node=1,timeout_min=600",
     )
     grid_args.add_argument(
+        "--wandb",
+        action="store_true",
+        help="log the table and figures to a W&B run of their own (done anyway after runs that log to W&B)",
+    )
+    grid_args.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every run, e.g. fabric.accelerator=cuda"
     )
+    return grid_args
+
+
+def _table_parser(commands, grid_args: Parser) -> None:
     table_cmd = commands.add_parser(
         "table", parents=[grid_args], help="run the paper's table grid, write results/TABLES.md"
     )
@@ -153,6 +188,9 @@ def build_parser() -> Parser:
         "(run the same command again to continue); for a job that is cut off, see fedmeta campaign",
     )
     table_cmd.add_argument("--out", default="results/TABLES.md")
+
+
+def _campaign_parser(commands) -> None:
     campaign_cmd = commands.add_parser(
         "campaign",
         help="the paper's table from short jobs: continue the unfinished units, start the next, stop in time",
@@ -169,6 +207,9 @@ def build_parser() -> Parser:
     campaign_cmd.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every run, e.g. federation.capture=none"
     )
+
+
+def _figures_parser(commands, grid_args: Parser) -> None:
     figures_cmd = commands.add_parser(
         "figures", parents=[grid_args], help="draw the paper's figures into results/"
     )
@@ -176,6 +217,9 @@ def build_parser() -> Parser:
         "--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)"
     )
     figures_cmd.add_argument("--out-dir", default="results")
+
+
+def _sweep_parser(commands, grid_args: Parser) -> None:
     sweep_cmd = commands.add_parser(
         "sweep",
         help="run every combination of key=a,b,c values (skips finished runs)",
@@ -189,6 +233,9 @@ def build_parser() -> Parser:
     for action in grid_args._actions:
         if action.dest in ("parallel", "executor", "slurm"):
             sweep_cmd._add_action(action)
+
+
+def _flower_parser(commands) -> None:
     flower_cmd = commands.add_parser(
         "flower",
         help="run on Flower: simulated SuperNodes, or real ones on this machine (pip install -e '.[flower]')",
@@ -236,6 +283,9 @@ def build_parser() -> Parser:
                 "--max-seconds", type=float, default=24 * 3600, help="stop the deployment after this long"
             )
             flower_sub.add_argument("--print", action="store_true", help="print the commands, start nothing")
+
+
+def _bench_parser(commands) -> None:
     bench_cmd = commands.add_parser(
         "bench", help="time, FLOP-count and memory-profile every method's round (configs/bench.yaml)"
     )
@@ -266,11 +316,17 @@ def build_parser() -> Parser:
     bench_cmd.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda"
     )
+
+
+def _tune_parser(commands) -> None:
     tune_cmd = commands.add_parser(
         "tune",
-        help="tune a method's settings with Optuna, write configs/variant/<method>/tuned.yaml",
-        description="An Optuna study (TPE, median pruning) over the method's search space in "
-        "configs/tune.yaml, on a seed no preset scores. Interrupted or re-run, it continues the study.",
+        help="tune a method's settings with Optuna, write its tuned variant (variant=tuned)",
+        description="An Optuna study (TPE, median pruning) over the search space in the tune: block of "
+        "the method's own file, configs/method/<method>.yaml (the budget: configs/tune.yaml), on a seed no "
+        "preset scores. Interrupted or re-run, it continues the study — only under the settings it was "
+        "started with. The best values go to <config home>/variant/<method>/tuned.yaml (config home: "
+        "$FEDMETA_CONFIG_HOME, else ~/.config/fedmeta), which variant=tuned reads before the package's.",
     )
     tune_cmd.add_argument("method")
     tune_cmd.add_argument(
@@ -286,12 +342,23 @@ def build_parser() -> Parser:
         "one URL shared by several machines runs one study",
     )
     tune_cmd.add_argument(
-        "--overwrite", action="store_true", help="replace a tuned.yaml that was written by hand"
+        "--overwrite",
+        action="store_true",
+        help="replace a tuned.yaml in the config home that another study wrote, or you by hand",
+    )
+    tune_cmd.add_argument(
+        "--new-study",
+        action="store_true",
+        help="start a study of these settings beside one of the same name started under others",
+    )
+    tune_cmd.add_argument(
+        "--replace-committed",
+        action="store_true",
+        help="write into the package's configs/variant/<method>/tuned.yaml, replacing the committed values",
     )
     tune_cmd.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every trial, e.g. partition=dirichlet"
     )
-    return parser
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -314,9 +381,26 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class Notes(logging.Handler):
+    """fedmeta's log records on stderr, one line each: information as a note (nothing to do), the
+    rest as warnings. Resolves stderr when it writes (tests and callers may replace it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = "note" if record.levelno < logging.WARNING else "warning"
+        print(f"fedmeta: {kind}: {record.getMessage()}", file=sys.stderr)
+
+
+def _show_notes() -> None:
+    log = logging.getLogger("fedmeta")
+    if not any(isinstance(handler, Notes) for handler in log.handlers):
+        log.addHandler(Notes())
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status. A reader that stops reading early
     (``fedmeta train --help | head -3``) ends the command quietly, with a pipe writer's status."""
+    _show_notes()
     try:
         status = _main(argv)
         sys.stdout.flush()  # a buffered stdout (no PYTHONUNBUFFERED) meets a closed pipe here, not at exit
@@ -369,6 +453,8 @@ def _main(argv: list[str] | None) -> int:
                 args.seed,
                 args.storage,
                 overwrite=args.overwrite,
+                new_study=args.new_study,
+                replace_committed=args.replace_committed,
             ).run()
             print(
                 f"study {result['study']}: best new-client accuracy {100 * result['best_accuracy']:.2f} % with "
@@ -411,8 +497,11 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "data":
             from fedmeta.describe import describe
 
-            picks = [f"dataset={args.dataset}"] + ([f"partition={args.partition}"] if args.partition else [])
-            stats, path = describe(compose([*picks, *args.overrides]))
+            # argparse gives the optional partition the first word after the data set, even key=value
+            moved = [args.partition] if args.partition and "=" in args.partition else []
+            partition = None if moved else args.partition
+            picks = [f"dataset={args.dataset}"] + ([f"partition={partition}"] if partition else [])
+            stats, path = describe(compose([*picks, *moved, *args.overrides]))
             print(json.dumps(stats, indent=2))
             print(f"class histograms of 10 clients: {path}")
             return 0
@@ -470,45 +559,60 @@ def _main(argv: list[str] | None) -> int:
 
 def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     """``fedmeta table`` / ``fedmeta figures``: run a preset's grid (finished runs skipped), then report."""
+    import shlex
     from pathlib import Path
 
     from fedmeta import grid, report
+    from fedmeta.config import compose
 
-    preset, root = grid.load_preset(args.preset), Path("runs") / args.preset
+    preset = grid.load_preset(args.preset)
+    folder = preset.get("runs_in") or args.preset  # a preset may draw on another's runs (zoo: quick's)
+    root = Path("runs") / folder
     if args.executor not in grid.EXECUTORS:
         raise FedmetaError(f"--executor must be one of {', '.join(grid.EXECUTORS)}, got {args.executor!r}")
     grid.check_names(preset, args.datasets, args.methods)
-    kept = Path("results") / "runs" / args.preset  # the runs' small files, committed: what the report reads
+    kept = Path("results") / "runs" / folder  # the runs' small files, committed: what the report reads
     grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
+    jobs, fresh = [], []
     budget = args.budget if args.command == "table" else None
     if budget is not None and not (budget > 0 and math.isfinite(budget)):
         raise FedmetaError(f"--budget must be a number of seconds > 0, got {budget}")
     if should_run:
         jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
-        failures = grid.run(
-            jobs,
-            root,
-            grid.default_parallel() if args.parallel is None else args.parallel,
-            kept,
-            args.executor,
-            args.slurm,
-            None if budget is None else time.time() + budget,
-        )
+        before = report.finished_runs(root)
+        try:
+            failures = grid.run(
+                jobs,
+                root,
+                grid.default_parallel() if args.parallel is None else args.parallel,
+                kept,
+                args.executor,
+                args.slurm,
+                None if budget is None else time.time() + budget,
+            )
+        finally:  # also the runs that finished before a Ctrl-C: the next grid counts them as done
+            fresh = report.record_command(root, before, shlex.join(["fedmeta", *argv]))
         for line in failures:
             print(
                 f"fedmeta: {'' if line.startswith(grid.STOPPED) else 'failed run: '}{line}", file=sys.stderr
             )
         failures = [line for line in failures if not line.startswith(grid.STOPPED)]
     report.archive(root, kept)
+    runs = report.collect(kept)
     if args.command == "table":
-        print(report.write_tables(args.preset, preset, kept, Path(args.out), "fedmeta " + " ".join(argv)))
+        print(report.write_tables(args.preset, preset, kept, Path(args.out), runs))
         written = [Path(args.out)]
     else:
-        written = report.draw_figures(preset, kept, Path(args.out_dir))
+        written = report.draw_figures(preset, runs, Path(args.out_dir))
         for path in written:
             print(f"wrote {path}")
-    report.log_report(args.preset, preset, kept, written)
+    # a W&B report run where asked, or after runs that logged to W&B: rewriting the table or the
+    # figures from the kept runs leaves nothing but them behind
+    if args.wandb or fresh:
+        cfg = compose(list(jobs[0].overrides) if jobs else [*preset.overrides, *args.overrides])
+        if args.wandb or "wandb" in cfg.logger:
+            report.log_report(args.preset, preset, runs, written, cfg.wandb)
     return 1 if failures else 0
 
 
@@ -546,8 +650,25 @@ def _flower_command(args: argparse.Namespace) -> int:
 
     from fedmeta.config import compose
 
-    if args.nodes < 1 or args.timeout <= 0:
-        raise FedmetaError(f"--nodes must be ≥ 1 and --timeout > 0, got {args.nodes} and {args.timeout}")
+    # float options take nan and inf: a comparison alone lets them through (nan > 0 is false)
+    if args.nodes < 1 or not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise FedmetaError(
+            f"--nodes must be ≥ 1 and --timeout > 0 (a finite number of seconds), got {args.nodes} and {args.timeout}"
+        )
+    if args.flower_command == "deploy" and not (math.isfinite(args.max_seconds) and args.max_seconds > 0):
+        raise FedmetaError(f"--max-seconds must be a finite number of seconds > 0, got {args.max_seconds}")
+    if args.dp:
+        clip, sensitivity, epsilon, delta = args.dp
+        if not (
+            all(map(math.isfinite, args.dp))
+            and clip > 0
+            and sensitivity >= 0
+            and epsilon > 0
+            and 0 < delta < 1
+        ):
+            raise FedmetaError(
+                f"--dp needs CLIP > 0, SENSITIVITY ≥ 0, EPSILON > 0 and 0 < DELTA < 1, all finite, got {args.dp}"
+            )
     if args.flower_command == "deploy" and not 1024 <= args.port <= 65535 - 3 - args.nodes:
         raise FedmetaError(
             f"--port must leave room for the SuperLink's and {args.nodes} SuperNodes' ports in "
@@ -558,14 +679,7 @@ def _flower_command(args: argparse.Namespace) -> int:
         from fedmeta import flower
     except ImportError as exc:
         raise FedmetaError(f"Flower is not installed ({exc.name}): pip install -e '.[flower]'") from None
-    dp = None
-    if args.dp:
-        clip, sensitivity, epsilon, delta = args.dp
-        if clip <= 0 or sensitivity < 0 or epsilon <= 0 or not 0 < delta < 1:
-            raise FedmetaError(
-                f"--dp needs CLIP > 0, SENSITIVITY ≥ 0, EPSILON > 0 and 0 < DELTA < 1, got {args.dp}"
-            )
-        dp = dict(zip(flower.DP_KEYS, args.dp))
+    dp = dict(zip(flower.DP_KEYS, args.dp)) if args.dp else None
     if args.flower_command == "sim":
         flower.simulate(args.overrides, args.nodes, args.timeout, dp)
         return 0
@@ -610,4 +724,8 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    # ``python -m fedmeta.cli`` put the working folder first on the path (fedmeta itself is loaded by
+    # now): what is imported later comes from the installed packages, not from files lying there
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     sys.exit(main())

@@ -249,6 +249,8 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
             f"a chosen config file lacks {getattr(exc, 'full_key', None) or str(exc).splitlines()[0]!r}: "
             f"check your own files in {user_config_dir()}"
         ) from None
+    method_name = choice["method"] or base.defaults.method
+    chosen_steps = any(_sets_steps(layer) for layer in layers[4:])  # a variant's files set it
     for layer in list(
         layers
     ):  # ``when: {dataset=rmnist: {...}}``: settings for one data set or partition only
@@ -276,7 +278,43 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
     cfg.variant = variant
     del cfg["defaults"]
     OmegaConf.set_struct(cfg, True)
-    return apply_overrides(cfg, settings, choices)
+    cfg = apply_overrides(cfg, settings, choices)
+    if not chosen_steps and not any(s.split("=", 1)[0] == "personalization.steps" for s in settings):
+        _note_inherited_scoring(method_name, cfg, config_dir)
+    return cfg
+
+
+def _sets_steps(layer: DictConfig) -> bool:
+    """Whether a config file sets personalization.steps itself (or in one of its ``when`` blocks)."""
+    blocks = [layer, *(layer.get("when") or {}).values()]
+    return any(OmegaConf.select(b, "personalization.steps", default=None) is not None for b in blocks)
+
+
+_NOTED: set[Path] = set()  # method files whose inherited personalization.steps: 0 was noted, once a process
+
+
+def _note_inherited_scoring(name: str, cfg: DictConfig, config_dir: Path) -> None:
+    """A one-line note when a method file that ``inherits`` another leaves personalization.steps to
+    it and gets 0 — FedAvg's, IFCA's: the global model scored as it is, without fine-tuning — which
+    a method added by copying FedAvg's file gets silently otherwise. Said once per file and process;
+    setting the key in the file (0 included), in a variant or on the command line says it was meant."""
+    if cfg.personalization.steps != 0:
+        return
+    path = group_file("method", name, config_dir)
+    own = OmegaConf.load(path)
+    if not own.get("inherits") or _sets_steps(own) or path in _NOTED:
+        return
+    source = own
+    while source.get("inherits") and not _sets_steps(source):
+        parent = group_file("method", source.inherits, config_dir)
+        source = OmegaConf.load(parent)
+    _NOTED.add(path)
+    print(
+        f"fedmeta: note: method {name} takes personalization.steps: 0 from {parent.name}, which it inherits: "
+        f"its new clients are scored with the global model as it is, without fine-tuning; set "
+        f"personalization.steps in {path} (0 to keep that, 50 to fine-tune as fedavg_ft) to say which",
+        file=sys.stderr,
+    )
 
 
 def _check_shape(cfg: DictConfig, base: DictConfig) -> None:

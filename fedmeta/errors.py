@@ -1,5 +1,10 @@
 """The one error type users see: a single line that says what went wrong and what to do."""
 
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
 
 class FedmetaError(Exception):
     """Bad input or an unrecoverable run condition, reported as one line by the CLI."""
@@ -10,3 +15,11 @@ class RunStopped(FedmetaError):
     checkpointed: not a failure, it continues with ``output.resume=true``."""
 
     EXIT_STATUS = 75  # fedmeta train's status for it (sysexits' EX_TEMPFAIL: try again later)
+
+
+def write_failure(path: Path, tmp: Path, exc: OSError) -> OSError:
+    """The error of a write of ``path`` through the temporary file ``tmp`` that failed (a full disk):
+    ``tmp`` removed, so no half-written file is left, and the error under ``path``'s own name."""
+    with contextlib.suppress(OSError):  # a read-only folder: nothing there to remove
+        tmp.unlink(missing_ok=True)
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))

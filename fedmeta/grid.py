@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from fedmeta.checkpoint import differences, identity
@@ -39,7 +39,16 @@ KILL_AFTER = 15  # seconds a run has after SIGTERM at the deadline to checkpoint
 
 
 def load_preset(name: str) -> DictConfig:
-    return load_group("preset", name, CONFIG_DIR)
+    """A preset's file (a user's own may inherit one of the package's), with the keys every preset has."""
+    preset = load_group("preset", name, CONFIG_DIR)
+    shapes = {"settings": DictConfig, "methods": ListConfig, "seeds": ListConfig}
+    wrong = [key for key, kind in shapes.items() if not isinstance(preset.get(key), kind)]
+    if wrong:
+        raise FedmetaError(
+            f"preset {name!r} has no {', '.join(wrong)} (settings: a mapping; methods, seeds: lists): "
+            "write them into its file, or inherit them (inherits: quick)"
+        )
+    return preset
 
 
 @dataclass(frozen=True)
@@ -290,7 +299,21 @@ def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
     axes = [(key, split_values(value)) for key, value in (o.split("=", 1) for o in overrides)]
     if any(not v for _, values in axes for v in values):
         raise FedmetaError("a sweep value is empty (two commas, or one at an end): write key=a,b,c")
-    jobs = []
+    # a key's values multiply the points: a key given twice or a value repeated would run a point
+    # twice (or stack a seed twice, which fails), or the later key silently replace the earlier's values
+    given = [key for key, _ in axes]
+    twice = next((key for key in given if given.count(key) > 1), None)
+    if twice:
+        words = " and ".join(o for o in overrides if o.split("=", 1)[0] == twice)
+        raise FedmetaError(f"{twice} is given twice ({words}): give its values once, as {twice}=a,b,c")
+    for key, values in axes:
+        repeated = next((v for v in values if values.count(v) > 1), None)
+        if repeated is not None:
+            raise FedmetaError(
+                f"{key}={','.join(values)} repeats {repeated}: give each value once, "
+                f"e.g. {key}={','.join(dict.fromkeys(values))}"
+            )
+    jobs, points = [], {}
     for combination in itertools.product(*[[(key, v) for v in values] for key, values in axes]):
         folder = ",".join(
             f"{k}={v}"
@@ -305,6 +328,16 @@ def sweep_plan(overrides: list[str], root: Path) -> list[Job]:
             "output.resume=true",
         )
         cfg = compose(list(run_overrides))  # every point is checked before anything runs
+        point = " ".join(f"{k}={v}" for k, v in combination)
+        # two spellings of one value (0.1 and 0.10) name two folders of one run
+        settings = OmegaConf.to_container(cfg)
+        del settings["output"]["root"]
+        same = points.setdefault(repr(settings), point)
+        if same != point:
+            raise FedmetaError(
+                f"the sweep's points {same} and {point} are the same run (equal values written "
+                "differently): give each value once"
+            )
         jobs.append(Job(setting_name(cfg), method_label(cfg), cfg.seed, run_overrides, folder))
     return sorted(jobs, key=lambda job: job.seed)  # every point of seed 0 first
 

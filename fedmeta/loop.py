@@ -28,7 +28,7 @@ from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.evaluation import PersonalizationResult
 from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds, gather_updates
-from fedmeta.runs import RunLock, RunRecorder, check_run_folder
+from fedmeta.runs import RunLock, RunRecorder, check_run_folder, check_wandb_login
 
 log = logging.getLogger("fedmeta")
 
@@ -48,6 +48,7 @@ def train(
     tune reports to its pruner there; an exception it raises stops the run). ``engine`` computes
     the clients' work (default: fedmeta.engine's, from the config; fedmeta.flower's sends it to
     Flower SuperNodes)."""
+    check_wandb_login(cfg)  # before any process, data or folder
     fabric = make_fabric(cfg)
     engine = engine or make_engine(
         cfg, fabric.device

@@ -2,10 +2,11 @@
 ``results/TABLES.md`` in the paper's layout with the paper's numbers beside ours, and the paper's
 figures as PNG files. Only what the runs gave is shown; a missing run leaves a blank, never a guess.
 
-Every finished run's small files (config, metrics, curves, summary, later evaluations: a few KB, no checkpoint) are
-first copied to ``results/runs/<preset>/``, which is committed; the tables and figures are drawn
-from there, so ``fedmeta table --no-run`` rebuilds them from a fresh clone and every number in
-them leads back to the run, its config and its round-by-round metrics."""
+Every finished run's small files (config, metrics, curves, summary, later evaluations, the grid command
+that ran it: a few KB, no checkpoint) are first copied to ``results/runs/<preset>/``, which is committed;
+the tables and figures are drawn from there, so ``fedmeta table --no-run`` rebuilds them from a fresh
+clone and every number in them leads back to the run, its command, its config and its round-by-round
+metrics."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ import os
 import re
 import shutil
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.config import CONFIG_DIR, USER_CONFIG_DIR, method_card
+from fedmeta.config import CONFIG_DIR, method_card, user_config_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.runs import read_summary
 
@@ -51,7 +52,7 @@ def _tuning_record(method: str, runs: list[Path]) -> str:
     path = next(
         (
             d / "variant" / method / "tuned.yaml"
-            for d in (USER_CONFIG_DIR, CONFIG_DIR)
+            for d in (user_config_dir(), CONFIG_DIR)
             if (d / "variant" / method / "tuned.yaml").is_file()
         ),
         None,
@@ -76,6 +77,21 @@ def _ran(run: Path, tuned: DictConfig) -> bool:
 
 
 RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl")
+COMMAND_FILE = "command.txt"  # the grid command that ran the run, written beside its summary
+
+
+def finished_runs(root: Path) -> dict[Path, int]:
+    """The summary.json of every finished run under ``root`` → its modification time (ns)."""
+    return {path: path.stat().st_mtime_ns for path in root.glob("*/*/seed*/summary.json")}
+
+
+def record_command(root: Path, before: dict[Path, int], command: str) -> list[Path]:
+    """Write ``command`` beside every summary under ``root`` that is new since ``before``
+    (:func:`finished_runs`): the runs it finished. Returns their folders."""
+    fresh = [path.parent for path, mtime in finished_runs(root).items() if before.get(path) != mtime]
+    for folder in fresh:
+        (folder / COMMAND_FILE).write_text(command + "\n")
+    return sorted(fresh)
 
 
 def archive(runs_root: Path, kept_root: Path) -> int:
@@ -88,6 +104,12 @@ def archive(runs_root: Path, kept_root: Path) -> int:
         for name in RUN_FILES:
             if (summary.parent / name).exists():
                 shutil.copy2(summary.parent / name, target / name)
+        command = summary.parent / COMMAND_FILE
+        # older than the summary: the run was replaced since (fedmeta train output.overwrite=true)
+        if command.is_file() and command.stat().st_mtime_ns >= summary.stat().st_mtime_ns:
+            shutil.copy2(command, target / COMMAND_FILE)
+        else:
+            (target / COMMAND_FILE).unlink(missing_ok=True)
     return len(finished)
 
 
@@ -101,32 +123,61 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
         with open(path.parent / "metrics.csv") as f:
             summary["metrics"] = [row for row in csv.DictReader(f) if row["eval_accuracy"]]
         summary["folder"] = path.parent
+        summary["command"] = _command(path.parent / COMMAND_FILE)
         runs[(path.parts[-4], path.parts[-3])].append(summary)
     return runs
+
+
+def _command(path: Path) -> str | None:
+    """The recorded command of a run, on one line; None where none was recorded or it does not read."""
+    if not path.is_file():  # absent, or a pipe whose read would block
+        return None
+    try:
+        return " ".join(path.read_text().split()) or None
+    except (OSError, ValueError):  # unreadable, or not text
+        return None
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, command: str) -> str:
-    """The preset's section of TABLES.md — accuracy mean ± std over seeds (paper's number and our
-    difference beside it), then the budget, hardware and wall time of every cell — in place of that
-    preset's earlier section; the other presets' sections stay as they are."""
-    runs, paper = collect(root), OmegaConf.load(CONFIG_DIR / "paper_results.yaml")
+def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, runs: dict) -> str:
+    """The preset's section of TABLES.md from ``runs`` (:func:`collect` of ``root``) — accuracy
+    mean ± std over seeds (paper's number and our difference beside it), then the budget, hardware
+    and wall time of every cell — in place of that preset's earlier section; the other presets'
+    sections stay as they are."""
+    paper = OmegaConf.load(CONFIG_DIR / "paper_results.yaml")
     settings = [name for name, s in preset.settings.items() if s.grid == "table"]
     methods = list(preset.methods)
+    shown = [s for setting in settings for method in methods for s in runs.get((setting, method), [])]
     lines = [
         f"## Preset `{preset_name}`",
         "",
-        f"{preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, mean ± std over "
-        f"the seeds run; beside it the paper's number (5 seeds, full protocol) and ours minus the paper's.",
+        f"The plan: {preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, "
+        "mean ± std over the seeds each cell states (n): those of its runs that have finished, which may be "
+        "fewer than planned; one seed has no spread. In bold: the best mean of each column. Beside each "
+        "cell: the paper's number (5 seeds, full protocol) and ours minus the paper's.",
         "",
-        f"Command: `{command}`. Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{root}/`.",
+        f"Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{root}/`. The commands that ran its cells:",
+        "",
+        *_commands(shown),
         "",
         "| method | " + " | ".join(settings) + " |",
         "|---|" + "---|" * len(settings),
     ]
+    # each column's best mean as printed: means that print the same are tied, all bold
+    best = {
+        setting: max(
+            (
+                round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
+                for m in methods
+                if runs.get((setting, m))
+            ),
+            default=None,
+        )
+        for setting in settings
+    }
     for method in methods:
         cells = []
         for setting in settings:
@@ -135,7 +186,8 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
                 cells.append("–")
                 continue
             mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
-            cell = f"**{mean:.2f} ± {std:.2f}** (n={len(summaries)})"
+            value = f"**{mean:.2f}**" if round(mean, 2) == best[setting] else f"{mean:.2f}"
+            cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
             if method in paper.get(setting, {}):
                 paper_mean, paper_std = paper[setting][method]
                 cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
@@ -166,6 +218,21 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, co
     return text
 
 
+def _commands(summaries: list[dict]) -> list[str]:
+    """One list item per distinct recorded command of ``summaries``, with how many runs it ran,
+    sorted (a rewrite from the same runs gives the same lines); the runs without one counted last."""
+    counts = Counter(s["command"] for s in summaries)
+    unrecorded = counts.pop(None, 0)
+    items = [f"- `{command}` ({_runs(n)})" for command, n in sorted(counts.items())]
+    return [*items, *([f"- command not recorded ({_runs(unrecorded)})"] if unrecorded else [])] or [
+        "- none yet"
+    ]
+
+
+def _runs(n: int) -> str:
+    return f"{n} run" + ("" if n == 1 else "s")
+
+
 TABLES_TITLE = "# Results\n\nOne section per preset, each written by `fedmeta table --preset <name>`.\n"
 
 
@@ -190,18 +257,21 @@ def replace_section(path: Path, name: str, text: str) -> None:
 
 
 def _steps(runs) -> int:
-    return next((len(s["curve"]) - 1 for summaries in runs.values() for s in summaries), 50)
+    # the longest curve: a method that does not personalize (FedAvg) has only step 0
+    return max((len(s["curve"]) - 1 for summaries in runs.values() for s in summaries), default=50)
 
 
-def log_report(preset_name: str, preset: DictConfig, root: Path, written: list[Path]) -> None:
-    """The table (as a W&B table) and the files just written (TABLES.md, the figures: as images and
-    as one artifact) to a W&B run of their own, job type "report", offline unless asked otherwise."""
-    mode = os.environ.get("WANDB_MODE", "offline")
+def log_report(
+    preset_name: str, preset: DictConfig, runs: dict, written: list[Path], settings: DictConfig
+) -> None:
+    """The table of ``runs`` (as a W&B table) and the files just written (TABLES.md, the figures: as
+    images and as one artifact) to a W&B run of their own, job type "report", in the project and
+    mode of ``settings`` (a config's ``wandb`` section; $WANDB_MODE wins)."""
+    mode = os.environ.get("WANDB_MODE", settings.mode)
     if mode == "disabled":
         return
     import wandb
 
-    runs = collect(root)
     rows = [
         [
             setting,
@@ -215,7 +285,7 @@ def log_report(preset_name: str, preset: DictConfig, root: Path, written: list[P
     ]
     Path("runs").mkdir(exist_ok=True)
     with wandb.init(
-        project=OmegaConf.load(CONFIG_DIR / "config.yaml").wandb.project,  # where the runs log
+        project=settings.project,  # where the runs log
         name=f"report-{preset_name}",
         group="report",
         job_type="report",
@@ -240,14 +310,15 @@ def log_report(preset_name: str, preset: DictConfig, root: Path, written: list[P
         run.log_artifact(files)
 
 
-def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
-    """The paper's figures from whichever runs exist: returns the PNG files written."""
+def draw_figures(preset: DictConfig, runs: dict, out_dir: Path) -> list[Path]:
+    """The paper's figures from whichever of the preset's ``runs`` (:func:`collect`) exist: returns
+    the PNG files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs, methods = collect(root), list(preset.methods)
+    methods = list(preset.methods)
     table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
     written = []
 
@@ -255,7 +326,7 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
         legend(fig, axes)
-        fig.savefig(out_dir / name, dpi=120)
+        fig.savefig(out_dir / name, dpi=120, bbox_inches="tight")
         plt.close(fig)
         written.append(out_dir / name)
 
@@ -264,13 +335,16 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
         method in every panel."""
         means = np.array([100 * np.mean(v) for v in samples_per_x])
         stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
-        color = f"C{methods.index(method) % 10}"
+        # ten colours, then the same ten dashed, dotted…: every one of 20+ methods told apart
+        index = methods.index(method)
+        color = f"C{index % 10}"
         ax.plot(
             xs,
             means,
             marker="o" if len(xs) < 12 else None,
             ms=4,
             color=color,
+            linestyle=("-", "--", ":", "-.")[index // 10 % 4],
             label=method_label(
                 method, [s["folder"] for (_, m), done in runs.items() if m == method for s in done]
             ),
@@ -280,8 +354,8 @@ def draw_figures(preset: DictConfig, root: Path, out_dir: Path) -> list[Path]:
     def legend(fig, axes) -> None:
         """One legend for the figure, with every method drawn in any panel."""
         handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
-        fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8)
-        fig.subplots_adjust(right=0.85)
+        # beside the panels, never over the data; the saved image widens to hold it
+        fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
 
     for figure, xlabel in (
         ("heterogeneity", "heterogeneity of the partition (RMNIST)"),

@@ -5,6 +5,7 @@ curve at every evaluation), summary.json, checkpoint.ckpt — and what its Fabri
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -12,13 +13,14 @@ import logging
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from lightning.fabric.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.config import method_label, setting_name
-from fedmeta.errors import FedmetaError
+from fedmeta.errors import FedmetaError, write_failure
 
 log = logging.getLogger("fedmeta")
 
@@ -34,9 +36,13 @@ METRIC_FIELDS = [
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or what it held before: written beside it, then renamed."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise write_failure(path, tmp, exc) from None
 
 
 def read_summary(path: Path) -> dict | None:
@@ -61,7 +67,10 @@ RUN_ENTRIES = (
     "summary.json",
     "evaluations.jsonl",
     "checkpoint.ckpt",
-    "checkpoint.ckpt.tmp",
+    *(
+        f"{name}.tmp"
+        for name in ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "checkpoint.ckpt")
+    ),
     "tensorboard",
     "wandb",
     "csv",
@@ -96,9 +105,12 @@ def check_run_folder(run_dir: Path) -> None:
 
 def append_text(path: Path, text: str) -> None:
     """Appends to a file of a run folder without following a symbolic link put there since."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "a", newline="") as f:
-        f.write(text)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "a", newline="") as f:
+            f.write(text)
+    except OSError as exc:  # a full disk fails the write, which names no file
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
 
 
 class RunLock:
@@ -161,11 +173,43 @@ LOGGED_AS = {
 }
 
 
+WANDB_INIT_TIMEOUT = 30  # seconds wandb.init may take to reach W&B online (its own default: 90)
+
+
+def wandb_mode(cfg: DictConfig) -> str:
+    """offline, online or disabled: $WANDB_MODE, else wandb.mode."""
+    return os.environ.get("WANDB_MODE", cfg.wandb.mode)
+
+
+def check_wandb_login(cfg: DictConfig) -> None:
+    """A run that logs to W&B online needs an API key ($WANDB_API_KEY, ~/.netrc from ``wandb
+    login``); without one, wandb.init fails deep inside the run (or asks for one in a terminal).
+    Refused in one line before the run starts."""
+    if "wandb" not in cfg.logger or wandb_mode(cfg) != "online":
+        return
+    import wandb
+
+    if wandb.run is not None:  # a run of this process is online already: its key was found
+        return
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # W&B's "Loaded credentials" notes
+            found = wandb.login(prompt=False, verify=False)
+    except wandb.errors.Error as exc:  # a key of the wrong form
+        raise FedmetaError(
+            f"W&B: {str(exc).strip().splitlines()[0]}: fix it, or log offline with wandb.mode=offline"
+        ) from None
+    if not found:
+        raise FedmetaError(
+            "wandb.mode=online needs a W&B API key and none is set ($WANDB_API_KEY, ~/.netrc): run "
+            "`wandb login` first, or log offline with wandb.mode=offline (and `wandb sync` later)"
+        )
+
+
 def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | None = None):
     """Lightning's WandbLogger, offline unless asked otherwise ($WANDB_MODE wins); None if disabled.
     One W&B run per federation: grouped by setting, its job type the method (and variant), so W&B's
     mean ± std over a group's job type is over seeds only. A resumed run continues ``run_id``."""
-    mode = os.environ.get("WANDB_MODE", cfg.wandb.mode)
+    mode = wandb_mode(cfg)
     if mode == "disabled":
         return None
     import wandb
@@ -185,21 +229,33 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | 
             mode=mode,
             reinit="create_new",
             config=OmegaConf.to_container(cfg),
-            settings=wandb.Settings(silent=True, console="off"),
+            settings=wandb.Settings(silent=True, console="off", init_timeout=WANDB_INIT_TIMEOUT),
             **({"id": resume_id, "resume": "allow"} if resume_id else {}),
         )
 
+    began = time.monotonic()
     try:
-        run = start(run_id)
-    except Exception as exc:  # noqa: BLE001 — W&B refuses to continue a run (a killed process's run still "in use")
-        if not run_id:
-            raise
-        log.warning(
-            f"W&B run {run_id} could not be continued ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:160]}); "
-            "the resumed rounds go to a new W&B run of the same name and group"
-        )
-        run = start(None)
+        try:
+            run = start(run_id)
+        except Exception as exc:  # noqa: BLE001 — W&B refuses to continue a run (a killed process's run still "in use")
+            # no network: the init timeout ran out, and a new run would wait as long to fail the same way
+            if not run_id or time.monotonic() - began >= WANDB_INIT_TIMEOUT:
+                raise
+            log.warning(
+                f"W&B run {run_id} could not be continued ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0][:160]}); "
+                "the resumed rounds go to a new W&B run of the same name and group"
+            )
+            run = start(None)
+    except wandb.errors.Error as exc:  # no network, W&B down, a key it refuses
+        raise FedmetaError(
+            f"W&B did not start the run {mode} ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]})"
+            + (
+                ": check the network, or log offline with wandb.mode=offline (and `wandb sync` later)"
+                if mode == "online"
+                else ""
+            )
+        ) from None
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)  # x axis: the round
     return WandbLogger(experiment=run)
@@ -243,16 +299,17 @@ def _logged(row: dict) -> dict:
     return {LOGGED_AS[k]: v for k, v in row.items() if k in LOGGED_AS and v != ""}
 
 
-def _logged_rounds(path: Path) -> int:
-    """Rounds in a run folder's metrics.csv; a file that does not read as one counts as holding
-    something (it is kept unless replacing it was asked for)."""
+def _foreign_metrics(path: Path) -> bool:
+    """A metrics.csv that does not read as one fedmeta wrote: kept unless replacing it was asked for.
+    fedmeta's own rows are nothing to keep without a checkpoint: no run can continue from them, and
+    the rerun writes them again."""
     if not path.is_file():
-        return 0
+        return False
     try:
         with open(path, newline="") as f:
-            return sum(1 for _ in csv.DictReader(f))
+            return next(csv.reader(f), METRIC_FIELDS) != METRIC_FIELDS
     except (UnicodeDecodeError, csv.Error):
-        return 1
+        return True
 
 
 class RunRecorder:
@@ -280,9 +337,10 @@ class RunRecorder:
         self.loggers, self.curve_loggers, self.wandb = [], [], None
         if self.main:
             if run_dir.exists() and history is None:
-                # a run that failed in its first round left headers only: nothing there blocks the corrected rerun
+                # a run that failed before its first checkpoint (an error, a full disk) left nothing
+                # to continue: its folder does not block the corrected rerun
                 kept = [name for name in ("checkpoint.ckpt", "summary.json") if (run_dir / name).exists()]
-                kept += ["metrics.csv"] if _logged_rounds(run_dir / "metrics.csv") else []
+                kept += ["metrics.csv"] if _foreign_metrics(run_dir / "metrics.csv") else []
                 if kept and not (
                     cfg.output.overwrite or cfg.output.resume
                 ):  # resume without a checkpoint: nothing to keep
@@ -294,17 +352,18 @@ class RunRecorder:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "checkpoint.ckpt.tmp").unlink(missing_ok=True)  # a checkpoint write cut off by a kill
             atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-            with open(run_dir / "metrics.csv", "w", newline="") as f:
-                writer = csv.DictWriter(f, METRIC_FIELDS)
-                writer.writeheader()
-                writer.writerows(self.rows)
-            with open(run_dir / "curves.csv", "w", newline="") as f:
-                csv.writer(f).writerows(
-                    [
-                        ["round", "step", "accuracy"],
-                        *([r, step, acc] for r, curve in self.curves for step, acc in enumerate(curve)),
-                    ]
-                )
+            metrics, curves = io.StringIO(), io.StringIO()
+            writer = csv.DictWriter(metrics, METRIC_FIELDS)
+            writer.writeheader()
+            writer.writerows(self.rows)
+            csv.writer(curves).writerows(
+                [
+                    ["round", "step", "accuracy"],
+                    *([r, step, acc] for r, curve in self.curves for step, acc in enumerate(curve)),
+                ]
+            )
+            atomic_write_text(run_dir / "metrics.csv", metrics.getvalue())
+            atomic_write_text(run_dir / "curves.csv", curves.getvalue())
             self.loggers, self.curve_loggers, self.wandb = run_loggers(cfg, run_dir, list(tags), history)
 
     @property

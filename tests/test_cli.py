@@ -6,9 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
+from test_properties import no_work, run_main  # noqa: F401 — no_work: a fixture, used by name
 
+from fedmeta import grid
 from fedmeta.cli import main
-from fedmeta.config import group_choices
+from fedmeta.config import CONFIG_DIR, group_choices, user_config_dir
 
 BAD = [
     (["dataset=imagenet"], "unknown data set 'imagenet'"),
@@ -112,6 +115,14 @@ BAD = [
     (["personalization.batch_size=1"], "batch_size ≥ 2"),
     (["model.padding=[1]"], "model.padding must be an integer ≥ 0, same or valid"),
     (["model.modulator.after_mean=[a]"], "model.modulator.after_mean must list integers ≥ 1"),
+    (  # a key under a value: a traceback from a later check before
+        ["federation.rounds.x=3"],
+        "federation.rounds.x: federation.rounds is a value, not a group of keys: set federation.rounds itself",
+    ),
+    (["model.dense_units.0=64"], "set model.dense_units itself, e.g. model.dense_units=[512]"),
+    (["logger.x=1"], "logger.x: logger is a value, not a group of keys"),
+    (["model.init_from.x=1"], "model.init_from is a value, not a group of keys"),
+    (["personalization.steps=1000000000"], "personalization.steps must be at most 1000, got 1000000000"),
 ]
 
 
@@ -157,10 +168,9 @@ def test_console_script_exits_nonzero_with_one_line(tmp_path):
         text=True,
     )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "fedmeta: error: unknown method 'nope': choose one of ['cafeme', 'ditto', 'fedavg', 'fedavg_ft', "
-        "'fedrep', 'ifca', 'ifca_ft', 'local', 'perfedavg']"
-    ]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("fedmeta: error: unknown method 'nope': choose one of ['apfl', 'cafeme', ")
+    assert line.endswith(f"(the files in {user_config_dir() / 'method'} and {CONFIG_DIR / 'method'})")
 
 
 def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path, mnist_dir):
@@ -255,11 +265,15 @@ def test_train_help_lists_every_choice_with_one_line(capsys):
         (["tune", "cafeme", "--seed", "0"], "--seed 0 is a seed the presets score"),
         (["tune", "cafeme", "--trials", "0"], "--trials and --rounds must be ≥ 1"),
         (["tune", "cafeme", "--storage", "nosuchdb://x"], "cannot open the study database"),
-        (["tune", "fedavg"], "was written by hand, not by fedmeta tune: pass --overwrite"),
+        (["tune", "fedavg"], "holds values written by hand, not by fedmeta tune: pass --overwrite"),
     ],
 )
 def test_sweep_and_tune_bad_input_is_one_line(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    tuned = tmp_path / "home" / "variant" / "fedavg" / "tuned.yaml"  # the user's own values
+    tuned.parent.mkdir(parents=True)
+    tuned.write_text("method:\n  local_lr: 0.05\n")
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path / "home"))
     monkeypatch.setattr("shutil.which", lambda name: None)  # no SLURM on this machine, whatever the CI has
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -288,6 +302,65 @@ def test_flower_dp_out_of_range_is_one_line(capsys):
     assert "--dp needs CLIP > 0" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["flower", "sim", "--timeout", "nan"], "--timeout > 0 (a finite number of seconds), got 4 and nan"),
+        (["flower", "sim", "--timeout", "inf"], "--timeout > 0 (a finite number of seconds), got 4 and inf"),
+        (["flower", "deploy", "--max-seconds", "-5"], "--max-seconds must be a finite number of seconds > 0"),
+        (["flower", "deploy", "--print", "--max-seconds", "nan"], "--max-seconds must be a finite number"),
+        (["flower", "sim", "--dp", "nan", "1", "1", "0.1"], "all finite, got [nan, 1.0, 1.0, 0.1]"),
+        (["flower", "sim", "--dp", "1", "1", "inf", "0.1"], "all finite, got [1.0, 1.0, inf, 0.1]"),
+    ],
+)
+@pytest.mark.usefixtures("no_work")
+def test_flower_numbers_that_are_not_finite_and_positive_are_one_line(args, message):
+    """Refused before Flower is imported: the same line whether it is installed or not."""
+    code, err = run_main(args)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_key_given_twice_takes_its_last_value_as_the_docs_say(capsys):
+    assert main(["train", "--print-config", "federation.rounds=3", "federation.rounds=4"]) == 0
+    assert OmegaConf.create(capsys.readouterr().out).federation.rounds == 4
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (["seed=0,0"], "seed=0,0 repeats 0: give each value once, e.g. seed=0"),
+        (["method=local,fedavg,local"], "repeats local: give each value once, e.g. method=local,fedavg"),
+        (["seed=0,1", "seed=2"], "seed is given twice (seed=0,1 and seed=2): give its values once"),
+        (
+            ["seed=0,1", "personalization.lr=0.1,0.10"],
+            "personalization.lr=0.1 and seed=0 personalization.lr=0.10",
+        ),
+    ],
+)
+def test_a_sweep_that_would_run_a_point_twice_is_refused_before_any_run(
+    values, message, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grid, "run", lambda *args, **kwargs: pytest.fail("a run started"))
+    assert main(["sweep", *values]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_data_describe_takes_a_key_value_after_the_data_set_as_an_override(capsys, monkeypatch):
+    described = []
+    monkeypatch.setattr("fedmeta.describe.describe", lambda cfg: described.append(cfg) or ({}, "x.png"))
+    assert main(["data", "describe", "rmnist", "federation.num_clients=30"]) == 0
+    assert described[0].federation.num_clients == 30 and described[0].partition.name == "shards"
+    assert main(["data", "describe", "rmnist", "dirichlet", "federation.num_clients=30"]) == 0
+    assert described[1].federation.num_clients == 30 and described[1].partition.name == "dirichlet"
+    capsys.readouterr()
+    assert main(["data", "describe", "folder", "key=value"]) == 2  # before: "unknown partition 'key=value'"
+    err = capsys.readouterr().err
+    assert "unknown or invalid config key 'key'" in err and err.count("\n") == 1
+
+
 def test_one_name_is_a_list_of_one(capsys):
     assert main(["train", "--print-config", "logger=tensorboard"]) == 0
     assert "logger:\n- tensorboard\n" in capsys.readouterr().out
@@ -304,7 +377,7 @@ def test_one_name_is_a_list_of_one(capsys):
             ["bench", "--datasets", "rmnsit", "fabric.accelerator=cpu", "--no-memory"],
             "--datasets rmnsit: not a data set of bench.yaml",
         ),
-        (["bench", "--methods", "fedprox", "--no-memory"], "--methods fedprox: no such method"),
+        (["bench", "--methods", "fedprx", "--no-memory"], "--methods fedprx: no such method"),
         (["bench", "--datasets", "fabric.accelerator=cpu"], "--datasets needs at least one name"),
         (["table", "--no-run", "--methods", "bogus"], "unknown method 'bogus'"),
         (["table", "--no-run", "--methods", "fedrep-nope"], "method 'fedrep' has no variant 'nope'"),
@@ -404,6 +477,35 @@ def test_every_key_a_method_accepts_is_read_by_that_method():
         for key, value in refused.get(cfg.method.algorithm, {}).items():
             with pytest.raises(FedmetaError, match=f"method.{key} must be one of"):
                 compose([f"method={method}", f"method.{key}={value}"])
+
+
+def test_a_method_file_that_inherits_personalization_steps_0_is_noted_once(tmp_path, monkeypatch, capsys):
+    """FedAvg's file sets personalization.steps: 0 (plain FedAvg is scored without fine-tuning); a
+    method file that inherits it and does not say otherwise gets one note — setting the key in the
+    file, a variant or on the command line says it was meant. No shipped method file draws it."""
+    from fedmeta import config
+    from fedmeta.config import compose, group_choices
+
+    (tmp_path / "method").mkdir()
+    for name, extra in (("silent", ""), ("said", "personalization:\n  steps: 0\n")):
+        (tmp_path / "method" / f"{name}.yaml").write_text(
+            f"# A method of mine.\ninherits: fedavg\nlabel: Mine\nmethod:\n  name: {name}\n{extra}"
+        )
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setattr(config, "_NOTED", set())
+    for overrides in (["method=said"], ["method=silent", "personalization.steps=0"], ["method=silent"]):
+        compose(overrides)
+    compose(["method=silent"])  # a second time: no second note
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "method silent takes personalization.steps: 0 from fedavg.yaml" in notes[0]
+    assert str(tmp_path / "method" / "silent.yaml") in notes[0]
+    assert compose(["method=silent", "personalization.steps=5"]).personalization.steps == 5
+
+    monkeypatch.delenv("FEDMETA_CONFIG_HOME")
+    monkeypatch.setattr(config, "_NOTED", set())
+    for method in group_choices("method"):
+        compose([f"method={method}"])
+    assert "note:" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

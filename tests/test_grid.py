@@ -1,6 +1,7 @@
 """``fedmeta table`` / ``fedmeta figures``: a real (tiny) grid of runs, resumed, tabulated and drawn."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
         json.loads(p.read_text())["accuracy"] for p in runs if "perfedavg" in str(p) and "shards" in str(p)
     ]
     mean = 100 * sum(accuracies) / 2
-    assert f"**{mean:.2f} ± " in perfedavg and "paper 83.86 ± 1.74" in perfedavg and "(n=2)" in perfedavg
+    assert f"{mean:.2f}" in perfedavg and "paper 83.86 ± 1.74" in perfedavg and "(n=2)" in perfedavg
+    assert f"- `fedmeta {' '.join(args)}` (8 runs)" in table
     assert "| rmnist-dirichlet | local | 0,1 | 2 |" in table
 
     # An interrupted grid: one run's results gone (never kept, as a run that did not finish) → only it runs again.
@@ -81,9 +83,13 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
 
     # A fresh clone has results/runs/ (committed, small files only) and no runs/: --no-run rebuilds the same table.
     kept = sorted(tmp_path.glob("results/runs/quick/*/*/seed*/*"))
-    assert {p.name for p in kept} == {"config.yaml", "metrics.csv", "curves.csv", "summary.json"} and len(
-        kept
-    ) == 32
+    assert {p.name for p in kept} == {
+        "config.yaml",
+        "metrics.csv",
+        "curves.csv",
+        "summary.json",
+        "command.txt",
+    } and len(kept) == 40
     before = table.split("Written")[1].split("\n", 1)[1]
     shutil.rmtree(tmp_path / "runs")
     assert main(["table", "--no-run"]) == 0
@@ -382,3 +388,126 @@ def test_a_kept_run_counts_as_finished_only_if_it_ran_the_jobs_settings(tmp_path
     saved["method"]["local_lr"] = 0.05  # the run used other values than the config gives now
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(saved))
     assert not finished(job, tmp_path / "kept")
+
+
+def finished_run(folder: Path, accuracy: float, seed: int = 0, steps: int = 3) -> None:
+    """The files the reports read of a finished run (``steps`` personalization steps)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "accuracy": accuracy,
+        "seed": seed,
+        "rounds": 2,
+        "seconds": 60.0,
+        "seconds_per_round": 1.0,
+        "device": "cpu",
+        "curve": [accuracy] * (steps + 1),
+    }
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "metrics.csv").write_text(f"round,eval_accuracy\n1,{accuracy}\n")
+
+
+def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, caplog):
+    """table --no-run and figures without --run read the kept runs and write their own files, nothing
+    else (no W&B run, not even W&B's default offline one), each bad summary said once. In the table,
+    bold marks each column's best mean (means that print the same: all of them), one seed shows no
+    spread, the runs without a recorded command are counted, and the caption's steps are those of the
+    methods that personalize (FedAvg's curve, first in the folder, has only step 0)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    kept = tmp_path / "results" / "runs" / "quick" / "rmnist-shards"
+    finished_run(kept / "fedavg" / "seed0", 0.85, steps=0)
+    for method, accuracies in (("ifca", (0.9, 0.8)), ("perfedavg", (0.85,)), ("local", (0.5,))):
+        for seed, accuracy in enumerate(accuracies):
+            finished_run(kept / method / f"seed{seed}", accuracy, seed)
+    (kept / "fedrep" / "seed0").mkdir(parents=True)
+    (kept / "fedrep" / "seed0" / "summary.json").write_text("{not json")
+    before = set(tmp_path.rglob("*"))
+
+    assert main(["table", "--no-run"]) == 0
+    assert caplog.text.count("skipping ") == 1
+    caplog.clear()
+    assert main(["figures"]) == 0
+    assert caplog.text.count("skipping ") == 1
+    new = {str(p.relative_to(tmp_path)) for p in set(tmp_path.rglob("*")) - before}
+    assert new == {"results/TABLES.md", "results/fig_personalization.png", "results/fig_convergence.png"}
+
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    rows = {
+        line.split(" | ")[0].removeprefix("| "): line for line in table.splitlines() if line.startswith("| ")
+    }
+    assert "**85.00** ± 7.07 (n=2)" in rows["IFCA"]
+    assert "**85.00** (n=1)" in rows["FedAvg"] and "**85.00** (n=1)" in rows["Per-FedAvg"]
+    assert "| 50.00 (n=1) |" in rows["Local"] and "**" not in rows["Local"]
+    assert "± 0.00" not in table and "\n- command not recorded (5 runs)\n" in table
+    assert "after 3 personalization steps" in table
+
+
+@pytest.fixture
+def every_job_finishes(monkeypatch):
+    """A grid whose every job leaves a finished run at once (no training)."""
+    from fedmeta import grid
+
+    def run(jobs, root, *_):
+        for job in jobs:
+            finished_run(root / job.setting / job.method / f"seed{job.seed}", 0.5, job.seed)
+        return []
+
+    monkeypatch.setattr(grid, "run", run)
+
+
+def test_each_section_names_the_commands_that_ran_its_cells(tmp_path, monkeypatch, every_job_finishes):
+    """The grid command is kept beside each run it finished; the section lists the distinct ones,
+    sorted, with their runs, and rewriting it from the same runs changes none of them. A run
+    replaced since by another (its summary newer than its command) has no command."""
+    from fedmeta import report
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(report, "log_report", lambda *args: None)
+    fedavg = ["table", "--datasets", "rmnist-shards", "--methods", "fedavg", "--seeds", "0", "logger=[csv]"]
+    cafeme = ["table", "--datasets", "rmnist-shards", "--methods", "cafeme", "--seeds", "0", "1"]
+    assert main(fedavg) == 0 and main(cafeme) == 0
+    finished_run(tmp_path / "results" / "runs" / "quick" / "rmnist-shards" / "local" / "seed0", 0.5)
+    assert main(["table", "--no-run"]) == 0
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    assert (
+        "\n- `fedmeta table --datasets rmnist-shards --methods cafeme --seeds 0 1` (2 runs)"
+        "\n- `fedmeta table --datasets rmnist-shards --methods fedavg --seeds 0 'logger=[csv]'` (1 run)"
+        "\n- command not recorded (1 run)\n"
+    ) in table
+    assert main(["table", "--no-run"]) == 0
+    after_written = table.split("Written")[1].split("\n", 1)[1]
+    assert (tmp_path / "results" / "TABLES.md").read_text().split("Written")[1].split("\n", 1)[
+        1
+    ] == after_written
+
+    summary = tmp_path / "runs" / "quick" / "rmnist-shards" / "fedavg" / "seed0" / "summary.json"
+    later = (summary.parent / "command.txt").stat().st_mtime_ns + 10**9
+    os.utime(summary, ns=(later, later))
+    assert main(["table", "--no-run"]) == 0
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    assert "--methods fedavg" not in table and "\n- command not recorded (2 runs)\n" in table
+
+
+def test_a_wandb_report_run_only_where_asked_or_after_runs_that_log_to_wandb(
+    tmp_path, monkeypatch, every_job_finishes
+):
+    """--wandb asks for the report run; a grid whose runs ran with the wandb logger (a default one)
+    starts it too, in the project those runs log to; nothing else does."""
+    from fedmeta import report
+
+    monkeypatch.chdir(tmp_path)
+    logged = []
+    monkeypatch.setattr(
+        report,
+        "log_report",
+        lambda name, preset, runs, written, wandb: logged.append(
+            (name, [p.name for p in written], wandb.project)
+        ),
+    )
+    one_run = ["table", "--datasets", "rmnist-shards", "--methods", "fedavg", "--seeds", "0"]
+    assert main([*one_run, "logger=[tensorboard]"]) == 0 and logged == []  # its runs logged nothing to W&B
+    assert main(["table", "--no-run"]) == 0 and main(["figures"]) == 0 and logged == []
+    assert main(one_run) == 0 and logged == [("quick", ["TABLES.md"], "fedmeta")]  # wandb: a default logger
+    assert main(["table", "--no-run", "--wandb"]) == 0 and len(logged) == 2
+    assert main(["figures", "--wandb", "wandb.project=elsewhere"]) == 0
+    assert logged[-1] == ("quick", ["fig_personalization.png", "fig_convergence.png"], "elsewhere")

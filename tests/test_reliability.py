@@ -1,11 +1,13 @@
 """Never lose a run, never a traceback: run folders, locks, resume edge cases, data files, evaluate."""
 
 import contextlib
+import errno
 import io
 import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from fedmeta.data.convert import _load_pickle
 from fedmeta.data.sources import _fingerprint, read_canonical
 from fedmeta.errors import FedmetaError
 from fedmeta.loop import train
+from fedmeta.runs import WANDB_INIT_TIMEOUT, atomic_write_text
 
 QUICK = [
     "method=local",
@@ -400,3 +403,88 @@ def test_a_run_that_fails_in_its_first_round_does_not_block_the_corrected_one(tm
     assert main(run_args(tmp_path, mnist_dir, *fedavg)) == 2
     assert "holds an unfinished run (metrics.csv)" in capsys.readouterr().err
     assert main(run_args(tmp_path, mnist_dir, *fedavg, "output.overwrite=true")) == 0
+
+
+def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_the_rerun_starts_over(
+    tmp_path, mnist_dir, capsys, monkeypatch
+):
+    from lightning.fabric import Fabric
+
+    def disk_full(self, path, state, filter=None):
+        Path(path).write_bytes(b"\0" * 4096)  # what fitted before the disk filled
+        raise OSError(errno.ENOSPC, "No space left on device", "/tmp/tmpk1lq0x3z")  # Lightning's own file
+
+    monkeypatch.setattr(Fabric, "save", disk_full)
+    assert main(run_args(tmp_path, mnist_dir)) == 2
+    err = capsys.readouterr().err
+    run = tmp_path / "rmnist-shards" / "local" / "seed0"
+    assert "Traceback" not in err and err.count("fedmeta: error: ") == 1, err  # the progress bars before it
+    assert err.rstrip().splitlines()[-1] == (
+        f"fedmeta: error: {run / 'checkpoint.ckpt'}: No space left on device: check the path and its "
+        "permissions or free space"
+    )
+    assert not list(run.glob("*.tmp")) and not (run / "checkpoint.ckpt").exists()
+    monkeypatch.undo()
+    # its metrics.csv holds rounds, but no run can continue from them: the plain rerun is not refused
+    assert main(run_args(tmp_path, mnist_dir)) == 0 and (run / "summary.json").exists()
+
+
+def test_an_atomic_write_that_fails_keeps_the_old_file_and_leaves_no_temporary_one(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    target.write_text("old")
+    honest = Path.write_text
+
+    def half(self, text, *args, **kwargs):
+        honest(self, text[:3], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError) as failed:
+        atomic_write_text(target, "new content")
+    monkeypatch.undo()
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(target)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def wandb_online(tmp_path, monkeypatch) -> None:
+    """W&B online, as a user without `wandb login` has it: no key in the environment, an empty home."""
+    pytest.importorskip("wandb")
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_wandb_online_without_an_api_key_is_one_line_before_the_run(tmp_path, mnist_dir, capsys, monkeypatch):
+    wandb_online(tmp_path, monkeypatch)
+    runs = tmp_path / "runs"
+    assert main(run_args(runs, mnist_dir, "logger=[wandb]", "wandb.mode=online")) == 2  # a traceback before
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "wandb.mode=online needs a W&B API key and none is set" in err, err
+    assert "`wandb login`" in err and "wandb.mode=offline" in err
+    assert not runs.exists()
+
+
+def test_wandb_online_without_a_network_is_one_line_and_the_rerun_offline_runs(
+    tmp_path, mnist_dir, capsys, monkeypatch
+):
+    import wandb
+
+    wandb_online(tmp_path, monkeypatch)
+    monkeypatch.setattr(wandb, "login", lambda **kwargs: True)  # a key found, without storing one
+    waited = []
+
+    def no_network(settings, **kwargs):
+        waited.append(settings.init_timeout)
+        raise wandb.errors.CommError("Timed out while retrying: dial tcp: lookup api.wandb.ai: no such host")
+
+    monkeypatch.setattr(wandb, "init", no_network)
+    runs = tmp_path / "runs"
+    assert main(run_args(runs, mnist_dir, "logger=[wandb]", "wandb.mode=online")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "W&B did not start the run online (CommError: Timed out" in err, err
+    assert "check the network, or log offline with wandb.mode=offline" in err
+    assert waited == [WANDB_INIT_TIMEOUT]  # not W&B's 90 s
+    monkeypatch.undo()
+    assert main(run_args(runs, mnist_dir, "logger=[csv]")) == 0  # the folder it left does not block

@@ -3,6 +3,7 @@ model, placed in every IFCA model or in CAFeMe's base; refused in one line when 
 recorded in config.yaml and summary.json, and kept across a resume."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -71,6 +72,43 @@ def test_a_warm_start_that_does_not_fit_is_one_line_before_any_folder(
     assert main([*base, f"model.init_from={tmp_path}"]) == 2
     assert "not a finished run's folder" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "content,why",
+    [
+        ("[1, 2]", "a JSON list, not a mapping"),
+        ("3", "a JSON int, not a mapping"),
+        ("{cut", "JSONDecodeError"),
+    ],
+)
+def test_a_source_whose_summary_is_not_a_mapping_is_one_line(
+    fedavg_run, tmp_path, mnist_dir, capsys, content, why
+):
+    source = tmp_path / "source"
+    shutil.copytree(fedavg_run, source)
+    (source / "summary.json").write_text(content)
+    base = ["train", "method=fedavg", *TINY, f"dataset.dir={mnist_dir}", f"output.root={tmp_path / 'runs'}"]
+    assert main([*base, f"model.init_from={source}"]) == 2  # a traceback before
+    err = capsys.readouterr().err
+    assert (
+        f"{source / 'summary.json'} is not a finished run's summary ({why})" in err and err.count("\n") == 1
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_source_that_is_not_a_run_folder_is_told_what_one_holds(tmp_path, mnist_dir, capsys):
+    """The hint says what to give, not the path given again."""
+    base = ["train", "method=fedavg", *TINY, f"dataset.dir={mnist_dir}", f"output.root={tmp_path / 'runs'}"]
+    assert main([*base, f"model.init_from={tmp_path}/fedavg/seed{{seed}}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/fedavg/seed0 does not exist, so it is not a finished run's folder" in err
+    assert "runs/<setting>/<method>/seed<k>" in err and "summary.json and checkpoint.ckpt" in err
+    assert "{seed} in the path stands for this run's seed" in err and err.count("\n") == 1
+    (tmp_path / "fedavg" / "seed0").mkdir(parents=True)
+    (tmp_path / "fedavg" / "seed0" / "checkpoint.ckpt").write_bytes(b"")
+    assert main([*base, f"model.init_from={tmp_path}/fedavg/seed{{seed}}"]) == 2
+    assert "seed0 holds no summary.json, so it is not a finished run's folder" in capsys.readouterr().err
 
 
 def test_a_warm_started_run_records_its_source_and_keeps_it_across_a_resume(fedavg_run, tmp_path, mnist_dir):
