@@ -7,7 +7,9 @@ rule, evaluation schedule, checkpoints and run folder. Only *where a client comp
 ``FlowerEngine`` takes the engine's place and sends each sampled client's work to the SuperNode
 that holds the client, which runs the same ``Algorithm.run_client`` (training) or the shared
 personalization procedure (evaluation) on its own data and replies. A client's kept state
-(FedRep's head, the authors' Adam moments) stays on its node, in the node's Flower context.
+(FedRep's head, the authors' Adam moments, SCAFFOLD's c_i) stays on its node, in the node's Flower
+context; server state that a local update reads besides the model (SCAFFOLD's c:
+``Algorithm.broadcast_state``) travels with the model in each training message.
 
 Which clients a node holds comes from its node config: ``partition-id`` p of ``num-partitions``
 P holds the clients whose id ≡ p (mod P) — one client per node with P = number of clients, or a
@@ -83,6 +85,10 @@ def _client(msg: Message, context: Context, overrides: str | None) -> tuple:
         raise FedmetaError(f"client {client_id} is not held by partition {partition} of {partitions}")
     client = next(c for c in (*federation.train_clients, *federation.new_clients) if c.id == client_id)
     algorithm.model.load_state_dict(msg.content["model"].to_torch_state_dict())
+    shared = msg.content["shared"].to_torch_state_dict() if "shared" in msg.content else {}
+    algorithm.load_broadcast_state(
+        {k: v.to(next(algorithm.model.parameters()).device) for k, v in shared.items()}
+    )  # SCAFFOLD's server control variate
     return cfg, algorithm, client
 
 
@@ -210,8 +216,13 @@ class FlowerEngine:
             content = RecordDict(
                 {"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})}
             )
+            shared = algorithm.broadcast_state() if kind == "train" else {}
+            if shared:  # the server's state a local update reads besides the model (SCAFFOLD's c)
+                content["shared"] = ArrayRecord({k: v.contiguous() for k, v in shared.items()})
             messages.append(Message(content, self.node_of[client.id], kind, group_id=str(round_)))
-            model_bytes[client.id] = sum(t.numel() * t.element_size() for t in state.values())
+            model_bytes[client.id] = sum(
+                t.numel() * t.element_size() for t in (*state.values(), *shared.values())
+            )
         # a node works through its messages one after another: it may take the timeout for each
         wait = self.timeout * max(Counter(m.metadata.dst_node_id for m in messages).values(), default=1)
         replies = {}
@@ -246,9 +257,11 @@ class FlowerEngine:
             results.append(ClientUpdate(client.id, params, float(metrics["weight"]), float(metrics["loss"])))
         return results
 
-    def personalization_curves(self, lanes: list, cfg) -> torch.Tensor:
-        """Each new client's curve; a client whose node did not answer gets a row of NaN (left out)."""
+    def personalization_curves(self, lanes: list, cfg, done=lambda clients: None) -> torch.Tensor:
+        """Each new client's curve; a client whose node did not answer gets a row of NaN (left out).
+        ``done(n)``: the engine's progress callback, called once all replies are in."""
         replies = self._exchange(lanes, "evaluate", 0)
+        done(len(lanes))
         missing = [f"client {cid} {r}" for cid, r in replies.items() if isinstance(r, str)]
         for line in missing:
             log.warning(f"evaluation: {line}; left out of the new-client accuracy")

@@ -108,6 +108,13 @@ def adam(
     return new, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
+def proximal(params: Params, anchor: Params) -> torch.Tensor:
+    """Σ‖p − a‖² over the names of ``params`` (each in ``anchor``): the squared distance to a fixed
+    point, as FedProx's μ/2·‖w − w_t‖² and Ditto's λ/2·‖v − w‖² use it (``anchor`` is a constant:
+    no gradient flows into it through ``grad_and_value``, which differentiates its first argument)."""
+    return sum(((params[name] - anchor[name]) ** 2).sum() for name in params)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The mean over the real entries (``mask`` 1) of a padded batch; the plain mean without a mask."""
     if mask is None:

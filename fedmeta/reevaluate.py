@@ -18,7 +18,8 @@ from fedmeta.runs import RunLock, append_text, check_run_folder
 TEST_TIME_KEYS = {
     "method.test_head_steps",
     "method.lam",
-}  # method settings read only by new clients (FedRep, Ditto)
+    "method.test_inner_steps",
+}  # method settings read only by new clients (FedRep, Ditto, FedMeta)
 
 
 def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) -> dict:

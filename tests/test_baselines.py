@@ -148,6 +148,41 @@ def test_perfedavg_first_order_drops_the_hessian_term(two_concepts):
     assert any(not torch.allclose(hf_grad[k], fo_grad[k]) for k in w)
 
 
+@pytest.mark.parametrize("model", ["smooth", "cnn"])
+def test_perfedavg_exact_hvp_is_autograds_and_the_finite_differences_limit(two_concepts, model):
+    """method.hessian=exact (forward-over-reverse) equals torch.autograd.functional.hvp in float64 on
+    the CNN itself (BatchNorm, max-pool), and where finite differences converge (a smooth model)
+    the default finite-difference product is within δ² of it. The default stays finite_difference."""
+    cfg, default = algorithm_for("perfedavg")
+    assert cfg.method.hessian == "finite_difference"
+    cfg, exact = algorithm_for("perfedavg", "method.hessian=exact")
+    if model == "smooth":
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.Tanh(), nn.Linear(16, 10))
+        exact, default = PerFedAvg(net, cfg.method), PerFedAvg(net, default.cfg)
+    exact.double()
+    client = two_concepts.train_clients[0]
+    x, y = client.batch("all", 20, client.generator(1))[:2]
+    batch = Batch(x.double(), y)
+    w = {k: v.detach() for k, v in exact.global_params().items()}
+    g = torch.Generator().manual_seed(0)
+    v = {k: torch.randn(p.shape, generator=g, dtype=p.dtype) for k, p in w.items()}
+    norm = torch.sqrt(sum((t**2).sum() for t in v.values()))
+    v = {k: t / norm for k, t in v.items()}
+
+    ours = exact.hessian_vector_product(w, v, batch)
+    names = list(w)
+    _, reference = torch.autograd.functional.hvp(
+        lambda *p: exact.loss(dict(zip(names, p)), batch), tuple(w.values()), tuple(v.values())
+    )
+    for k, r in zip(names, reference):
+        torch.testing.assert_close(ours[k], r, rtol=1e-9, atol=1e-12)
+    if model == "smooth":
+        finite = default.hessian_vector_product(w, v, batch)
+        for k in names:
+            torch.testing.assert_close(finite[k], ours[k], rtol=1e-5, atol=1e-8)
+
+
 def test_local_never_communicates(two_concepts):
     _, local = algorithm_for("local")
     before = {k: v.clone() for k, v in local.global_params().items()}
@@ -164,7 +199,17 @@ FAST = {
     "ifca_ft": ["method.local_epochs=1"],
     "ditto": ["method.local_epochs=1"],
     "fedrep": ["method.head_epochs=1"],
+    "fedper": ["method.local_epochs=1"],
+    "lgfedavg": ["method.local_epochs=1"],
+    "fedbabu": ["method.local_epochs=1"],
+    "fedbn": ["method.local_epochs=1"],
     "perfedavg": [],
+    "fedmeta_maml": [],
+    "fedmeta_metasgd": [],
+    "pfedme": ["method.local_rounds=3"],
+    "apfl": ["method.local_epochs=1"],
+    "fedprox": ["method.local_epochs=1"],
+    "scaffold": ["method.local_epochs=1"],
     "local": [],
 }
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "extending.md"
@@ -65,9 +66,9 @@ def extended(tmp_path_factory):
     shutil.copytree(ROOT / "configs", root / "configs")
     blocks = guide_blocks()
     assert {path for path, _, _ in blocks} >= {
-        "fedmeta/algorithms/fedprox.py",
+        "fedmeta/algorithms/fedavgm.py",
         "fedmeta/algorithms/__init__.py",
-        "configs/method/fedprox.yaml",
+        "configs/method/fedavgm.yaml",
         "fedmeta/data/datasets.py",
         "configs/dataset/fashion_mnist.yaml",
         "fedmeta/data/partition.py",
@@ -131,29 +132,34 @@ def test_following_the_guide_gives_a_method_a_data_set_and_a_partition_that_trai
     help_, train, tune = guide_commands()
     listed = fedmeta(extended, help_)
     assert listed.returncode == 0, listed.stderr
-    for name in ("fedprox", "fashion_mnist", "quantity"):
+    for name in ("fedavgm", "fashion_mnist", "quantity"):
         assert re.search(rf"^\s+{name}\s+\S", listed.stdout, re.M), name  # with its file's first sentence
 
     run = fedmeta(extended, train)
     assert run.returncode == 0, run.stderr[-2000:]
-    folder = extended / "work" / "runs" / "fashion_mnist-quantity" / "fedprox" / "seed0"
+    folder = extended / "work" / "runs" / "fashion_mnist-quantity" / "fedavgm" / "seed0"
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["rounds"] == 20 and summary["accuracy"] > 0.5  # chance: 0.1
     losses = [float(row.split(",")[1]) for row in (folder / "metrics.csv").read_text().splitlines()[1:]]
     assert losses[-1] < 0.5 * losses[0]
     config = (folder / "config.yaml").read_text()
-    assert "mu: 0.1" in config and "beta: 0.5" in config
+    assert "server_momentum: 0.5" in config and "beta: 0.5" in config
+    assert "note:" not in run.stderr  # the method's file says how its new clients are scored
+    # the server's momentum buffer is part of the checkpointed federation state
+    federation = torch.load(folder / "checkpoint.ckpt", weights_only=True)["federation"]
+    velocity = federation["velocity"]
+    assert velocity.keys() == federation["model"].keys() and any(v.abs().sum() > 0 for v in velocity.values())
 
-    bad = fedmeta(extended, [*train, "method.momentum=0.9"])
-    assert bad.returncode == 2 and "method.momentum must be one of 0.0" in bad.stderr
+    bad = fedmeta(extended, [*train, "method.server_update=adam"])
+    assert bad.returncode == 2 and "method.server_update must be one of heavy_ball, nesterov" in bad.stderr
 
-    # `fedmeta tune fedprox …` finds FedAvg's space and mu's (the study itself is tune's tests' job)
+    # `fedmeta tune fedavgm …` finds FedAvg's space and the server's (the study itself is tune's tests' job)
     words = ", ".join(repr(w) for w in tune[2:])
     probe = subprocess.run(
         [
             sys.executable,
             "-c",
-            f"from fedmeta.tune import Study; print(sorted(Study('fedprox', [{words}], None, "
+            f"from fedmeta.tune import Study; print(sorted(Study('fedavgm', [{words}], None, "
             "None, None, None).space))",
         ],
         cwd=extended / "work",
@@ -161,27 +167,29 @@ def test_following_the_guide_gives_a_method_a_data_set_and_a_partition_that_trai
         capture_output=True,
         text=True,
     )
-    assert probe.stdout.strip() == "['method.local_epochs', 'method.local_lr', 'method.mu']", probe.stderr
+    assert probe.stdout.strip() == (
+        "['method.local_epochs', 'method.local_lr', 'method.server_lr', 'method.server_momentum']"
+    ), probe.stderr
 
 
 def test_the_method_class_can_live_in_a_package_of_ones_own(extended, tmp_path):
-    """`algorithm: mypackage.fedprox:FedProx` needs no registry line."""
+    """`algorithm: mypackage.fedavgm:FedAvgM` needs no registry line."""
     sys.path.insert(0, str(tmp_path))
     try:
         (tmp_path / "mypackage").mkdir()
         (tmp_path / "mypackage" / "__init__.py").write_text("")
-        code = next(code for path, _, code in guide_blocks() if path == "fedmeta/algorithms/fedprox.py")
-        (tmp_path / "mypackage" / "fedprox.py").write_text(code)
+        code = next(code for path, _, code in guide_blocks() if path == "fedmeta/algorithms/fedavgm.py")
+        (tmp_path / "mypackage" / "fedavgm.py").write_text(code)
         from fedmeta.algorithms import FedAvg, algorithm_class
         from fedmeta.errors import FedmetaError
 
-        cls = algorithm_class("mypackage.fedprox:FedProx")
-        assert cls.__name__ == "FedProx" and issubclass(cls, FedAvg)
+        cls = algorithm_class("mypackage.fedavgm:FedAvgM")
+        assert cls.__name__ == "FedAvgM" and issubclass(cls, FedAvg)
         with pytest.raises(FedmetaError, match="cannot import"):
-            algorithm_class("nopackage.fedprox:FedProx")
+            algorithm_class("nopackage.fedavgm:FedAvgM")
         with pytest.raises(FedmetaError, match="Algorithm subclass"):
-            algorithm_class("mypackage.fedprox:FedAvgX")
+            algorithm_class("mypackage.fedavgm:FedAvgX")
     finally:
         sys.path.remove(str(tmp_path))
-        sys.modules.pop("mypackage.fedprox", None)
+        sys.modules.pop("mypackage.fedavgm", None)
         sys.modules.pop("mypackage", None)

@@ -47,7 +47,11 @@ def simulate(overrides: list[str], *options: str) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("method", ["cafeme", "fedrep"])  # FedRep: each client's head is kept on its node
+@pytest.mark.parametrize(
+    "method", ["cafeme", "fedrep", "scaffold", "fedper", "apfl"]
+)  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
+# FedPer: its personalization layers on their node (LG-FedAvg's and FedBN's kept layers: FedPer's code)
+# APFL: each client's personal model v and weight α on its node
 def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_path, mnist_dir):
     overrides = [f"method={method}", f"dataset.dir={mnist_dir}", *SMALL]
     alone = train(compose([*overrides, f"output.root={tmp_path / 'alone'}"]), show_progress=False)

@@ -37,12 +37,28 @@ FAST = {
     "ditto": ["method.local_epochs=1"],
     "fedrep": ["method.head_epochs=1"],
     "perfedavg": ["method.local_steps=2"],
+    "perfedavg method.hessian=exact": ["method.local_steps=2"],  # forward-over-reverse under vmap
+    "fedmeta_maml": ["method.inner_steps=2"],
+    "fedmeta_metasgd": ["method.inner_steps=2"],  # the learned rates, and new clients' steps at them
+    "fedper": ["method.local_epochs=1", "method.local_optimizer=adam_kept"],  # + a kept Adam
+    "lgfedavg": ["method.local_epochs=1", "method.test_local_steps=2"],
+    "fedbabu": ["method.local_epochs=1"],
+    "fedbn": ["method.local_epochs=1", "method.test_bn_steps=2"],
+    "fedprox": ["method.local_epochs=1", "method.local_lr=0.05"],
+    "scaffold": ["method.local_epochs=1", "method.local_lr=0.05"],  # c and each client's c_i after 3 rounds
     "local": [],
     "cafeme": [],
     "cafeme variant=authors": [],
     "ditto variant=authors": [],
     "fedrep variant=authors": ["method.head_batches=2"],
     "perfedavg variant=authors": ["method.local_steps=2"],
+    "pfedme": [
+        "method.local_rounds=3",
+        "method.inner_steps=2",
+        "method.beta=2.0",
+    ],  # β ≠ 1: the mixing aggregate
+    "apfl": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's v and α kept
+    "apfl method.mixing=outputs": ["method.local_epochs=1", "method.local_lr=0.05"],
 }
 
 

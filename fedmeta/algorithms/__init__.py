@@ -13,16 +13,25 @@ import sys
 
 from lightning.fabric.plugins import Precision
 
+from fedmeta.algorithms.apfl import APFL
 from fedmeta.algorithms.base import Algorithm, ClientUpdate
 from fedmeta.algorithms.cafeme import CAFeMe
 from fedmeta.algorithms.ditto import Ditto
 from fedmeta.algorithms.fedavg import FedAvg
+from fedmeta.algorithms.fedbabu import FedBABU
+from fedmeta.algorithms.fedbn import FedBN
+from fedmeta.algorithms.fedmeta import FedMeta
+from fedmeta.algorithms.fedper import FedPer
+from fedmeta.algorithms.fedprox import FedProx
 from fedmeta.algorithms.fedrep import FedRep
 from fedmeta.algorithms.ifca import IFCA, ClusteredNets
+from fedmeta.algorithms.lgfedavg import LGFedAvg
 from fedmeta.algorithms.local import Local
 from fedmeta.algorithms.perfedavg import PerFedAvg
+from fedmeta.algorithms.pfedme import PFedMe
+from fedmeta.algorithms.scaffold import SCAFFOLD
 from fedmeta.errors import FedmetaError
-from fedmeta.models import set_channels_last
+from fedmeta.models import ConvStackError, refuse_oversized, set_channels_last
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     "cafeme": CAFeMe,
@@ -30,7 +39,16 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "ifca": IFCA,
     "ditto": Ditto,
     "fedrep": FedRep,
+    "fedper": FedPer,
+    "lgfedavg": LGFedAvg,
+    "fedbabu": FedBABU,
+    "fedbn": FedBN,
     "perfedavg": PerFedAvg,
+    "fedmeta": FedMeta,
+    "pfedme": PFedMe,
+    "apfl": APFL,
+    "fedprox": FedProx,
+    "scaffold": SCAFFOLD,
     "local": Local,
 }
 
@@ -74,8 +92,10 @@ def build_model(cfg, num_classes: int, sources: tuple[str, ...] = ()):
     """The global model the config's method trains, in the memory layout it runs fastest in."""
     cls = algorithm_class(cfg.method.algorithm)
     try:
+        # sized from shapes first: terabytes of parameters are refused, never allocated
+        refuse_oversized(lambda: cls.build_model(cfg, num_classes, tuple(sources)), cfg, num_classes)
         model = cls.build_model(cfg, num_classes, tuple(sources))
-    except RuntimeError as exc:  # the conv stack, probed with the data's image size, does not fit it
+    except ConvStackError as exc:  # the conv stack, probed with the data's image size, does not fit it
         m = cfg.model
         raise FedmetaError(
             f"the model does not fit {cfg.dataset.image_size}×{cfg.dataset.image_size} images (conv_channels "
@@ -103,10 +123,19 @@ __all__ = [
     "ClusteredNets",
     "Ditto",
     "FedAvg",
+    "FedMeta",
     "FedRep",
+    "FedPer",
+    "LGFedAvg",
+    "FedBABU",
+    "FedBN",
     "IFCA",
     "Local",
     "PerFedAvg",
+    "PFedMe",
+    "APFL",
+    "FedProx",
+    "SCAFFOLD",
     "algorithm_class",
     "build_algorithm",
     "build_model",

@@ -17,6 +17,7 @@ A client is therefore data plus a seed: no per-client module copies.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,6 +34,7 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 Context = Batch | None  # what a modulated model conditions on: a batch (labels optional)
 ClientData = dict[str, Any]  # a client's batches for one local update: Batch / list[Batch] values
+Objective = Callable[[Params, Batch], torch.Tensor]  # what a local step minimizes: self.loss by default
 
 
 class LocalResult(NamedTuple):
@@ -193,6 +195,24 @@ class Algorithm(nn.Module):
             **{m: {k: v.detach().to(dtype, copy=True) for k, v in state[m].items()} for m in ADAM_MOMENTS},
         }
 
+    # ---- parameters that stay with their client (FedRep, FedPer, LG-FedAvg, FedBN) --------------
+    def split_names(self, prefixes: tuple[str, ...]) -> tuple[list[str], list[str]]:
+        """The model's parameter names that start with one of ``prefixes``, and the others (model order)."""
+        names = [name for name, _ in self.model.named_parameters()]
+        return [n for n in names if n.startswith(prefixes)], [n for n in names if not n.startswith(prefixes)]
+
+    def kept_params(self, client_id: int, params: Params, names: list[str]) -> Params:
+        """The client's own ``names`` as its last update kept them; the global ``params``' for a client
+        that has not taken part (the server never averages them: they stay at their initialization)."""
+        kept = self.client_states.get(client_id, {})
+        return {n: kept.get(n, params[n]) for n in names}
+
+    @staticmethod
+    def keep(params: Params, names: list[str]) -> dict:
+        """Copies of ``params[names]`` for the client to keep: a vmapped round's results are views
+        into tensors of all its clients."""
+        return {n: params[n].detach().clone() for n in names}
+
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         """What the client sends (all trained parameters by default) and keeps."""
         return ClientUpdate(
@@ -233,33 +253,56 @@ class Algorithm(nn.Module):
         lr: float,
         momentum: float = 0.0,
         trainable: list[str] | None = None,
+        objective: Objective | None = None,
     ) -> tuple[Params, torch.Tensor]:
         """SGD over ``batches`` (a client's shuffled epochs), updating ``params[trainable]`` (all by
-        default); returns the new parameters and the mean training loss."""
+        default); returns the new parameters and the mean training loss. ``objective(params, batch)``:
+        what each step minimizes instead of ``self.loss`` (FedProx: the loss plus a proximal term,
+        ``fedmeta.functional.proximal``); its value is the loss reported."""
         names = trainable or list(params)
         velocity = {n: torch.zeros_like(params[n]) for n in names} if momentum else None
         params, loss, _ = self._local_steps(
-            params, batches, names, velocity, lambda trained, grads, v: sgd(trained, grads, lr, momentum, v)
+            params,
+            batches,
+            names,
+            velocity,
+            lambda trained, grads, v: sgd(trained, grads, lr, momentum, v),
+            objective,
         )
         return params, loss
 
     def local_adam(
-        self, params: Params, batches: list[Batch], lr: float, state: dict, trainable: list[str] | None = None
+        self,
+        params: Params,
+        batches: list[Batch],
+        lr: float,
+        state: dict,
+        trainable: list[str] | None = None,
+        objective: Objective | None = None,
     ) -> tuple[Params, torch.Tensor, dict]:
         """Adam over ``batches`` from ``state`` (a client's kept optimizer); also returns the state after."""
         names = trainable or list(params)
         return self._local_steps(
-            params, batches, names, state, lambda trained, grads, s: adam(trained, grads, s, lr)
+            params, batches, names, state, lambda trained, grads, s: adam(trained, grads, s, lr), objective
         )
 
-    def _local_steps(self, params: Params, batches: list[Batch], names: list[str], optimizer_state, step):
+    def _local_steps(
+        self,
+        params: Params,
+        batches: list[Batch],
+        names: list[str],
+        optimizer_state,
+        step,
+        objective: Objective | None = None,
+    ):
         if not batches:
             return params, torch.zeros(()), optimizer_state
+        objective = objective or self.loss
         total, steps = 0.0, 0.0
         for batch in batches:
 
             def loss_of(trained: Params, batch=batch, params=params) -> torch.Tensor:
-                return self.loss({**params, **trained}, batch)
+                return objective({**params, **trained}, batch)
 
             grads, loss = grad_and_value(loss_of)({n: params[n] for n in names})
             trained, new_state = step({n: params[n] for n in names}, grads, optimizer_state)
@@ -294,6 +337,16 @@ class Algorithm(nn.Module):
     def prediction_context(self, batch: Batch, last_batch: Batch) -> Context:
         """The context used to classify the held-out ``batch`` after adapting on ``last_batch``."""
         return None
+
+    # ---- what the server sends a sampled client besides the global model --------------------
+    def broadcast_state(self) -> Params:
+        """Tensors of the server's state, besides the model, that a client's local update reads
+        (SCAFFOLD's server control variate); none by default. In one process ``client_state`` reads
+        them from the algorithm itself; on a Flower node they arrive with the model (fedmeta.flower)."""
+        return {}
+
+    def load_broadcast_state(self, tensors: Params) -> None:
+        """Takes the server's ``broadcast_state`` where a node computes a client's update."""
 
     # ---- the whole federation state, for checkpoints ----------------------------------------
     def federation_state(self) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from fedmeta.algorithms.fedavg import FedAvg
 from fedmeta.data.federation import Batch
-from fedmeta.functional import Params
+from fedmeta.functional import Params, proximal
 
 
 class Ditto(FedAvg):
@@ -27,5 +27,5 @@ class Ditto(FedAvg):
         return self.cfg.personal_batches
 
     def adaptation_loss(self, params: Params, batch: Batch, start: Params) -> torch.Tensor:
-        proximal = sum(((params[name] - start[name]) ** 2).sum() for name in params)  # start = w
-        return super().adaptation_loss(params, batch, start) + 0.5 * self.cfg.lam * proximal
+        # start = w: the global model a new client's personalization starts from
+        return super().adaptation_loss(params, batch, start) + 0.5 * self.cfg.lam * proximal(params, start)

@@ -31,9 +31,7 @@ HEADS = {"classifier": (CLASSIFIER,), "fc_block": (DENSE, CLASSIFIER)}
 class FedRep(Algorithm):
     def __init__(self, model, cfg, precision=None):
         super().__init__(model, cfg, precision)
-        names = [name for name, _ in model.named_parameters()]
-        self.head_names = [n for n in names if n.startswith(HEADS[cfg.head])]
-        self.body_names = [n for n in names if not n.startswith(HEADS[cfg.head])]
+        self.head_names, self.body_names = self.split_names(HEADS[cfg.head])
 
     def streamed(self) -> int:
         return self.cfg.head_batches + self.cfg.body_batches
@@ -60,10 +58,8 @@ class FedRep(Algorithm):
         }
 
     def client_state(self, client_id: int, params: Params) -> dict:
-        kept = self.client_states.get(client_id, {})
-        state = (
-            {} if self.cfg.share_head else {n: kept.get(n, params[n]) for n in self.head_names}
-        )  # its own head
+        # its own head (a fresh dict: the Adams are added to it)
+        state = {} if self.cfg.share_head else self.kept_params(client_id, params, self.head_names)
         if self.cfg.local_optimizer == "adam_kept":
             for key, names in (("head_adam", self.head_names), ("body_adam", self.body_names)):
                 state[key] = self.kept_adam(client_id, key, {n: params[n] for n in names})
@@ -94,9 +90,7 @@ class FedRep(Algorithm):
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result)
-        kept = {
-            n: result.state[n].detach().clone() for n in self.head_names if n in result.state
-        }  # the head stays
+        kept = self.keep(result.state, [n for n in self.head_names if n in result.state])  # the head stays
         kept.update(
             {
                 key: self.compact_adam(result.state[key])

@@ -3,7 +3,10 @@
 Each local step draws three independent batches D, D', D'' and moves w by
     w ← w − β (I − α ∇²f(w; D'')) ∇f(w − α∇f(w; D); D'),
 with the Hessian-vector product taken by finite differences,
-    ∇²f(w) v ≈ [∇f(w + δv) − ∇f(w − δv)] / 2δ   (δ = 1e-3).
+    ∇²f(w) v ≈ [∇f(w + δv) − ∇f(w − δv)] / 2δ   (δ = 1e-3),
+the paper's Hessian-free approximation (``hessian=finite_difference``, the default), or exactly
+(``hessian=exact``: forward-mode differentiation of the gradient, ``torch.func.jvp`` of
+``torch.func.grad`` — one forward-over-reverse pass, vmappable like the rest).
 ``first_order=true`` drops the Hessian term (Per-FedAvg FO). The server averages as FedAvg.
 
 As the CAFeMe authors' code ran it (``variant=authors``): ``batches=stream`` — each local step
@@ -25,6 +28,8 @@ class PerFedAvg(Algorithm):
         return grad_and_value(self.loss)(params, batch)[0]
 
     def hessian_vector_product(self, w: Params, v: Params, batch: Batch) -> Params:
+        if self.cfg.hessian == "exact":
+            return torch.func.jvp(lambda p: torch.func.grad(self.loss)(p, batch), (w,), (v,))[1]
         delta = self.cfg.delta
         plus = self.gradient({k: w[k] + delta * v[k] for k in w}, batch)
         minus = self.gradient({k: w[k] - delta * v[k] for k in w}, batch)

@@ -1,0 +1,475 @@
+"""The methods of the zoo learn, and each keeps its defining property.
+
+One tiny federation serves every method: 3,000 RMNIST images in label shards over 20 clients
+(about two classes each), 5 of them new; a small CNN; a few rounds of 5 clients. A method's
+test trains it with ``trained(method, *overrides)`` (cached per module: a method trained once
+serves all its tests), asserts that new clients end well above chance (10 classes) after the
+shared personalization procedure, and checks what makes the method itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from fedmeta.algorithms import build_algorithm
+from fedmeta.assemble import make_fabric
+from fedmeta.config import compose
+from fedmeta.data import ImageDataset, build_federation
+from fedmeta.evaluation import personalize_client
+from fedmeta.rounds import federated_round
+
+ROUNDS = 8
+TINY = [
+    "model.conv_channels=[8,16]",
+    "model.dense_units=[32]",
+    "wandb.mode=disabled",
+    "personalization.steps=10",
+    "personalization.lr=0.05",
+]
+
+
+@pytest.fixture(scope="module")
+def zoo_data(rmnist):
+    keep = torch.arange(3000)
+    return ImageDataset(x=rmnist.x[keep], y=rmnist.y[keep], num_classes=10)
+
+
+def federation_of(data):
+    return build_federation(data, {"name": "shards", "shards_per_client": 2}, 20, 5, 0.25, seed=0)
+
+
+@pytest.fixture(scope="module")
+def trained(zoo_data):
+    """``trained(method, *overrides)``: (algorithm, federation, cfg, curves) after ROUNDS rounds;
+    curves: each new client's held-out accuracy after 0…steps personalization steps."""
+
+    @functools.cache
+    def run(method: str, *overrides: str):
+        cfg = compose([f"method={method}", *TINY, *overrides])
+        make_fabric(cfg).seed_everything(0, verbose=False)
+        algorithm, federation = build_algorithm(cfg, 10), federation_of(zoo_data)
+        for r in range(1, ROUNDS + 1):
+            federated_round(algorithm, federation, r, 5, seed=0)
+        curves = torch.stack(
+            [personalize_client(algorithm, c, cfg.personalization)[1] for c in federation.new_clients]
+        )
+        return algorithm, federation, cfg, curves
+
+    return run
+
+
+def final_accuracy(curves: torch.Tensor) -> float:
+    return curves[:, -1].mean().item()
+
+
+# ---- pFedMe ----------------------------------------------------------------------------------------
+# a few short rounds: 5 local rounds, and a larger step on the Moreau envelope than the paper's 0.005
+PFEDME = ["method.local_lr=0.05", "method.local_rounds=5"]
+
+
+def pooled_accuracy(algorithm, federation) -> float:
+    """The global model's accuracy on the training clients' held-out data, pooled (every class)."""
+    batches = [c.batch("held_out", None) for c in federation.train_clients]
+    x, y = torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches])
+    with torch.no_grad():
+        return (algorithm(algorithm.global_params(), x).argmax(1) == y).float().mean().item()
+
+
+def test_pfedme_learns_and_keeps_no_client_state(trained):
+    """The global model learns as FedAvg's would (measured 0.10 → 0.52 pooled, FedAvg 0.52); a new
+    client's model, the proximal point of its loss with λ = 15, may move only ~‖∇f‖/λ from w, so on
+    two-class clients it stays near the global model's accuracy (measured 0.29; FedAvg-FT: 0.90)."""
+    algorithm, federation, cfg, curves = trained("pfedme", *PFEDME)
+    pooled = pooled_accuracy(algorithm, federation)
+    print(
+        f"pFedMe: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f}), "
+        f"global model on the training clients' held-out data {pooled:.4f}"
+    )
+    assert pooled > 0.4  # chance: 0.1
+    assert final_accuracy(curves) > max(0.2, curves[:, 0].mean().item())  # above chance, and above step 0
+    assert algorithm.client_states == {}  # θ is re-solved from w every round: nothing stays with a client
+
+
+def test_pfedme_local_update_is_a_step_on_the_moreau_envelope(zoo_data):
+    """R = K = 1 from θ = w: θ' = w − p∇f(w) (the proximal term is 0 there), then w' = w − ηλ(w − θ')
+    = w − ηλp∇f(w): what local_update computes, written out."""
+    cfg = compose(["method=pfedme", *TINY, "method.local_rounds=1", "method.inner_steps=1"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client = federation_of(zoo_data).train_clients[0]
+    batch = client.batch("all", 30, client.generator(1))
+    batch = batch._replace(x=batch.x.double())
+    w = algorithm.global_params()
+    params = {k: p.clone().requires_grad_() for k, p in w.items()}
+    grads = torch.autograd.grad(algorithm.loss(params, batch), list(params.values()))
+    m = cfg.method
+    expected = {k: w[k] - m.local_lr * m.lam * m.personal_lr * g for k, g in zip(w, grads)}
+    result = algorithm.local_update(w, {}, {"batches": [batch]})
+    for k in w:
+        torch.testing.assert_close(result.params[k], expected[k])
+    assert any(not torch.equal(result.params[k], w[k]) for k in w)
+
+
+def test_pfedme_server_moves_by_beta_times_the_mean_update():
+    """β = 2: the global model becomes w + 2·(mean − w), not the mean."""
+    from fedmeta.algorithms.base import ClientUpdate
+
+    algorithm = build_algorithm(compose(["method=pfedme", *TINY, "method.beta=2.0"]), 10)
+    before = algorithm.global_params()
+    before = {k: p.clone() for k, p in before.items()}
+    sent = [{k: p + shift for k, p in before.items()} for shift in (0.1, 0.3)]
+    algorithm.aggregate([ClientUpdate(i, s, 1.0, 0.0) for i, s in enumerate(sent)])
+    for k, p in algorithm.global_params().items():
+        torch.testing.assert_close(p, before[k] + 2 * 0.2)  # the mean's shift, 0.2, twice
+
+
+def test_pfedme_new_clients_stay_near_the_global_model(trained):
+    """The personalized model solves min f + λ/2‖θ − w‖²: the larger λ, the closer it stays to w."""
+    algorithm, federation, cfg, _ = trained("pfedme", *PFEDME)
+    client, w = federation.new_clients[0], algorithm.global_params()
+    distances = {}
+    for lam in (0.0, 15.0):
+        algorithm.cfg.lam = lam
+        personal, _ = personalize_client(algorithm, client, cfg.personalization)
+        distances[lam] = sum(((personal[k] - w[k]) ** 2).sum() for k in w).sqrt().item()
+    algorithm.cfg.lam = cfg.method.lam
+    assert 0 < distances[15.0] < 0.8 * distances[0.0], distances
+
+
+# ---- APFL ------------------------------------------------------------------------------------------
+APFL = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_apfl_learns_and_keeps_v_and_alpha_per_client(trained):
+    algorithm, federation, cfg, curves = trained("apfl", *APFL)
+    print(f"APFL: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    assert set(algorithm.client_states) == took_part  # only clients that took part keep anything
+    assert len(took_part) < len(federation.train_clients)  # …and some never did: memory flat in them
+    w = algorithm.global_params()
+    states = list(algorithm.client_states.values())
+    alphas = torch.stack([s["alpha"] for s in states])
+    assert ((alphas >= 0) & (alphas <= 1)).all() and not torch.equal(alphas, torch.full_like(alphas, 0.5))
+    v = [s["v"]["head.weight"] for s in states]
+    assert all(not torch.equal(a, w["head.weight"]) for a in v)  # v stayed local: the server has w
+    assert not torch.equal(v[0], v[1])  # each client its own
+
+
+def test_apfl_local_step_is_the_papers(zoo_data):
+    """One batch from v = w, α: w' = w − η∇f(w), v' = v − ηα∇f(v̄) with v̄ = w, and α' = α (∇_α =
+    ⟨v − w, ∇f(v̄)⟩ = 0 at v = w); then a kept state v ≠ w moves α by −η⟨v − w, ∇f(v̄)⟩."""
+    cfg = compose(["method=apfl", *TINY, "method.local_lr=0.1"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client = federation_of(zoo_data).train_clients[0]
+    batch = client.batch("all", 30, client.generator(1))
+    batch = batch._replace(x=batch.x.double())
+    eta, w = 0.1, algorithm.global_params()
+
+    def gradient(params):
+        params = {k: p.clone().requires_grad_() for k, p in params.items()}
+        return dict(zip(params, torch.autograd.grad(algorithm.loss(params, batch), list(params.values()))))
+
+    g = gradient(w)
+    result = algorithm.local_update(w, algorithm.client_state(client.id, w), {"epochs": [batch]})
+    for k in w:
+        torch.testing.assert_close(result.params[k], w[k] - eta * g[k])
+        torch.testing.assert_close(result.state["v"][k], w[k] - eta * 0.5 * g[k])
+    assert result.state["alpha"].item() == 0.5
+    v, alpha = result.state["v"], torch.tensor(0.3, dtype=torch.float64)
+    mixed = {k: alpha * v[k] + (1 - alpha) * w[k] for k in w}
+    g_mixed = gradient(mixed)
+    expected = alpha - eta * sum((v[k] - w[k]).flatten() @ g_mixed[k].flatten() for k in w)
+    again = algorithm.local_update(w, {"v": v, "alpha": alpha}, {"epochs": [batch]})
+    torch.testing.assert_close(again.state["alpha"], expected.clamp(0, 1))
+    for k in w:
+        torch.testing.assert_close(again.state["v"][k], v[k] - eta * alpha * g_mixed[k])
+
+
+def test_apfl_new_clients_start_at_the_global_model(trained):
+    """v = w at the start, so the step-0 model is the global model, whatever α; the steps then move v
+    and α (and w, as APFL's local step) and the mix is what is scored."""
+    algorithm, federation, cfg, curves = trained("apfl", *APFL)
+    client = federation.new_clients[0]
+    held_out = client.batch("held_out", None)
+    w = algorithm.global_params()
+    start = algorithm.personal_params(w, {})
+    torch.testing.assert_close(algorithm(start, held_out.x), algorithm(w, held_out.x))
+    personal, curve = personalize_client(algorithm, client, cfg.personalization)
+    assert curve[0] == curves[0, 0]
+    assert personal["apfl_alpha"].item() != cfg.method.alpha  # α learned at test time too
+    assert any(not torch.equal(personal[f"apfl_v.{k}"], w[k]) for k in w)
+
+
+# ---- FedProx ---------------------------------------------------------------------------------------
+FEDPROX = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedprox_learns_and_keeps_no_client_state(trained):
+    algorithm, _, _, curves = trained("fedprox", *FEDPROX)
+    print(f"FedProx: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    assert algorithm.client_states == {}
+
+
+def two_batches(algorithm, zoo_data):
+    client = federation_of(zoo_data).train_clients[0]
+    generator = client.generator(1)
+    batches = [client.batch("all", 30, generator) for _ in range(2)]
+    return client, [b._replace(x=b.x.double()) for b in batches]
+
+
+def gradient(algorithm, params, batch):
+    params = {k: p.clone().requires_grad_() for k, p in params.items()}
+    return dict(zip(params, torch.autograd.grad(algorithm.loss(params, batch), list(params.values()))))
+
+
+def test_fedprox_local_step_adds_mu_times_the_distance_to_the_global_model(zoo_data):
+    """Two SGD steps from w_t: w1 = w_t − η∇F(w_t) (the proximal gradient is 0 there), then
+    w2 = w1 − η(∇F(w1) + μ(w1 − w_t)): FedProx's (and its authors' PerturbedGradientDescent) step."""
+    cfg = compose(["method=fedprox", *TINY, "method.local_lr=0.1", "method.mu=0.5"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    _, batches = two_batches(algorithm, zoo_data)
+    eta, mu, w = 0.1, 0.5, algorithm.global_params()
+    g0 = gradient(algorithm, w, batches[0])
+    w1 = {k: w[k] - eta * g0[k] for k in w}
+    g1 = gradient(algorithm, w1, batches[1])
+    w2 = {k: w1[k] - eta * (g1[k] + mu * (w1[k] - w[k])) for k in w}
+    result = algorithm.local_update(w, {}, {"epochs": batches})
+    for k in w:
+        torch.testing.assert_close(result.params[k], w2[k])
+    plain = {k: w1[k] - eta * g1[k] for k in w}  # FedAvg's second step: μ = 0
+    assert any(not torch.allclose(w2[k], plain[k]) for k in w)
+
+
+# ---- SCAFFOLD --------------------------------------------------------------------------------------
+# the config's federation is the fixture's (20 clients, 5 new): N = 15 in c's update
+SCAFFOLD = [
+    "method.local_lr=0.05",
+    "method.local_epochs=1",
+    "federation.num_clients=20",
+    "federation.num_new_clients=5",
+]
+
+
+def test_scaffold_learns_and_c_is_the_mean_of_every_clients_c_i(trained):
+    algorithm, federation, _, curves = trained("scaffold", *SCAFFOLD)
+    print(f"SCAFFOLD: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    assert set(algorithm.client_states) == took_part  # a c_i only for clients that took part…
+    assert len(took_part) < len(federation.train_clients)  # …and some never did (their c_i is 0)
+    c_i = [s["control"] for s in algorithm.client_states.values()]
+    assert not torch.equal(c_i[0]["head.weight"], c_i[1]["head.weight"])  # each client its own
+    # c ← c + (1/N) Σ Δc_i from c = c_i = 0 keeps c = (1/N) Σ_i c_i over all N training clients
+    n = len(federation.train_clients)
+    for name, c in algorithm.control.items():
+        torch.testing.assert_close(c, sum(s[name] for s in c_i) / n, rtol=1e-5, atol=1e-7)
+        assert c.abs().max() > 0
+
+
+def test_scaffold_local_steps_control_variates_and_server_update(zoo_data):
+    """From kept c_i and server c (random here): y ← y − η(∇F(y) − c_i + c) for K = 2 steps,
+    c_i⁺ = c_i − c + (x − y)/(Kη), Δc = c_i⁺ − c_i sent beside y; the server then takes
+    x ← x + η_g·mean(y − x) and c ← c + (1/N)·ΣΔc, and keeps c_i⁺ as the client's state."""
+    from fedmeta.algorithms.scaffold import CONTROL_DELTA
+
+    cfg = compose(["method=scaffold", *TINY, "method.local_lr=0.1", "method.server_lr=0.5"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    eta, x = 0.1, algorithm.global_params()
+    x = {k: p.clone() for k, p in x.items()}
+    torch.manual_seed(1)
+    c = {k: 0.01 * torch.randn_like(p) for k, p in x.items()}
+    c_i = {k: 0.01 * torch.randn_like(p) for k, p in x.items()}
+    algorithm.control, algorithm.client_states = dict(c), {client.id: {"control": dict(c_i)}}
+    y = x
+    for batch in batches:
+        g = gradient(algorithm, y, batch)
+        y = {k: y[k] - eta * (g[k] - c_i[k] + c[k]) for k in x}
+    c_plus = {k: c_i[k] - c[k] + (x[k] - y[k]) / (2 * eta) for k in x}
+    result = algorithm.local_update(x, algorithm.client_state(client.id, x), {"epochs": batches})
+    update = algorithm.to_update(client, result)
+    for k in x:
+        torch.testing.assert_close(update.params[k], y[k])
+        torch.testing.assert_close(update.params[CONTROL_DELTA + k], c_plus[k] - c_i[k])
+        torch.testing.assert_close(update.state["control"][k], c_plus[k])
+    other = type(update)(client.id + 1, {k: 2 * v for k, v in update.params.items()}, 1.0, 0.0, None)
+    algorithm.aggregate([update, other])
+    n = cfg.federation.num_clients - cfg.federation.num_new_clients
+    for k, p in algorithm.global_params().items():
+        mean_y = (y[k] + 2 * y[k]) / 2
+        torch.testing.assert_close(p, x[k] + 0.5 * (mean_y - x[k]))  # η_g = 0.5
+        torch.testing.assert_close(algorithm.control[k], c[k] + 3 * (c_plus[k] - c_i[k]) / n)
+    torch.testing.assert_close(
+        algorithm.client_states[client.id]["control"]["head.weight"], c_plus["head.weight"]
+    )
+    assert client.id + 1 not in algorithm.client_states  # a reply without state (a Flower node keeps its own)
+
+
+def test_scaffold_server_control_variate_is_checkpointed(trained, tmp_path):
+    """c is part of the federation state: saved as a checkpoint saves it and restored into a fresh
+    algorithm, whose next client then starts from the same c and c_i."""
+    algorithm, federation, cfg, _ = trained("scaffold", *SCAFFOLD)
+    torch.save(algorithm.federation_state(), tmp_path / "state.pt")
+    fresh = build_algorithm(cfg, 10)
+    fresh.load_federation_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    client_id = next(iter(algorithm.client_states))
+    params = algorithm.global_params()
+    for key in ("control", "server_control"):
+        for name, value in algorithm.client_state(client_id, params)[key].items():
+            assert torch.equal(fresh.client_state(client_id, fresh.global_params())[key][name], value)
+
+
+# ---- FedPer, LG-FedAvg, FedBN: some layers stay with each client; FedBABU: a head never trained ------
+PARTIAL = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def layers(*modules: str) -> set[str]:
+    return {f"{m}.{kind}" for m in modules for kind in ("weight", "bias")}
+
+
+CONV_BN = ("features.blocks.0.1", "features.blocks.1.1")  # each conv block: 0 the conv, 1 its batch norm
+KEPT = {  # method: its overrides (a new client's own-layers-first steps: 3 of the 10), the layers it keeps
+    "fedper": (PARTIAL, layers("head")),
+    "lgfedavg": (
+        [*PARTIAL, "method.test_local_steps=3"],
+        layers("features.blocks.0.0", "features.blocks.1.0", *CONV_BN, "dense.0.0", "dense.0.1"),
+    ),
+    "fedbn": ([*PARTIAL, "method.test_bn_steps=3"], layers(*CONV_BN, "dense.0.1")),
+}
+
+
+def initial_params(cfg) -> dict:
+    """The global model before any round: ``trained`` builds it from the same seed."""
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    return build_algorithm(cfg, 10).global_params()
+
+
+def took_part(federation) -> set[int]:
+    return {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+
+
+@pytest.mark.parametrize("method", sorted(KEPT))
+def test_partial_sharing_learns_and_each_client_keeps_its_own_layers(method, trained):
+    algorithm, federation, cfg, curves = trained(method, *KEPT[method][0])
+    print(f"{method}: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.7  # chance: 0.1
+    own, shared = set(algorithm.own_names), set(algorithm.shared_names)
+    w, start = algorithm.global_params(), initial_params(cfg)
+    assert own == KEPT[method][1] and shared == set(w) - own
+    assert all(torch.equal(w[n], start[n]) for n in own)  # never sent: the server's copy is the initial one
+    assert all(not torch.equal(w[n], start[n]) for n in shared)  # averaged from the clients' training
+    assert set(algorithm.client_states) == took_part(federation)  # only clients that took part keep layers
+    assert len(algorithm.client_states) < len(federation.train_clients)
+    first, second = (algorithm.client_states[c] for c in sorted(algorithm.client_states)[:2])
+    for n in own:  # trained, each client its own
+        assert not torch.equal(first[n], start[n]) and not torch.equal(first[n], second[n])
+    client = federation.train_clients[0]
+    state = algorithm.client_state(client.id, w)["own"]
+    kept = algorithm.client_states.get(client.id, start)
+    assert all(torch.equal(state[n], kept[n]) for n in own)  # a client resumes from its own layers
+    assert set(algorithm.run_client(client, ROUNDS + 1).params) == shared  # and sends only the shared ones
+
+
+@pytest.mark.parametrize("method,key", [("lgfedavg", "test_local_steps"), ("fedbn", "test_bn_steps")])
+def test_new_clients_fit_their_own_layers_first(method, key, trained):
+    """LG-FedAvg's new client learns its local representation under the fixed global layers, FedBN's
+    its batch norm on the shared layers, for the first steps; then every layer trains."""
+    algorithm, federation, cfg, _ = trained(method, *KEPT[method][0])
+    w, client = algorithm.global_params(), federation.new_clients[0]
+    moved = []
+    for steps in (cfg.method[key], cfg.personalization.steps):
+        personalization = cfg.personalization.copy()
+        personalization.steps = steps
+        personal, _ = personalize_client(algorithm, client, personalization)
+        moved.append({n for n in w if not torch.equal(personal[n], w[n])})
+    assert moved == [set(algorithm.own_names), set(w)]
+
+
+def test_fedbabu_learns_under_a_head_it_never_trains(trained):
+    algorithm, federation, cfg, curves = trained("fedbabu", *PARTIAL)
+    print(f"fedbabu: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.7  # chance: 0.1
+    w, start = algorithm.global_params(), initial_params(cfg)
+    head = {"head.weight", "head.bias"}
+    assert set(algorithm.head_names) == head and set(algorithm.body_names) == set(w) - head
+    assert all(torch.equal(w[n], start[n]) for n in head)  # the random head, fixed through training
+    assert all(not torch.equal(w[n], start[n]) for n in algorithm.body_names)
+    assert algorithm.client_states == {}
+    sent = algorithm.run_client(federation.train_clients[0], ROUNDS + 1).params
+    assert set(sent) == set(algorithm.body_names)  # the body only
+    personal, _ = personalize_client(algorithm, federation.new_clients[0], cfg.personalization)
+    assert all(not torch.equal(personal[n], w[n]) for n in w)  # at test time the whole model is fine-tuned
+
+
+# ---- FedMeta (MAML, Meta-SGD) and Per-FedAvg with the exact Hessian-vector product ----------------
+FEDMETA = ["method.outer_lr=0.005"]  # a few rounds: a larger server step than the protocol's β = 0.001
+PERFEDAVG_EXACT = ["method.hessian=exact", "method.local_steps=2", "method.outer_lr=0.1"]
+
+
+def pooled_loss(algorithm, federation, params=None) -> float:
+    """The global model's cross-entropy on all new clients' held-out images together (10 classes):
+    what the federation learned, before any client adapts."""
+    held_out = [c.batch("held_out", None) for c in federation.new_clients]
+    x, y = torch.cat([b.x for b in held_out]), torch.cat([b.y for b in held_out])
+    with torch.no_grad():
+        logits = algorithm(algorithm.global_params() if params is None else params, x)
+    return torch.nn.functional.cross_entropy(logits, y).item()
+
+
+def starting_params(method: str, *overrides: str):
+    """The global parameters ``trained(method, *overrides)`` started from."""
+    cfg = compose([f"method={method}", *TINY, *overrides])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    return build_algorithm(cfg, 10).global_params()
+
+
+@pytest.mark.parametrize("method", ["fedmeta_maml", "fedmeta_metasgd"])
+def test_fedmeta_learns_and_only_the_server_keeps_state(trained, method):
+    algorithm, federation, cfg, curves = trained(method, *FEDMETA)
+    before = pooled_loss(algorithm, federation, starting_params(method, *FEDMETA))
+    after = pooled_loss(algorithm, federation)
+    print(
+        f"{method}: new-client accuracy {final_accuracy(curves):.4f} (step 0, after its own adaptation: "
+        f"{curves[:, 0].mean():.4f}); pooled held-out loss {before:.3f} → {after:.3f}"
+    )
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    assert after < before - 0.15  # the meta-learner learned from the clients (measured 2.40 → 2.03)
+    assert algorithm.client_states == {}  # clients send θ − β·g and keep nothing
+    assert int(algorithm.server_adam["step"]) == ROUNDS  # the server's Adam, one step a round
+
+
+def test_fedmeta_metasgd_learns_a_rate_per_weight_that_new_clients_step_with(trained):
+    algorithm, federation, cfg, _ = trained("fedmeta_metasgd", *FEDMETA)
+    rates = torch.cat([r.detach().flatten() for r in algorithm.model.rates.parameters()])
+    assert rates.std() > 0 and not torch.allclose(rates, torch.full_like(rates, cfg.method.inner_lr))
+    client = federation.new_clients[0]
+    params = algorithm.global_params()
+    start = algorithm.personal_params(params, algorithm.personalization_data(client))
+    uniform = {
+        k: torch.full_like(v, cfg.method.inner_lr) if k.startswith("rates.") else v for k, v in params.items()
+    }
+    at_alpha = algorithm.personal_params(uniform, algorithm.personalization_data(client))
+    base = [k for k in params if k.startswith("base.")]
+    assert all(not torch.equal(start[k], params[k]) for k in base)  # the new client adapted…
+    assert any(not torch.allclose(start[k], at_alpha[k]) for k in base)  # …at its learned rates, not at α
+
+
+def test_perfedavg_with_the_exact_hessian_vector_product_learns(trained):
+    algorithm, federation, cfg, curves = trained("perfedavg", *PERFEDAVG_EXACT)
+    before = pooled_loss(algorithm, federation, starting_params("perfedavg", *PERFEDAVG_EXACT))
+    after = pooled_loss(algorithm, federation)
+    print(
+        f"Per-FedAvg (exact HVP): new-client accuracy {final_accuracy(curves):.4f}; "
+        f"pooled held-out loss {before:.3f} → {after:.3f}"
+    )
+    assert cfg.method.hessian == "exact"
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    assert after < before - 0.15  # measured 2.40 → 2.17
