@@ -40,20 +40,27 @@ def fedmeta(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.C
     )
 
 
-@pytest.mark.parametrize("probe", ["this:Y", "antigravity:X", "evil:X"])
-def test_a_run_folder_that_names_a_module_runs_nothing(tmp_path, probe):
-    """The three probes: the Zen of Python printed, $BROWSER started, a file of the folder imported.
-    Each is refused in one line before any import."""
-    run = shared_run(tmp_path / "shared", probe)
+def test_a_run_folder_that_names_a_module_runs_nothing(tmp_path, monkeypatch, capsys):
+    """The three probes: the Zen of Python printed, $BROWSER started, a file of the folder imported
+    by ``python -m fedmeta.cli`` run inside it. Each is refused in one line before any import."""
+    from fedmeta.cli import main
+
     outside = tmp_path / "written-outside"
-    (run / "evil.py").write_text(f"open({str(outside)!r}, 'w').write('ran')\nclass X: pass\n")
     browser = tmp_path / "browser.sh"
     browser.write_text(f"#!/bin/sh\ntouch {outside}\n")
     browser.chmod(0o755)
-    result = fedmeta(["evaluate", "."], cwd=run, env={"BROWSER": str(browser)})
+    monkeypatch.setenv("BROWSER", str(browser))
+    for probe in ("this:Y", "antigravity:X"):
+        imported = set(sys.modules)
+        assert main(["evaluate", str(shared_run(tmp_path / probe.split(":")[0], probe))]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"names method.algorithm {probe!r}" in err
+        assert not {"this", "antigravity"} & (set(sys.modules) - imported)
+    run = shared_run(tmp_path / "evil", "evil:X")
+    (run / "evil.py").write_text(f"open({str(outside)!r}, 'w').write('ran')\nclass X: pass\n")
+    result = fedmeta(["evaluate", "."], cwd=run)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "fedmeta imports no code a run folder names" in result.stderr
-    assert "Beautiful is better than ugly" not in result.stdout + result.stderr
     assert not outside.exists()
 
 
