@@ -40,7 +40,6 @@ if [ "${1:-}" = "--collect" ]; then
   for summary in "$KEPT"/*/*/seed*/summary.json; do  # finished now: its carried checkpoint is done with
     [ -e "$summary" ] && rm -f "$(dirname "$summary")/checkpoint.ckpt"
   done
-  export WANDB_MODE=disabled  # regenerating the table starts no W&B report run
   "$PY" -m fedmeta.cli campaign && "$PY" -m fedmeta.cli table --preset "$PRESET" --no-run >/dev/null \
     && echo "collected $DIR into $KEPT; wrote results/campaign.md and results/TABLES.md"
   exit
