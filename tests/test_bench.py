@@ -124,4 +124,4 @@ def test_bench_skips_rows_whose_data_is_missing(small_bench, tmp_path, monkeypat
 
 
 def test_bench_cli_rejects_unknown_method():
-    assert main(["bench", "--methods", "fedprox", "--no-memory", "--out", "/dev/null"]) == 2
+    assert main(["bench", "--methods", "no_such_method", "--no-memory", "--out", "/dev/null"]) == 2
