@@ -28,9 +28,9 @@ Choices fedmeta's protocol forces where the paper leaves them open:
 New clients: a client's personalized model is θ̂_i(w), the solution of the Moreau-envelope
 problem around the final global model; the shared test-time procedure computes it — its SGD steps
 from w minimize f_i(θ) + λ/2‖θ − w‖² (``adaptation_loss``; the anchor is the start, w), with the
-shared budget of steps at pFedMe's own step size for that problem (its config sets
-``personalization.lr`` to ``personal_lr``: at the baselines' 0.001 the steps would stop far short of
-the solution).
+shared budget of steps at a step size chosen for that problem (its config sets ``personalization.lr``
+to 0.02, lr·λ = 0.3: at pFedMe's inner step size, lr·λ = 1.35, every step overshoots w and the
+curve alternates; at the baselines' 0.001 the steps would stop far short of the solution).
 """
 
 from __future__ import annotations
