@@ -36,7 +36,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -191,6 +190,21 @@ def make_client_app(overrides: str | None = None, dp: dict | None = None) -> Cli
     return app
 
 
+def _waves(messages: list[Message]) -> list[list[Message]]:
+    """The messages in waves that hold at most one for each node. A node keeps its clients' state in
+    its Context, and Flower's Simulation Engine runs two messages for one node at once, each on a
+    copy of that Context, keeping only the copy saved last: a client's kept state would be lost.
+    A wave waits for its replies before the next is sent."""
+    waves: list[list[Message]] = []
+    for message in messages:
+        node = message.metadata.dst_node_id
+        free = next((w for w in waves if all(m.metadata.dst_node_id != node for m in w)), None)
+        if free is None:
+            waves.append(free := [])
+        free.append(message)
+    return waves
+
+
 class FlowerEngine:
     """The engine of a run whose clients are Flower SuperNodes: same interface as fedmeta.engine.Engine."""
 
@@ -223,10 +237,10 @@ class FlowerEngine:
             model_bytes[client.id] = sum(
                 t.numel() * t.element_size() for t in (*state.values(), *shared.values())
             )
-        # a node works through its messages one after another: it may take the timeout for each
-        wait = self.timeout * max(Counter(m.metadata.dst_node_id for m in messages).values(), default=1)
         replies = {}
-        for reply in self.grid.send_and_receive(messages, timeout=wait) if messages else []:
+        for reply in (
+            r for wave in _waves(messages) for r in self.grid.send_and_receive(wave, timeout=self.timeout)
+        ):
             if reply.has_error():  # the ClientApp itself failed: counted as no reply
                 log.warning(f"a node replied with an error: {reply.error.reason.strip().splitlines()[-1:]}")
             elif "failure" in reply.content:
@@ -240,7 +254,8 @@ class FlowerEngine:
         replies |= gone
         return {
             client.id: replies.get(
-                client.id, f"dropped out: no reply from node {self.node_of[client.id]} within {wait:g} s"
+                client.id,
+                f"dropped out: no reply from node {self.node_of[client.id]} within {self.timeout:g} s",
             )
             for _, client in lanes
         }

@@ -47,11 +47,29 @@ def simulate(overrides: list[str], *options: str) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_a_node_never_gets_two_training_messages_at_once():
+    """Flower's Simulation Engine runs a node's messages concurrently, each on a copy of its Context:
+    a node holding several of a round's clients must get them in waves, one message each."""
+    from types import SimpleNamespace
+
+    from fedmeta.flower import _waves
+
+    nodes = [1, 2, 1, 3, 1, 2]  # _waves reads a message's destination only
+    messages = [
+        SimpleNamespace(metadata=SimpleNamespace(dst_node_id=n, group_id=str(i))) for i, n in enumerate(nodes)
+    ]
+    waves = _waves(messages)
+    assert [[m.metadata.dst_node_id for m in wave] for wave in waves] == [[1, 2, 3], [1, 2], [1]]
+    assert sorted(m.metadata.group_id for wave in waves for m in wave) == sorted(str(i) for i in range(6))
+
+
 @pytest.mark.parametrize(
-    "method", ["cafeme", "fedrep", "scaffold", "fedper", "apfl"]
+    "method",
+    ["cafeme", "fedrep", "scaffold", "fedper", "lgfedavg", "fedbn", "apfl", "pfedme", "fedmeta_metasgd"],
 )  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
-# FedPer: its personalization layers on their node (LG-FedAvg's and FedBN's kept layers: FedPer's code)
+# FedPer, LG-FedAvg, FedBN: their kept layers (the head, the body, the BN affines) on their node
 # APFL: each client's personal model v and weight α on its node
+# pFedMe: the server's β step; FedMeta (Meta-SGD): the server's Adam step on θ and the learned rates
 def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_path, mnist_dir):
     overrides = [f"method={method}", f"dataset.dir={mnist_dir}", *SMALL]
     alone = train(compose([*overrides, f"output.root={tmp_path / 'alone'}"]), show_progress=False)
