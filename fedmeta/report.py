@@ -218,13 +218,39 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
     return text
 
 
+# a command that names one method and one seed (no second number follows it)
+ONE_RUN = re.compile(r"--methods (\S+) --seeds (\d+)(?!\s+\d)(?=\s|$)")
+
+
 def _commands(summaries: list[dict]) -> list[str]:
     """One list item per distinct recorded command of ``summaries``, with how many runs it ran,
-    sorted (a rewrite from the same runs gives the same lines); the runs without one counted last."""
+    sorted (a rewrite from the same runs gives the same lines); the runs without one counted last.
+    Commands that each ran one method's one seed and differ in nothing else are one item that
+    names the method and seed of each (a queue of one-run commands would otherwise fill the list)."""
     counts = Counter(s["command"] for s in summaries)
     unrecorded = counts.pop(None, 0)
-    items = [f"- `{command}` ({_runs(n)})" for command, n in sorted(counts.items())]
-    return [*items, *([f"- command not recorded ({_runs(unrecorded)})"] if unrecorded else [])] or [
+    items, singles = (
+        {},
+        defaultdict(list),
+    )  # singles: the command with M and N in place of its method and seed
+    for command, n in counts.items():
+        if n == 1 and (named := ONE_RUN.search(command)):
+            singles[ONE_RUN.sub("--methods M --seeds N", command, count=1)].append(
+                (named[1], int(named[2]), command)
+            )
+        else:
+            items[command] = f"- `{command}` ({_runs(n)})"
+    for template, runs in singles.items():
+        if len(runs) == 1:
+            items[runs[0][2]] = f"- `{runs[0][2]}` (1 run)"
+            continue
+        seeds = defaultdict(list)
+        for method, seed, _ in sorted(runs):
+            seeds[method].append(str(seed))
+        each = "; ".join(f"{method} {', '.join(s)}" for method, s in seeds.items())
+        items[template] = f"- `{template}` ({_runs(len(runs))}, a command each; M N: {each})"
+    recorded = [items[command] for command in sorted(items)]
+    return [*recorded, *([f"- command not recorded ({_runs(unrecorded)})"] if unrecorded else [])] or [
         "- none yet"
     ]
 

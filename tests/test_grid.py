@@ -511,3 +511,22 @@ def test_a_wandb_report_run_only_where_asked_or_after_runs_that_log_to_wandb(
     assert main(["table", "--no-run", "--wandb"]) == 0 and len(logged) == 2
     assert main(["figures", "--wandb", "wandb.project=elsewhere"]) == 0
     assert logged[-1] == ("quick", ["fig_personalization.png", "fig_convergence.png"], "elsewhere")
+
+
+def test_one_run_commands_that_differ_only_in_method_and_seed_are_one_item():
+    """A queue of one-run commands (one method, one seed each) is listed once, with what each ran;
+    a command with two seeds that finished one of them is not taken for a one-seed command."""
+    from fedmeta.report import _commands
+
+    zoo = "fedmeta table --preset zoo --datasets rmnist-shards --methods {} --seeds {} --parallel 1"
+    ran = [
+        zoo.format("fedbn", 2),
+        zoo.format("apfl", 1),
+        zoo.format("apfl", 0),
+        "fedmeta table --methods a --seeds 0 1",
+    ]
+    assert _commands([{"command": c} for c in [*ran, None]]) == [
+        "- `fedmeta table --methods a --seeds 0 1` (1 run)",
+        f"- `{zoo.format('M', 'N')}` (3 runs, a command each; M N: apfl 0, 1; fedbn 2)",
+        "- command not recorded (1 run)",
+    ]
