@@ -229,10 +229,8 @@ def _commands(summaries: list[dict]) -> list[str]:
     names the method and seed of each (a queue of one-run commands would otherwise fill the list)."""
     counts = Counter(s["command"] for s in summaries)
     unrecorded = counts.pop(None, 0)
-    items, singles = (
-        {},
-        defaultdict(list),
-    )  # singles: the command with M and N in place of its method and seed
+    items = {}
+    singles = defaultdict(list)  # the command with M and N in place of its method and seed → its runs
     for command, n in counts.items():
         if n == 1 and (named := ONE_RUN.search(command)):
             singles[ONE_RUN.sub("--methods M --seeds N", command, count=1)].append(
