@@ -20,9 +20,9 @@ site=$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()
 data=$(pwd)/data
 guide=$(pwd)/docs/extending.md
 mkdir "$work/elsewhere" && cd "$work/elsewhere"
-export WANDB_MODE=disabled FEDMETA_DATA=$data FEDMETA_CONFIG_HOME=$work/user-configs
+export FEDMETA_DATA=$data FEDMETA_CONFIG_HOME=$work/user-configs
 fedmeta=$work/venv/bin/fedmeta
-where=$("$work/venv/bin/python" -c "import fedmeta.config as c; print(c.CONFIG_DIR, c.USER_CONFIG_DIR)")
+where=$("$work/venv/bin/python" -c "import fedmeta.config as c; print(c.CONFIG_DIR, c.user_config_dir())")
 case "$where" in "$site/fedmeta/configs $work/user-configs") ;; *) echo "configs found at $where"; exit 1;; esac
 "$fedmeta" train --print-config method=fedavg_ft variant=authors > "$work/config.txt"  # not piped: grep -q stops reading
 grep -q "name: fedavg_ft" "$work/config.txt"
@@ -35,16 +35,16 @@ echo "pip install . works: $(head -c 300 "$work/train.log" | tail -n 1)"
 # docs/extending.md, installed: the method's class in one's own package, its config in the user's folder
 mkdir -p "$work/mine/mypackage" "$FEDMETA_CONFIG_HOME/method"
 touch "$work/mine/mypackage/__init__.py"
-"$work/venv/bin/python" - "$guide" "$work/mine/mypackage/fedprox.py" "$FEDMETA_CONFIG_HOME/method/fedprox.yaml" <<'PY'
+"$work/venv/bin/python" - "$guide" "$work/mine/mypackage/fedavgm.py" "$FEDMETA_CONFIG_HOME/method/fedavgm.yaml" <<'PY'
 import re, sys
 guide, code, config = sys.argv[1:]
 blocks = dict(re.findall(r"```(?:python|yaml) (\S+)\n(.*?)```", open(guide).read(), re.S))
-open(code, "w").write(blocks["fedmeta/algorithms/fedprox.py"])
-open(config, "w").write(blocks["configs/method/fedprox.yaml"].replace("algorithm: fedprox", "algorithm: mypackage.fedprox:FedProx"))
+open(code, "w").write(blocks["fedmeta/algorithms/fedavgm.py"])
+open(config, "w").write(blocks["configs/method/fedavgm.yaml"].replace("algorithm: fedavgm", "algorithm: mypackage.fedavgm:FedAvgM"))
 PY
 "$fedmeta" train --help > "$work/help.txt"
-grep -q "fedprox .*FedProx" "$work/help.txt"
-PYTHONPATH=$work/mine "$fedmeta" train dataset=rmnist method=fedprox federation.rounds=2 federation.clients_per_round=2 \
-  method.local_epochs=1 logger=[csv] output.root=runs > "$work/fedprox.log"
-test -f runs/rmnist-shards/fedprox/seed0/summary.json
-echo "a method of one's own package, installed: $(tail -n 1 "$work/fedprox.log")"
+grep -q "fedavgm .*FedAvgM" "$work/help.txt"
+PYTHONPATH=$work/mine "$fedmeta" train dataset=rmnist method=fedavgm federation.rounds=2 federation.clients_per_round=2 \
+  method.local_epochs=1 logger=[csv] output.root=runs > "$work/fedavgm.log"
+test -f runs/rmnist-shards/fedavgm/seed0/summary.json
+echo "a method of one's own package, installed: $(tail -n 1 "$work/fedavgm.log")"
