@@ -592,7 +592,8 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
                 None if budget is None else time.time() + budget,
             )
         finally:  # also the runs that finished before a Ctrl-C: the next grid counts them as done
-            fresh = report.record_command(root, before, shlex.join(["fedmeta", *argv]))
+            launched = set().union(*(job.folders(root) for job in jobs))
+            fresh = report.record_command(root, before, shlex.join(["fedmeta", *argv]), launched)
         for line in failures:
             print(
                 f"fedmeta: {'' if line.startswith(grid.STOPPED) else 'failed run: '}{line}", file=sys.stderr

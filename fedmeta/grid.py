@@ -68,6 +68,12 @@ class Job:
         seeds = yaml.safe_load(value) if value is not None else None
         return seeds if isinstance(seeds, list) else None
 
+    def folders(self, root: Path) -> set[Path]:
+        """The run folders under ``root`` this job writes: one per seed it runs."""
+        return {
+            root / self.setting / self.method / f"seed{seed}" for seed in self.stacked_seeds or [self.seed]
+        }
+
     @property
     def label(self) -> str:
         seeds = self.stacked_seeds

@@ -85,10 +85,15 @@ def finished_runs(root: Path) -> dict[Path, int]:
     return {path: path.stat().st_mtime_ns for path in root.glob("*/*/seed*/summary.json")}
 
 
-def record_command(root: Path, before: dict[Path, int], command: str) -> list[Path]:
+def record_command(root: Path, before: dict[Path, int], command: str, launched: set[Path]) -> list[Path]:
     """Write ``command`` beside every summary under ``root`` that is new since ``before``
-    (:func:`finished_runs`): the runs it finished. Returns their folders."""
-    fresh = [path.parent for path, mtime in finished_runs(root).items() if before.get(path) != mtime]
+    (:func:`finished_runs`) and whose folder is one the command ran (``launched``): a grid running
+    beside it in the same folder finishes runs too, and those are not its. Returns their folders."""
+    fresh = [
+        path.parent
+        for path, mtime in finished_runs(root).items()
+        if before.get(path) != mtime and path.parent in launched
+    ]
     for folder in fresh:
         (folder / COMMAND_FILE).write_text(command + "\n")
     return sorted(fresh)

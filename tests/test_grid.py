@@ -488,6 +488,35 @@ def test_each_section_names_the_commands_that_ran_its_cells(tmp_path, monkeypatc
     assert "--methods fedavg" not in table and "\n- command not recorded (2 runs)\n" in table
 
 
+def test_a_grid_claims_only_the_runs_it_ran_not_those_a_grid_beside_it_finished(tmp_path, monkeypatch):
+    """Two grids in one runs folder: runs the other one finishes meanwhile keep their own command."""
+    from fedmeta import grid, report
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(report, "log_report", lambda *args: None)
+    beside = tmp_path / "runs" / "quick" / "rmnist-shards" / "local" / "seed1"
+
+    def run(jobs, root, *_):
+        for job in jobs:
+            finished_run(root / job.setting / job.method / f"seed{job.seed}", 0.5, job.seed)
+        finished_run(beside, 0.5, 1)  # the grid beside this one finishes its run meanwhile
+        (beside / "command.txt").write_text("fedmeta table --methods local --seeds 1\n")
+        return []
+
+    monkeypatch.setattr(grid, "run", run)
+    assert main(["table", "--datasets", "rmnist-shards", "--methods", "fedavg", "--seeds", "0", "1"]) == 0
+    ran = tmp_path / "runs" / "quick" / "rmnist-shards" / "fedavg"
+    assert {(ran / f"seed{s}" / "command.txt").read_text() for s in (0, 1)} == {
+        "fedmeta table --datasets rmnist-shards --methods fedavg --seeds 0 1\n"
+    }
+    assert (beside / "command.txt").read_text() == "fedmeta table --methods local --seeds 1\n"
+    stacked = Job("rmnist-shards", "fedavg", 0, ("seeds=[0,2]",))
+    assert stacked.folders(Path("r")) == {
+        Path("r/rmnist-shards/fedavg/seed0"),
+        Path("r/rmnist-shards/fedavg/seed2"),
+    }
+
+
 def test_a_wandb_report_run_only_where_asked_or_after_runs_that_log_to_wandb(
     tmp_path, monkeypatch, every_job_finishes
 ):
