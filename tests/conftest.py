@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from fedmeta.data.sources import data_dir
 # W&B as a user has it (offline, unless $WANDB_MODE says otherwise), its own files (settings, cache,
 # staged artifacts) in a temporary home rather than the user's
 _wandb_home = tempfile.mkdtemp(prefix="fedmeta-tests-wandb-")
+atexit.register(shutil.rmtree, _wandb_home, ignore_errors=True)
 for _variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
     os.environ.setdefault(_variable, _wandb_home)
 # Small batches: one thread is as fast as two on a quiet machine and far faster on a busy one
