@@ -22,5 +22,7 @@ if ! "$VENV/bin/python" -c "import learn2learn" 2>/dev/null; then
   $PIP install -q --no-build-isolation "$src"
 fi
 
-$PIP install -q -e ".[dev${EXTRAS:+,$EXTRAS}]"   # EXTRAS=flower: the Flower adapter too
+# EXTRAS=flower: the Flower adapter too. setuptools' editable install prints an informational
+# "be careful with folders named like your package" box; fedmeta/ is that package: hidden.
+"$VENV/bin/python" -W "ignore:Editable installation" -m pip install -q -e ".[dev${EXTRAS:+,$EXTRAS}]"
 echo "environment ready in $VENV"
