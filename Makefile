@@ -79,7 +79,7 @@ SETTINGS ?= rmnist-shards
 gpu-kit: install
 	$(BIN)/python scripts/gpu_kit.py $(SETTINGS)
 
-# make gpu-rehearse [JOB=stand-in]: scripts/gpu_job.sh twice on this CPU, as a lease runs it (.cache/rehearse/rehearsal.log)
+# make gpu-rehearse [JOB=stand-in]: a lease simulated on this CPU: jobs killed, collected out of order, resumed (.cache/rehearse/rehearsal.log)
 gpu-rehearse:
 	$(if $(JOB),JOB=$(JOB)) bash scripts/gpu_rehearse.sh
 

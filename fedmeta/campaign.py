@@ -4,15 +4,20 @@ spot instance, a cluster's preemptible queue): ``fedmeta campaign --budget SECON
 A unit is one setting × one method × the preset's seeds, stacked in one process
 (``configs/campaign.yaml``: the preset, the order, what may be carried). A job
 
-1. carries in the unfinished units' checkpoints kept in ``results/runs/<preset>/`` — each checked
+1. skips, in one line, the units whose data is not on the machine (a job never downloads), and
+   carries in the unfinished units' checkpoints kept in ``results/runs/<preset>/`` — each checked
    against the run it continues (a checkpoint of other settings is refused in one line, never
    resumed) — into the runs folder;
-2. runs the unfinished units first, then the next ones in the campaign's order, while the running
-   units' checkpoints fit ``carry_mib``; every run stops at the job's deadline at a round boundary,
-   checkpointed (``output.stop_at``), so the budget is law and no unit's work is lost;
-3. carries out: every finished run's small files and every unfinished run's checkpoint go to
+2. runs the unfinished units first, then the next ones in the campaign's order, ``parallel`` at a
+   time; every run stops at the job's deadline at a round boundary, checkpointed
+   (``output.stop_at``), so the budget is law;
+3. with ``--pack OUT`` (a lent machine whose files come back only from OUT), keeps in OUT from the
+   first checkpoint on a whole archive of what it has gained (:mod:`fedmeta.lease`): finished runs'
+   small files, and unfinished runs' checkpoints within ``carry_mib``, the furthest along first;
+   ``fedmeta campaign --collect OUT`` takes it back, never losing or rewinding a kept run;
+4. carries out: every finished run's small files and every unfinished run's checkpoint go to
    ``results/runs/<preset>/``, a line per job to its ``jobs.jsonl``, and the state of every unit
-   with the projected time of the rest to ``results/campaign.md``.
+   with the projected time of the rest, in short leases too, to ``results/campaign.md``.
 
 The next job — on any machine, from a fresh clone holding those files — continues from there.
 """
@@ -21,9 +26,12 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 import statistics
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,10 +39,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta import grid, report
+from fedmeta import grid, lease, report
 from fedmeta.checkpoint import differences, identity
 from fedmeta.config import CONFIG_DIR, compose
 from fedmeta.errors import FedmetaError
+from fedmeta.runs import summary_problem
 
 CARRIED = (*report.RUN_FILES, "checkpoint.ckpt")  # what an unfinished run leaves for the next job
 
@@ -61,17 +70,7 @@ class Unit:
 
     def rounds_done(self, root: Path) -> list[int]:
         """Each seed's rounds: all of them when finished, else its checkpoint's round (0: not begun)."""
-        return [_rounds_done(folder, self.rounds) for folder in self.folders(root)]
-
-
-def _rounds_done(folder: Path, rounds: int) -> int:
-    if (folder / "summary.json").is_file():
-        return rounds
-    if not (folder / "checkpoint.ckpt").is_file() or not (folder / "metrics.csv").is_file():
-        return 0
-    with open(folder / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    return int(rows[-1]["round"]) if rows else 0
+        return [lease.run_state(folder, self.rounds) for folder in self.folders(root)]
 
 
 def units(campaign: DictConfig, root: Path) -> list[Unit]:
@@ -103,7 +102,7 @@ def carry_in(unit: Unit, kept: Path, root: Path) -> str | None:
         problem = _foreign(source / "checkpoint.ckpt", compose(list(job.overrides)))
         if problem:
             return f"{source / 'checkpoint.ckpt'} {problem}: delete it to start that run over"
-        if _rounds_done(target, unit.rounds) < _rounds_done(source, unit.rounds):
+        if lease.run_state(target, unit.rounds) < lease.run_state(source, unit.rounds):
             _copy_run(source, target)
     return None
 
@@ -143,18 +142,34 @@ def checkpoint_mib(job: grid.Job) -> float:
     return 1.1 * size * len(job.stacked_seeds or [job.seed]) / 2**20
 
 
-def run(campaign: DictConfig, budget: float, kept: Path, root: Path, parallel: int | None = None) -> dict:
+def run(
+    campaign: DictConfig,
+    budget: float,
+    kept: Path,
+    root: Path,
+    parallel: int | None = None,
+    out: Path | None = None,
+    carry_mib: float | None = None,
+) -> dict:
     """One job of the campaign within ``budget`` seconds from now (see the module's docstring);
-    returns its record (also appended to ``kept/jobs.jsonl``)."""
+    returns its record (also appended to ``kept/jobs.jsonl``). ``out``: a folder that holds, from
+    the first checkpoint on, a whole archive of what the job has gained (:mod:`fedmeta.lease`),
+    its unfinished runs within ``carry_mib`` (default: configs/campaign.yaml's)."""
     started = time.time()
     stop_at = started + budget - campaign.reserve_seconds
+    carry = campaign.carry_mib if carry_mib is None else carry_mib
     if parallel is None:
         parallel = campaign.parallel.cuda if torch.cuda.is_available() else campaign.parallel.cpu
     unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
-    under_way = [unit for unit in unfinished if any(unit.rounds_done(kept))]
+    missing = {unit.label: missing_data(unit) for unit in unfinished}
+    refused = [f"{unit.label}: skipped: {missing[unit.label]}" for unit in unfinished if missing[unit.label]]
+    for problem in dict.fromkeys(problem for problem in missing.values() if problem):
+        print(f"skipped the units whose data is not on this machine: {problem}")
+    reachable = [unit for unit in unfinished if not missing[unit.label]]
+    todo = []
+    under_way = [unit for unit in reachable if any(unit.rounds_done(kept))]
     # the units under way first, then as many new ones as can follow those that finish in this job
-    todo, refused = [], []
-    for unit in under_way + [u for u in unfinished if u not in under_way][: 2 * parallel]:
+    for unit in under_way + [u for u in reachable if u not in under_way][: 2 * parallel]:
         problem = carry_in(unit, kept, root)
         if problem:
             refused.append(f"{unit.label}: refused: {problem}")
@@ -165,49 +180,110 @@ def run(campaign: DictConfig, budget: float, kept: Path, root: Path, parallel: i
     for unit in todo:
         if any(before[unit.label]):
             print(f"resuming {unit.label} at rounds {before[unit.label]} (per seed) of {unit.rounds}")
-    sizes: dict[grid.Job, float] = {}
-
-    def admit(running: list[grid.Job], job: grid.Job) -> str | None:
-        if campaign.carry_mib is None:  # a shared file system: nothing travels between jobs
-            return None
-        for one in (job, *running):
-            sizes.setdefault(one, checkpoint_mib(one))
-        total = sum(sizes[one] for one in running) + sizes[job]
-        if total <= campaign.carry_mib:
-            return None
-        if not running:
-            return (
-                f"its checkpoints (~{sizes[job]:.0f} MiB) alone pass carry_mib={campaign.carry_mib}, what a "
-                "job may leave for the next: run it where jobs share a disk (carry_mib: null in "
-                "configs/campaign.yaml) or in a job long enough to finish it"
-            )
-        return (
-            f"its checkpoints (~{sizes[job]:.0f} MiB) with the running units' would pass "
-            f"carry_mib={campaign.carry_mib}"
-        )
-
-    jobs = [job for unit in todo for job in unit.jobs]
-    lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at, admit=admit) if jobs else []
-    report.archive(root, kept)
-    carried = carry_out(todo, root, kept)
     record = {
+        "id": uuid.uuid4().hex[:12],
         "started": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
         "hardware": _hardware(),
         "budget_seconds": budget,
-        "seconds": round(time.time() - started, 1),
+        "seconds": 0.0,
         "parallel": parallel,
-        "units": {
-            unit.label: [before[unit.label], unit.rounds_done(kept)]
-            for unit in todo
-            if unit.rounds_done(kept) != before[unit.label]
-        },
-        "carried_mib": round(carried, 1),
-        "not_done": lines + refused,
+        "units": {},
+        "carry_mib": carry,
+        "not_done": [],
+        "ended": False,
     }
+
+    def progress() -> dict:
+        record["seconds"] = round(time.time() - started, 1)
+        now = {unit.label: unit.rounds_done(root) for unit in todo}
+        record["units"] = {label: [before[label], now[label]] for label in now if now[label] != before[label]}
+        return dict(record)
+
+    packer = None
+    if out is not None:
+        folders = [folder.relative_to(root) for unit in todo for folder in unit.folders(root)]
+        limit = lease.ARCHIVE_BYTES if carry is None else int(carry * 2**20)
+        packer = lease.Packer(root, out, lambda: folders, progress, limit_bytes=limit).start()
+    jobs = [job for unit in todo for job in unit.jobs]
+    try:
+        lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at) if jobs else []
+    finally:  # a stop of the campaign itself still packs what its runs left
+        record["ended"] = True
+        if packer is not None:
+            manifest = packer.stop()
+            if manifest["left_out"]:
+                print(f"not carried (over carry_mib={carry}): {'; '.join(manifest['left_out'])}")
+    record["not_done"] = lines + refused
+    report.archive(root, kept)
+    carry_out(todo, root, kept)
+    progress()
     kept.mkdir(parents=True, exist_ok=True)
-    with open(kept / "jobs.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    lease.append_record(kept / "jobs.jsonl", record)
+    if packer is not None:
+        packer.pack()  # the record with its failures
     return record
+
+
+def missing_data(unit: Unit) -> str | None:
+    """Why the unit's data set cannot be read on this machine (never downloaded in a job), or None."""
+    from fedmeta.data.sources import missing_files
+
+    cfg = compose(list(unit.jobs[0].overrides))
+    return missing_files(cfg.dataset)
+
+
+def collect(campaign: DictConfig, source: Path, kept: Path) -> list[str]:
+    """A job's output folder (:mod:`fedmeta.lease`) into the kept runs: each run taken only where it
+    is further along than the kept one, its checkpoint loaded and checked against the run it
+    continues first; the job's record into ``kept/jobs.jsonl``. Returns a line per run."""
+    manifest, runs = lease.read_output(source)
+    known = {
+        folder.relative_to(kept).as_posix(): (unit, job)
+        for unit in units(campaign, kept)
+        for job, folder in zip(unit.jobs, unit.folders(kept))
+    }
+    unknown = sorted(set(runs) - set(known))
+    if unknown:
+        raise FedmetaError(
+            f"{source}'s archive holds {unknown[0]}, not a run of this campaign: nothing collected"
+        )
+    said, taken = [], []
+    with tempfile.TemporaryDirectory(prefix="fedmeta-collect-") as scratch:
+        for folder, files in sorted(runs.items()):
+            unit, job = known[folder]
+            have = lease.run_state(kept / folder, unit.rounds)
+            if "summary.json" in files:
+                try:
+                    problem = summary_problem(json.loads(files["summary.json"].decode("utf-8")), unit.rounds)
+                except ValueError:
+                    problem = "cannot be read"
+                if problem:
+                    said.append(f"{folder}: its summary.json {problem}: not taken")
+                elif have < unit.rounds:
+                    taken.append((folder, files))
+                    said.append(f"{folder}: finished")
+                else:
+                    said.append(f"{folder}: finished (already kept)")
+                continue
+            if lease.CHECKPOINT not in files:
+                continue
+            path = lease.unpack_checkpoint(files[lease.CHECKPOINT], Path(scratch))
+            problem = _foreign(path, compose(list(job.overrides)))
+            if problem:
+                said.append(f"{folder}: its checkpoint {problem}: not taken")
+                continue
+            round_ = lease.checkpoint_round(path)
+            if round_ > have:
+                taken.append((folder, files))
+                said.append(f"{folder}: round {have} → {round_}")
+            else:
+                said.append(f"{folder}: round {round_}, not beyond the kept {have}: kept as it was")
+        for folder, files in taken:
+            lease.install(files, kept / folder)
+    said.append(
+        f"job {manifest['job']['id']}: record {lease.append_record(kept / 'jobs.jsonl', manifest['job'])}"
+    )
+    return said
 
 
 def carry_out(todo: list[Unit], root: Path, kept: Path) -> float:
@@ -231,57 +307,89 @@ def _hardware() -> str:
 
 
 def status(campaign: DictConfig, kept: Path) -> str:
-    """``results/campaign.md``: every unit's state, the speed it was measured at, and the projected
-    time of what is left; then the jobs so far."""
+    """``results/campaign.md``: every unit's state, the speed it was measured at, what is left in
+    card time and in short leases (configs/campaign.yaml: ``lease``), and which units no lease can
+    run; then the jobs so far."""
     all_units = units(campaign, Path("runs") / campaign.preset)
     speeds = {unit.label: _seconds_per_seed_round(unit, kept) for unit in all_units}
+    jobs = _jobs(kept)
+    lease_plan = campaign.get("lease") or {}
+    not_in_leases = dict(campaign.get("not_in_leases") or {})
     lines = [
         "# The paper's table as a campaign of short jobs",
         "",
         f"Written by `fedmeta campaign` from `{kept}` (configs/campaign.yaml: the order). A unit is a "
         "setting × method over the preset's seeds, stacked in one process; *s/seed-round* is the median "
         "of its rounds' seconds per seed, as measured by its own runs (with the other units of its "
-        "job sharing the machine, see the jobs below).",
+        "job sharing the machine, see the jobs below); *card h* is what is left of it at that speed.",
         "",
-        "| # | setting | method | state | s/seed-round | left (h) |",
+        "| # | setting | method | state | s/seed-round | card h |",
         "|---|---|---|---|---|---|",
     ]
-    left_seconds, unmeasured, counts = 0.0, 0, {"done": 0, "under way": 0, "to do": 0}
+    card_seconds, unmeasured, counts, unreachable = 0.0, [], {"done": 0, "under way": 0, "to do": 0}, {}
     for i, unit in enumerate(all_units, 1):
         done = unit.rounds_done(kept)
         state = "done" if min(done) == unit.rounds else ("under way" if any(done) else "to do")
         counts[state] += 1
+        dataset = unit.setting.split("-")[0]
         speed = speeds[unit.label] or _same_method_speed(unit, all_units, speeds)
         remaining = sum(unit.rounds - d for d in done)
-        if remaining and speed is None:
-            unmeasured += 1
         left = None if speed is None else remaining * speed
-        left_seconds += left or 0.0
+        if remaining and dataset in not_in_leases:
+            unreachable.setdefault(dataset, []).append(unit)
+        elif remaining and speed is None:
+            unmeasured.append(unit)
+        elif remaining:
+            card_seconds += left
         shown = state if state != "under way" else f"rounds {', '.join(map(str, done))} of {unit.rounds}"
         lines.append(
             f"| {i} | {unit.setting} | {unit.method} | {shown} | "
-            f"{'-' if speeds[unit.label] is None else f'{speeds[unit.label]:.3f}'} | "
+            f"{'-' if speeds[unit.label] is None else f'{speeds[unit.label]:.4f}'} | "
             f"{'-' if left is None else f'{left / 3600:.2f}'} |"
         )
+    together = statistics.median([job["parallel"] for job in jobs if _number(job.get("parallel"))] or [1])
+    usable = float(lease_plan.get("device_seconds", 900)) - float(lease_plan.get("start_seconds", 90))
+    usable *= 1 - float(lease_plan.get("overhead", 0.15))
+    reachable_left = counts["under way"] + counts["to do"] - sum(map(len, unreachable.values()))
     lines += [
         "",
-        f"**{counts['done']} units done, {counts['under way']} under way, {counts['to do']} to do.** "
-        + (
-            "No unit has been measured yet: no projection."
-            if unmeasured == counts["under way"] + counts["to do"]
-            else f"Projected time left: {left_seconds / 3600:.2f} h at the measured speeds"
-            + (f", plus {unmeasured} units not measured yet" if unmeasured else "")
-            + " (a unit with no speed of its own takes its method's on the same data set, where measured)."
-        ),
+        f"**{counts['done']} units done, {counts['under way']} under way, {counts['to do']} to do.**",
+        "",
+    ]
+    if card_seconds and usable > 0:
+        wall = card_seconds / together
+        lines.append(
+            f"**In leases:** the {reachable_left - len(unmeasured)} measured units that leases can reach "
+            f"need {card_seconds / 3600:.2f} card-hours at their measured speeds; run {together:g} at a "
+            f"time, as their jobs ran them, that is {wall / 3600:.2f} h of a card, or about "
+            f"**{math.ceil(wall / usable)} leases** of {lease_plan.get('device_seconds', 900)} s (each "
+            f"{usable:.0f} s of training after a {lease_plan.get('start_seconds', 90)} s start and "
+            f"{float(lease_plan.get('overhead', 0.15)):.0%} overhead: configs/campaign.yaml, lease)"
+            + (
+                f"; {len(unmeasured)} more not measured yet ({', '.join(u.label for u in unmeasured[:4])}"
+                f"{' …' if len(unmeasured) > 4 else ''})."
+                if unmeasured
+                else "."
+            )
+        )
+    else:
+        lines.append("**In leases:** no unit has been measured yet: no projection.")
+    for dataset, left_units in unreachable.items():
+        lines += [
+            "",
+            f"**Not reachable in leases: {len(left_units)} units of {dataset}** "
+            f"({', '.join(sorted({u.setting for u in left_units}))}): {not_in_leases[dataset]}.",
+        ]
+    lines += [
         "",
         "## Jobs",
         "",
         "| started (UTC) | hardware | budget s | wall s | units at once | rounds per seed: before → after |",
         "|---|---|---|---|---|---|",
     ]
-    if not _jobs(kept):
+    if not jobs:
         lines.append("| none yet | | | | | |")
-    for job in _jobs(kept):
+    for job in jobs:
         moved = "; ".join(f"{label}: {b} → {a}" for label, (b, a) in job["units"].items()) or "none"
         lines.append(
             f"| {job['started']} | {job['hardware']} | {job['budget_seconds']:.0f} | {job['seconds']:.0f} | "
@@ -290,19 +398,54 @@ def status(campaign: DictConfig, kept: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _jobs(kept: Path) -> list[dict]:
+    """The jobs' records in ``kept/jobs.jsonl``; a line that is not one (cut short, edited) is skipped
+    with one warning naming it."""
     path = kept / "jobs.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    )
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            units_moved = record["units"]
+            valid = (
+                isinstance(record["started"], str)
+                and isinstance(record["hardware"], str)
+                and _number(record["budget_seconds"])
+                and _number(record["seconds"])
+                and isinstance(units_moved, dict)
+                and all(isinstance(v, list) and len(v) == 2 for v in units_moved.values())
+            )
+        except (ValueError, KeyError, TypeError):
+            valid = False
+        if valid:
+            records.append(record)
+        else:
+            print(f"warning: {path}:{number} is not a job's record: skipped")
+    return records
 
 
 def _seconds_per_seed_round(unit: Unit, kept: Path) -> float | None:
     seconds = []
     for folder in unit.folders(kept):
-        if (folder / "metrics.csv").is_file():
-            with open(folder / "metrics.csv") as f:
-                seconds += [float(row["round_seconds"]) for row in csv.DictReader(f) if row["round_seconds"]]
+        try:
+            with open(folder / "metrics.csv", encoding="utf-8") as f:
+                for row in csv.DictReader(f):
+                    try:
+                        value = float(row.get("round_seconds") or "nan")
+                    except ValueError:
+                        continue
+                    if math.isfinite(value) and value > 0:
+                        seconds.append(value)
+        except (OSError, UnicodeDecodeError, csv.Error):
+            continue
     return statistics.median(seconds) if seconds else None
 
 

@@ -205,6 +205,23 @@ def _campaign_parser(commands) -> None:
     campaign_cmd.add_argument("--parallel", type=int, help="units at once (default: configs/campaign.yaml's)")
     campaign_cmd.add_argument("--out", default="results/campaign.md", help="the state of every unit")
     campaign_cmd.add_argument(
+        "--pack",
+        metavar="FOLDER",
+        help="keep in FOLDER, from the first checkpoint on, a whole archive of what the job has gained "
+        "(a lent machine whose files come back only from there; see --collect)",
+    )
+    campaign_cmd.add_argument(
+        "--carry-mib",
+        type=float,
+        metavar="MIB",
+        help="what the job's unfinished runs may leave for the next (default: configs/campaign.yaml's carry_mib)",
+    )
+    campaign_cmd.add_argument(
+        "--collect",
+        metavar="FOLDER",
+        help="take back what a job packed into FOLDER (the folder its files came back to), then write the state",
+    )
+    campaign_cmd.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every run, e.g. federation.capture=none"
     )
 
@@ -625,6 +642,13 @@ def _campaign_command(args: argparse.Namespace) -> int:
 
     plan = campaign.load()
     kept = Path("results") / "runs" / plan.preset
+    if args.collect is not None:
+        if args.budget is not None:
+            raise FedmetaError("--collect takes back a job's files: run it without --budget")
+        for line in campaign.collect(plan, Path(args.collect), kept):
+            print(line)
+    if args.carry_mib is not None and not (math.isfinite(args.carry_mib) and args.carry_mib >= 0):
+        raise FedmetaError(f"--carry-mib must be a size in MiB ≥ 0, got {args.carry_mib}")
     if args.budget is not None:
         if not (args.budget > plan.reserve_seconds and math.isfinite(args.budget)):
             raise FedmetaError(
@@ -635,7 +659,15 @@ def _campaign_command(args: argparse.Namespace) -> int:
             raise FedmetaError(f"--parallel must be ≥ 1 (units at once), got {args.parallel}")
         plan.overrides = [*plan.overrides, *args.overrides]
         compose(list(plan.overrides))  # a bad override: one line before anything runs
-        record = campaign.run(plan, args.budget, kept, Path("runs") / plan.preset, args.parallel)
+        record = campaign.run(
+            plan,
+            args.budget,
+            kept,
+            Path("runs") / plan.preset,
+            args.parallel,
+            out=None if args.pack is None else Path(args.pack),
+            carry_mib=args.carry_mib,
+        )
         advanced = "; ".join(f"{unit}: {b} → {a}" for unit, (b, a) in record["units"].items())
         print(f"campaign: {record['seconds']:.0f} s; advanced: {advanced or 'nothing'}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -384,15 +383,13 @@ def run(
     executor: str = "pool",
     slurm: list[str] = (),
     stop_at: float | None = None,
-    admit: Callable[[list[Job], Job], str | None] | None = None,
 ) -> list[str]:
     """Run the jobs not yet finished on ``executor``; returns one line per run that failed or was
     stopped (its log holds the rest; a stopped one's line starts with ``STOPPED``).
     ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods).
     ``stop_at`` (a Unix time): every run stops at its last round boundary before it, checkpointed
     (``output.stop_at``), none starts after it, and one still running then is sent SIGTERM, then
-    killed ``KILL_AFTER`` seconds later. ``admit(running, job)``: None where ``job`` may start beside
-    the running ones, else why not (a campaign's limit on what its unfinished runs may leave behind)."""
+    killed ``KILL_AFTER`` seconds later."""
     if executor not in EXECUTORS:
         raise FedmetaError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     remaining = [job for job in jobs if not finished(job, kept)]
@@ -410,7 +407,7 @@ def run(
     if stop_at is not None:
         todo = [replace(job, overrides=(*job.overrides, f"output.stop_at={int(stop_at)}")) for job in todo]
     if executor == "pool":
-        return _run_pool(todo, logs, parallel, threads, stop_at, admit)
+        return _run_pool(todo, logs, parallel, threads, stop_at)
     if executor == "local":
         return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
     failures = []  # SLURM runs an array job's tasks in any order: a chain's stages go one array job each
@@ -439,13 +436,10 @@ def dispatch(
     outcome,
     poll_s: float = 0.2,
     stop_at: float | None = None,
-    admit: Callable[[list[Job], Job], str | None] | None = None,
 ) -> list[str]:
     """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
     finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
-    source failed, none within ``LAST_START`` seconds of ``stop_at``, and only those
-    ``admit(running, job)`` lets in (None; else it says why not: one it refuses with nothing
-    running is not run).
+    source failed, none within ``LAST_START`` seconds of ``stop_at``.
     ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a failure line or
     None. Returns the failure lines."""
     needs = {job: sources(job, todo) for job in todo}
@@ -464,22 +458,9 @@ def dispatch(
                     bar.update()
                 waiting.clear()
             ready = [j for j in waiting if all(s in succeeded for s in needs[j])]
-            refused = {}
-            for job in ready:
-                if len(running) >= parallel:
-                    break
-                why = admit([r[0] for r in running], job) if admit else None
-                if why is None:
-                    waiting.remove(job)
-                    running.append((job, start(job)))
-                else:
-                    refused[job] = why
-            if refused and not running:  # refused even alone: it cannot run here
-                for job, why in refused.items():
-                    waiting.remove(job)
-                    failures.append(f"{STOPPED}: {job.label}: not started: {why}")
-                    tqdm.write(failures[-1])
-                    bar.update()
+            for job in ready[: max(0, parallel - len(running))]:
+                waiting.remove(job)
+                running.append((job, start(job)))
             time.sleep(poll_s)  # a chain has no circles (chain_stages): something is always running here
             for job, handle in [r for r in running if r[1].done()]:
                 running.remove((job, handle))
@@ -527,7 +508,6 @@ def _run_pool(
     parallel: int,
     threads: int,
     stop_at: float | None = None,
-    admit: Callable[[list[Job], Job], str | None] | None = None,
 ) -> list[str]:
     env = dict(os.environ) | (
         {"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {}
@@ -552,7 +532,6 @@ def _run_pool(
             lambda job: pool.submit(execute, job),
             lambda job, future: future.result(),
             stop_at=stop_at,
-            admit=admit,
         )
 
 

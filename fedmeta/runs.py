@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -45,19 +46,49 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise write_failure(path, tmp, exc) from None
 
 
+def summary_problem(summary, rounds: int | None = None) -> str | None:
+    """What makes ``summary`` (a parsed summary.json) not one a run can write, or None: an accuracy
+    or curve point outside [0, 1] or not a number, rounds not a count (or not ``rounds``)."""
+    if not isinstance(summary, dict):
+        return "is not a mapping"
+
+    def fraction(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+
+    if not fraction(summary.get("accuracy")):
+        return f"has accuracy {summary.get('accuracy')!r}, not a fraction in [0, 1]"
+    curve = summary.get("curve", [])
+    if not isinstance(curve, list) or not all(fraction(point) for point in curve):
+        return "has a curve with a point that is not a fraction in [0, 1]"
+    done = summary.get("rounds")
+    if done is not None and (not isinstance(done, int) or isinstance(done, bool) or done < 0):
+        return f"has rounds {done!r}, not a count"
+    if rounds is not None and done != rounds:
+        return f"has rounds {done!r}, not the run's {rounds}"
+    seconds = summary.get("seconds")
+    if seconds is not None and not (
+        isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0
+    ):
+        return f"has seconds {seconds!r}, not a duration"
+    return None
+
+
 def read_summary(path: Path) -> dict | None:
     """A finished run's summary.json, or None (said in one line) where the file is not one — cut
-    short, emptied or edited: reports skip that run rather than stop."""
+    short, emptied, edited, or holding values no run writes: reports skip that run rather than stop
+    or print them."""
     try:
-        summary = json.loads(path.read_text())
-        if not isinstance(summary, dict) or not isinstance(summary.get("accuracy"), (int, float)):
-            raise ValueError("no accuracy")
-        return summary
+        summary = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         log.warning(
             f"skipping {path}: not a finished run's summary ({type(exc).__name__}); delete it and run that run again"
         )
         return None
+    problem = summary_problem(summary)
+    if problem:
+        log.warning(f"skipping {path}: it {problem}; delete it and run that run again")
+        return None
+    return summary
 
 
 RUN_ENTRIES = (

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# A GPU job rehearsed on this machine's CPU, before it costs a lease: scripts/gpu_rehearse.sh (make gpu-rehearse).
+# A lease simulated on this machine's CPU, before it costs one: scripts/gpu_rehearse.sh (make gpu-rehearse).
 #   1. .cache/rehearse-venv: Python 3.12 with the image's torch, torchvision, lightning and numpy
 #      (configs/gpu_image.txt) and what they pull in, nothing else: what the job needs beyond them must
 #      come from the kit (.gpu/, make gpu-kit), as on the card. Built once (a stamp holds the pins).
 #   2. The tree as the device machine receives it (git ls-files -co --exclude-standard, plus .gpu/) in a
-#      fresh folder; there `CUDA_VISIBLE_DEVICES= PY=<venv python> OUT=out1 timeout 200 scripts/gpu_job.sh 120`.
-#      Checks: it exits 0, within 120 + 15 s, and leaves every file `scripts/gpu_job.sh --outputs` promises.
-#   3. out1 collected into a stand-in of the developer's tree (`scripts/gpu_job.sh --collect out1`, with
-#      .venv's python), shipped again as a fresh copy, a second job into out2: the same checks, and its
-#      output says it resumed.
-# Each job starts with empty /tmp/fedmeta-site and /tmp/fedmeta-cache, as on a fresh machine.
-# Environment: CAMPAIGN_ARGS (the runs' overrides, default federation.vectorize=false), JOB (a stand-in for scripts/gpu_job.sh, copied into the copies in its place), SECONDS_GIVEN
-# (default 120), CARRY (the ignored paths a lease carries, default .gpu), PY312 (the Python 3.12 to build
-# the venv with). The log: stdout and .cache/rehearse/rehearsal.log. Exits 1 if any check fails.
+#      fresh folder, and there `CUDA_VISIBLE_DEVICES= PY=<venv python> OUT=outN scripts/gpu_job.sh SECONDS`
+#      under `timeout -s KILL LIMIT`, as the device's per-command limit kills a command:
+#        out1  killed with SIGKILL in the middle of its campaign (at KILL_AT s, default 2/3 of SECONDS);
+#        out2  a whole job: it must exit 0 within SECONDS, its last archive the final one.
+#   3. Collected out of order into a stand-in of the developer's tree: out2, then the older out1, out2
+#      again, then a copy of out2 with a part cut short (refused, exit 2). After each: no kept run moved
+#      back, every round a collected archive reported is kept, every kept checkpoint loads.
+#   4. The collected tree shipped again: a third job (out3) continues the units under way ("resuming").
+# The units run as on a card: vmapped, each unit's seeds stacked, PARALLEL (default 2) at once; on 2
+# cores that is slow, so CAMPAIGN_ARGS (default: 2 clients a round, 2 new clients, 2 steps each) makes
+# the rounds small, and a loaded machine only means fewer rounds: the deadline holds whatever the load.
+# Environment: SECONDS_GIVEN (default 150), KILL_AT, PARALLEL, CAMPAIGN_ARGS, JOB (a stand-in for
+# scripts/gpu_job.sh, copied into the copies in its place), CARRY (default .gpu), PY312. The log: stdout
+# and .cache/rehearse/rehearsal.log. Exits 1 if any check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 JOB=${JOB:-scripts/gpu_job.sh}
-SECONDS_GIVEN=${SECONDS_GIVEN:-120}
+SECONDS_GIVEN=${SECONDS_GIVEN:-150}
+KILL_AT=${KILL_AT:-$(( SECONDS_GIVEN * 2 / 3 ))}
+PARALLEL=${PARALLEL:-2}
+SMALL="federation.clients_per_round=2 federation.num_new_clients=2 personalization.steps=2"
 CARRY=${CARRY:-.gpu}
 PY312=${PY312:-}
 for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
@@ -30,7 +38,7 @@ LOG=$WORK/rehearsal.log
 FAILED=0
 
 mkdir -p "$WORK"
-rm -rf "$WORK"/out1 "$WORK"/out2 "$WORK"/job*.txt
+rm -rf "$WORK"/out[0-9]* "$WORK"/job*.txt
 : > "$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
 fail() { say "FAILED: $*"; FAILED=1; }
@@ -79,35 +87,66 @@ ship() {  # ship FROM TO
   done
 }
 
-# A job as the device runs it: in a fresh copy, on a fresh machine, with the checks of its promises.
-run_job() {  # run_job NAME TREE
+# A job as the device runs it: in a fresh copy, on a fresh machine, killed at LIMIT as the device kills.
+run_job() {  # run_job NAME TREE LIMIT
   local name=$1 out=$WORK/$1 copy=$SCRATCH/device-$1 start end wall rc
   ship "$2" "$copy"
-  say "$name: shipped $(find "$copy" -type f | wc -l) files, $(mib "$copy") MiB (.gpu $(mib "$copy/.gpu") MiB)"
+  say "$name: shipped $(find "$copy" -type f | wc -l) files, $(mib "$copy") MiB (.gpu $(mib "$copy/.gpu") MiB); killed at $3 s"
   rm -rf /tmp/fedmeta-site /tmp/fedmeta-cache
   mkdir -p "$out"
   start=$(date +%s.%N)
-  # On 2 CPU cores a unit's five stacked, vmapped seeds take over a minute for their first round: one seed a
-  # process (the CPU's default) lets the units advance and checkpoint within the budget.
-  (cd "$copy" && CUDA_VISIBLE_DEVICES= PY=$VPY OUT=$out CAMPAIGN_ARGS=${CAMPAIGN_ARGS-federation.vectorize=false} \
-    timeout 200 scripts/gpu_job.sh "$SECONDS_GIVEN") \
-    > "$WORK/job-$name.txt" 2>&1
+  (cd "$copy" && CUDA_VISIBLE_DEVICES= PY=$VPY OUT=$out CAMPAIGN_ARGS=${CAMPAIGN_ARGS-$SMALL} PARALLEL=$PARALLEL \
+    timeout -s KILL "$3" scripts/gpu_job.sh "$SECONDS_GIVEN") > "$WORK/job-$name.txt" 2>&1
   rc=$?
   end=$(date +%s.%N)
   wall=$(awk -v s="$start" -v e="$end" 'BEGIN { printf "%.1f", e - s }')
   say "$name: exit $rc after $wall s (given $SECONDS_GIVEN s; its output: $WORK/job-$name.txt)"
-  [ "$rc" -eq 0 ] || { fail "$name exited $rc; its last lines:"; tail -n 15 "$WORK/job-$name.txt" | tee -a "$LOG"; }
-  awk -v w="$wall" -v g="$SECONDS_GIVEN" 'BEGIN { exit !(w <= g + 15) }' || fail "$name ran $wall s, over $SECONDS_GIVEN + 15 s"
-  say "$name: OUT holds"
+  say "$name: $(grep -E 'done:|ended before|packed nothing|skipped|not carried' "$out/job.log" | tail -n 3 | tr '\n' ' ')"
   (cd "$out" && find . -type f -printf '  %p %s bytes\n' | sort) | tee -a "$LOG"
-  if grep -q -- '--outputs' "$copy/scripts/gpu_job.sh"; then
-    while read -r promised; do
-      [ -n "$promised" ] || continue
-      compgen -G "$out/$promised" > /dev/null || fail "$name: $promised promised by --outputs, not in OUT"
-    done < <(cd "$copy" && scripts/gpu_job.sh --outputs)
-  else
-    say "$name: skipped the promised-files check: scripts/gpu_job.sh has no --outputs yet"
-  fi
+  [ "$(find "$out" -type f | wc -l)" -le 8 ] || fail "$name: more than the 8 files a lease brings back"
+}
+
+# The kept runs' state in the developer's tree: folder round, a line each; fails on a checkpoint that does not load.
+kept_state() {
+  (cd "$DEV" && "$DEV_PY" - <<'PY'
+from pathlib import Path
+import torch
+from fedmeta import campaign
+plan = campaign.load()
+kept = Path("results/runs") / plan.preset
+for path in sorted(kept.glob("*/*/seed*/checkpoint.ckpt")):
+    torch.load(path, map_location="cpu", weights_only=True)  # whole, or this raises
+for unit in campaign.units(plan, kept):
+    for folder, done in zip(unit.folders(kept), unit.rounds_done(kept)):
+        if done:
+            print(folder.relative_to(kept), done)
+PY
+  )
+}
+
+# collect_check NAME: collect outNAME into the developer's tree, then the checks of step 3.
+collect_check() {
+  local before after reported
+  before=$(kept_state) || fail "a kept checkpoint does not load before collecting $1"
+  (cd "$DEV" && PY=$DEV_PY scripts/gpu_job.sh --collect "$WORK/$1") >> "$LOG" 2>&1
+  local rc=$?
+  after=$(kept_state) || fail "a kept checkpoint does not load after collecting $1"
+  reported=$("$DEV_PY" -c "import json, sys
+m = json.load(open(sys.argv[1]))
+for f, r in m['runs'].items(): print(f, 'finished' if r == 'finished' else r)" "$WORK/$1/lease.json" 2>/dev/null)
+  say "collect $1: exit $rc; kept: $(echo "$after" | grep -c .) runs begun"
+  awk -v who="$1" 'FILENAME == ARGV[1] { b[$1] = $2; next } ($1 in b) && $2 < b[$1] { print "FAILED: collecting " who " moved " $1 " back from " b[$1] " to " $2; bad = 1 } END { exit bad }' \
+    <(echo "$before") <(echo "$after") | tee -a "$LOG" || FAILED=1
+  echo "$reported" | while read -r folder round; do
+    [ -n "$folder" ] || continue
+    got=$(echo "$after" | awk -v f="$folder" '$1 == f { print $2 }')
+    if [ "$round" = finished ]; then
+      [ -f "$DEV/results/runs/paper/$folder/summary.json" ] || echo "FAILED: $folder finished in $1, not kept"
+    elif [ "${got:-0}" -lt "$round" ]; then
+      echo "FAILED: $folder at round $round in $1, kept at ${got:-0}"
+    fi
+  done | tee -a "$LOG" | grep -q FAILED && FAILED=1
+  return $rc
 }
 
 SCRATCH=$(mktemp -d /tmp/fedmeta-rehearse.XXXXXX)
@@ -116,28 +155,24 @@ DEV=$SCRATCH/developer  # the developer's tree, without its .git: the jobs' copi
 ship "$ROOT" "$DEV"
 [ "$JOB" -ef scripts/gpu_job.sh ] || cp "$JOB" "$DEV/scripts/gpu_job.sh"
 
-run_job out1 "$DEV"
+run_job out1 "$DEV" "$KILL_AT"
+[ -f "$WORK/out1/lease.json" ] || fail "out1 was killed at $KILL_AT s with no archive in OUT"
+run_job out2 "$DEV" $(( SECONDS_GIVEN + 20 ))
+grep -q "done:" "$WORK/out2/job.log" || fail "out2 did not end with its final archive"
 
-if grep -q -- '--collect' "$DEV/scripts/gpu_job.sh"; then
-  touch "$SCRATCH/before-collect"
-  # The developer collects with the project's own environment, not the image's.
-  (cd "$DEV" && PY=$DEV_PY scripts/gpu_job.sh --collect "$WORK/out1") 2>&1 | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || fail "scripts/gpu_job.sh --collect exited $rc"
-  # What collect wrote travels with the next job only where git does not ignore it (or CARRY names it).
-  (cd "$DEV" && find . -type f -cnewer "$SCRATCH/before-collect" -not -path "*/__pycache__/*" | sed 's|^\./||' | sort) \
-    > "$SCRATCH/collected"
-  (cd "$DEV" && git --git-dir="$ROOT/.git" --work-tree=. check-ignore --stdin < "$SCRATCH/collected") > "$SCRATCH/ignored"
-  say "collected: $(wc -l < "$SCRATCH/collected") files written or changed in the tree ($(wc -l < "$SCRATCH/ignored") ignored by git: they do not travel)"
-  awk 'FILENAME == ARGV[1] { ignored[$0] = 1; next } { print "  " $0 (ignored[$0] ? "  (ignored by git)" : "") }' \
-    "$SCRATCH/ignored" "$SCRATCH/collected" | head -n 20 | tee -a "$LOG"
-  run_job out2 "$DEV"
-  # "resumed"/"resuming", not fedmeta's advice "continue with output.resume=true" on a stop
-  resumed=$(grep -rIiE -m1 "resum(ed|ing)" "$WORK/out2" | head -n 1)
-  if [ -n "$resumed" ]; then say "out2 resumed: ${resumed#"$WORK"/}"; else fail "out2's output never says it resumed"; fi
-else
-  say "skipped the second job: scripts/gpu_job.sh has no --collect yet"
-fi
+collect_check out2 || fail "collecting out2 failed"
+collect_check out1 || fail "collecting the older out1 after out2 failed"
+collect_check out2 || fail "collecting out2 a second time failed"
+cp -r "$WORK/out2" "$WORK/out2-cut"
+part=$(ls "$WORK"/out2-cut/runs-*.00 | head -n 1)
+head -c $(( $(stat -c %s "$part") / 2 )) "$part" > "$part.cut" && mv "$part.cut" "$part"
+if collect_check out2-cut; then fail "a truncated archive was collected"; else say "out2-cut refused, as it should be"; fi
+records=$(grep -c . "$DEV/results/runs/paper/jobs.jsonl")
+[ "$records" -eq 2 ] || fail "jobs.jsonl holds $records records after collecting 2 jobs 4 times"
+
+run_job out3 "$DEV" $(( SECONDS_GIVEN + 20 ))
+resumed=$(grep -m1 -iE "resum(ed|ing)" "$WORK/out3/job.log")
+if [ -n "$resumed" ]; then say "out3 resumed: $resumed"; else fail "out3's output never says it resumed"; fi
 
 [ "$FAILED" -eq 0 ] && say "rehearsal passed" || say "rehearsal FAILED (see above)"
 exit "$FAILED"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from fedmeta import campaign, grid
@@ -107,23 +108,20 @@ def under_way(kept: Path, unit: campaign.Unit) -> None:
     """Make ``unit`` look under way in ``kept``: its first seed at round 1."""
     folder = unit.folders(kept)[0]
     folder.mkdir(parents=True)
-    (folder / "checkpoint.ckpt").write_bytes(b"")
-    (folder / "metrics.csv").write_text("round,train_loss\n1,0.5\n")
+    torch.save({"round": 1}, folder / "checkpoint.ckpt")
+    (folder / "metrics.csv").write_text("round,train_loss\n1,0.5\n2,0.4\n")  # ahead of the checkpoint
 
 
-def test_a_job_continues_the_units_under_way_first_within_what_it_may_carry(tmp_path, mnist_dir, monkeypatch):
-    plan = tiny_campaign(mnist_dir, carry_mib=3)
+def test_a_job_continues_the_units_under_way_first_then_the_next_in_order(tmp_path, mnist_dir, monkeypatch):
+    plan = tiny_campaign(mnist_dir)
     kept, root = tmp_path / "kept", tmp_path / "runs"
     all_units = campaign.units(plan, root)
     under_way(kept, all_units[5])
-    started, refusals = [], []
+    assert all_units[5].rounds_done(kept) == [1, 0, 0]  # the checkpoint's round, not metrics.csv's
+    started = []
 
-    def record(jobs, root_, parallel, kept_, stop_at, admit):
+    def record(jobs, root_, parallel, kept_, stop_at):
         started.extend(jobs)
-        alone = [grid.Job(j.setting, j.method, j.seed, j.overrides) for j in jobs[:1]]
-        refusals.append(admit([], alone[0]))
-        refusals.append(admit(alone, jobs[-1]))
-        refusals.append(admit([], grid.stacked(jobs[:3])[0]))  # a unit's three seeds in one process
         return []
 
     monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
@@ -132,10 +130,21 @@ def test_a_job_continues_the_units_under_way_first_within_what_it_may_carry(tmp_
     # the unit under way, then two new ones (as many as may follow in one job: twice what runs at once)
     assert [(j.method, j.seed) for j in started][:3] == [(all_units[5].method, s) for s in (0, 1, 2)]
     assert [j.method for j in started[3:]] == [all_units[0].method] * 3 + [all_units[1].method] * 3
-    # one seed's checkpoint alone fits 3 MiB (RMNIST's CNN, ~2.5 MiB); two seeds' do not
-    assert refusals[0] is None and "would pass carry_mib=3" in refusals[1]
-    assert "alone pass carry_mib=3" in refusals[2] and "carry_mib: null" in refusals[2]
     assert (kept / "jobs.jsonl").read_text().count("\n") == 1 and record_["parallel"] == 1
+
+
+def test_units_whose_data_is_not_here_are_skipped_in_one_line(tmp_path, mnist_dir, monkeypatch, capsys):
+    plan = tiny_campaign(mnist_dir)
+    plan.overrides = [o for o in plan.overrides if not o.startswith("dataset.dir=")] + [
+        f"dataset.dir={tmp_path}"
+    ]
+    monkeypatch.setattr(grid, "run", lambda *args, **kwargs: pytest.fail("a unit without its data ran"))
+    record = campaign.run(plan, 600, tmp_path / "kept", tmp_path / "runs", parallel=1)
+    said = capsys.readouterr().out.splitlines()
+    assert (
+        said.count(f"skipped the units whose data is not on this machine: mnist.npz not in {tmp_path}") == 1
+    )
+    assert len(record["not_done"]) == len(campaign.units(plan, tmp_path)) and not record["units"]
 
 
 def test_a_checkpoint_of_other_settings_is_refused_in_one_line_and_kept(

@@ -32,7 +32,9 @@ SMALL = [
     "personalization.lr=0.05",
 ]
 FAST = {
+    "fedavg": ["method.local_epochs=1", "method.local_lr=0.05"],
     "fedavg_ft": ["method.local_epochs=1", "method.local_lr=0.05"],
+    "ifca": ["method.local_epochs=1"],
     "ifca_ft": ["method.local_epochs=1"],
     "ditto": ["method.local_epochs=1"],
     "fedrep": ["method.head_epochs=1"],

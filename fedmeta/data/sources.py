@@ -121,6 +121,34 @@ def is_available(entry: str, directory: Path) -> bool:
     return path.exists() or (directory / path).exists() or _find_or_convert(entry, directory).exists()
 
 
+CANONICAL = {"rmnist": "mnist", "cifar10": "cifar10", "femnist": "femnist"}  # a built-in data set → its file
+
+
+def missing_files(dataset) -> str | None:
+    """Why the data set of a config (its ``dataset`` block) cannot be read here without a download
+    (a short job on a machine with no network must not start one), or None."""
+    directory = data_dir(dataset.dir)
+    if dataset.name == "meta_dataset":
+        names = list(dataset.options.sources)
+    elif dataset.name in CANONICAL:
+        names = [CANONICAL[dataset.name]]
+    else:  # a user's own tree or file: its loader says what is wrong
+        return None
+
+    def found(name: str) -> bool:  # as _find_or_convert looks, without converting anything
+        raw = RAW_FILES.get(name)
+        return (
+            any(p.exists() for p in (directory / f"{name}.npz", cache_dir() / f"{name}.npz"))
+            or bool(raw and (directory / raw).exists())
+            or Path(name).expanduser().exists()
+        )
+
+    absent = [name for name in names if not found(name)]
+    if not absent:
+        return None
+    return f"{', '.join(f'{n}.npz' for n in absent[:3])}{' …' if len(absent) > 3 else ''} not in {directory}"
+
+
 def load_npz(name: str, directory: Path, download: bool = True) -> dict[str, np.ndarray]:
     """Load the canonical ``<name>.npz`` (see ``_find_or_convert``), downloading it when missing."""
     path = _find_or_convert(name, directory)

@@ -1,0 +1,386 @@
+"""What a short job gains leaves its machine as it is made, and collecting it never loses, rewinds
+or escapes.
+
+A lent machine may be taken back at any moment, and only the files in its output folder come back
+(at most 8, each below 16 MiB). So a job does not pack its runs at the end: while it runs, a
+:class:`Packer` writes, after every checkpoint or summary its runs write and at least once a minute,
+a whole archive of what the job has gained so far, in one of two slots (``runs-a.NN``,
+``runs-b.NN``): the slot not named by ``lease.json``, then ``lease.json`` itself, replaced
+atomically, naming the new slot's parts, their sizes and hashes, each run's round and the job's
+record so far. A SIGKILL at any moment leaves the previous manifest and its parts whole.
+
+:func:`collect` reads such a folder back into the kept runs (``results/runs/<preset>/``): the
+manifest and every part checked before anything is touched, the archive read whole and every name
+in it checked against the campaign's run folders (no path elsewhere, no link), unpacked aside,
+every checkpoint loaded and checked against the run it continues, and a run taken only where it is
+further along than the kept one. The job's record is appended to ``jobs.jsonl`` (or replaces the
+earlier collect of the same job, when further along). An older output collected after a newer one,
+the same output twice, a truncated or tampered one: nothing kept is lost or moved back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fedmeta.errors import FedmetaError
+
+MANIFEST = "lease.json"
+FORMAT = 1
+SLOTS = ("a", "b")
+PART_BYTES = 15 * 2**20  # below the 16 MiB a file may have to come back
+PARTS_PER_SLOT = 2  # two slots of two parts, the manifest, its replacement and the log: 7 of the 8 files
+ARCHIVE_BYTES = PART_BYTES * PARTS_PER_SLOT
+CHECKPOINT = "checkpoint.ckpt"
+PART_NAME = re.compile(r"runs-([ab])\.(\d\d)")
+RUN_FOLDER = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/seed\d+")
+
+
+def checkpoint_round(path: Path) -> int | None:
+    """The round a checkpoint was written after, or None where it cannot be read (memory-mapped:
+    the weights are not read)."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["round"])
+    except Exception:  # noqa: BLE001 — whatever a cut-off or foreign file raises
+        return None
+
+
+def run_state(folder: Path, rounds: int) -> int:
+    """A run folder's rounds done: all of them once its summary is written, else its checkpoint's
+    round (its metrics.csv may be ahead of it: rows after the checkpoint are redone on resume), at
+    most ``rounds - 1``: a run is done only once its summary is written."""
+    if (folder / "summary.json").is_file():
+        return rounds
+    if not (folder / CHECKPOINT).is_file():
+        return 0
+    return min(checkpoint_round(folder / CHECKPOINT) or 0, rounds - 1)
+
+
+class Packer:
+    """Packs the run folders ``folders()`` names (relative to ``root``) into ``out`` as described
+    above, each time one of their checkpoints or summaries changes (looked at every ``poll_s``) and
+    at least every ``every_s``; ``record()`` is the job's record so far, written into the manifest.
+    Finished runs go first; unfinished ones while the archive stays within ``limit_bytes``, the
+    furthest along first; what did not fit is named in the manifest."""
+
+    def __init__(
+        self,
+        root: Path,
+        out: Path,
+        folders: Callable[[], list[Path]],
+        record: Callable[[], dict],
+        limit_bytes: int = ARCHIVE_BYTES,
+        poll_s: float = 2.0,
+        every_s: float = 60.0,
+    ):
+        self.root, self.out, self.folders, self.record = root, out, folders, record
+        self.limit_bytes, self.poll_s, self.every_s = min(limit_bytes, ARCHIVE_BYTES), poll_s, every_s
+        self.generation, self.slot, self.written = 0, None, 0.0
+        self._seen: dict = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        out.mkdir(parents=True, exist_ok=True)
+        current = _read_json(out / MANIFEST)
+        if isinstance(current, dict) and current.get("slot") in SLOTS:  # a second job into the same folder
+            self.slot, self.generation = current["slot"], int(current.get("generation", 0))
+
+    def start(self) -> Packer:
+        self._thread = threading.Thread(target=self._loop, name="packer", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            seen = self._signature()
+            if seen != self._seen or time.time() - self.written >= self.every_s:
+                try:
+                    self.pack()
+                except Exception as exc:  # noqa: BLE001 — the runs go on; the next pack tries again
+                    print(f"packer: could not pack ({type(exc).__name__}: {exc}); trying again", flush=True)
+
+    def stop(self) -> dict:
+        """The last pack, after the runs ended; returns its manifest."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.pack()
+
+    def _signature(self) -> dict:
+        found = {}
+        for folder in self.folders():
+            for name in ("summary.json", CHECKPOINT):
+                try:
+                    found[folder / name] = (self.root / folder / name).stat().st_mtime_ns
+                except OSError:
+                    pass
+        return found
+
+    def pack(self) -> dict:
+        with self._lock:
+            self._seen = self._signature()
+            files, runs, left_out = self._snapshot()
+            slot = SLOTS[1] if self.slot == SLOTS[0] else SLOTS[0]
+            parts = _write_parts(self.out, slot, files)
+            manifest = {
+                "format": FORMAT,
+                "generation": self.generation + 1,
+                "written": round(time.time(), 1),
+                "slot": slot,
+                "parts": parts,
+                "runs": runs,
+                "left_out": left_out,
+                "job": self.record(),
+            }
+            tmp = self.out / (MANIFEST + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.out / MANIFEST)
+            for stale in self.out.glob(f"runs-{slot}.*"):  # parts of this slot beyond the new count
+                if stale.name not in {p["name"] for p in parts}:
+                    stale.unlink(missing_ok=True)
+            self.slot, self.generation, self.written = slot, manifest["generation"], time.time()
+            return manifest
+
+    def _snapshot(self) -> tuple[list[tuple[str, bytes]], dict, list[str]]:
+        """Each run folder's files, read once each (a checkpoint is replaced by a rename: an open
+        file is one whole checkpoint): finished runs first, then the furthest along."""
+        finished, unfinished = [], []
+        for folder in self.folders():
+            path = self.root / folder
+            if (path / "summary.json").is_file():
+                finished.append((folder, None))
+            elif (path / CHECKPOINT).is_file():
+                unfinished.append((folder, checkpoint_round(path / CHECKPOINT)))
+        unfinished.sort(key=lambda item: -(item[1] or 0))
+        files, runs, left_out, total = [], {}, [], 0
+        for folder, round_ in finished + unfinished:
+            names = FINISHED_FILES if round_ is None else UNFINISHED_FILES
+            contents = []
+            for name in names:
+                try:
+                    contents.append((f"{folder.as_posix()}/{name}", (self.root / folder / name).read_bytes()))
+                except OSError:
+                    pass
+            size = sum(len(data) + 1024 for _, data in contents)
+            if round_ is not None and total + size > self.limit_bytes:
+                left_out.append(f"{folder.as_posix()} (round {round_}, {size / 2**20:.1f} MiB)")
+                continue
+            total += size
+            files += contents
+            runs[folder.as_posix()] = "finished" if round_ is None else round_
+        return files, runs, left_out
+
+
+def _write_parts(out: Path, slot: str, files: list[tuple[str, bytes]]) -> list[dict]:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, data in files:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            archive.addfile(info, io.BytesIO(data))
+    data = buffer.getvalue()
+    parts = []
+    for i, start in enumerate(range(0, max(len(data), 1), PART_BYTES)):
+        chunk, name = data[start : start + PART_BYTES], f"runs-{slot}.{i:02d}"
+        with open(out / name, "wb") as f:
+            f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        parts.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
+    return parts
+
+
+# What travels of a run: a finished one's small files; an unfinished one's files and checkpoint.
+FINISHED_FILES = (
+    "config.yaml",
+    "metrics.csv",
+    "curves.csv",
+    "summary.json",
+    "evaluations.jsonl",
+    "command.txt",
+)
+UNFINISHED_FILES = ("config.yaml", "metrics.csv", "curves.csv", "evaluations.jsonl", CHECKPOINT)
+ALLOWED = set(FINISHED_FILES) | set(UNFINISHED_FILES)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def read_output(source: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
+    """A job's output folder → its manifest and, per run folder, its files. Everything is checked
+    first; any fault is one line naming it, and nothing is returned."""
+    if not source.is_dir():
+        raise FedmetaError(f"{source} is not a folder: give the folder the job's files came back to")
+    manifest = _read_json(source / MANIFEST)
+    if manifest is None:
+        older = (
+            " (it holds runs.tar.gz: a job of the older format, collect it with that version)"
+            if any(source.glob("runs.tar.gz*"))
+            else ""
+        )
+        raise FedmetaError(
+            f"{source} holds no readable {MANIFEST}{older}: give the folder the job's files came back to"
+        )
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise FedmetaError(f"{source / MANIFEST} {problem}: nothing collected")
+    chunks = []
+    for part in manifest["parts"]:
+        path = source / part["name"]
+        try:
+            chunk = path.read_bytes()
+        except OSError:
+            raise FedmetaError(
+                f"{path} is missing: the job's output did not all come back; nothing collected"
+            ) from None
+        if len(chunk) != part["bytes"] or hashlib.sha256(chunk).hexdigest() != part["sha256"]:
+            raise FedmetaError(
+                f"{path} is not the part {MANIFEST} names ({len(chunk)} bytes, {part['bytes']} expected, or "
+                "another hash): cut short or replaced; nothing collected"
+            )
+        chunks.append(chunk)
+    runs: dict[str, dict[str, bytes]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r:") as archive:
+            for member in archive:
+                folder, _, name = member.name.rpartition("/")
+                if not member.isfile() or not RUN_FOLDER.fullmatch(folder) or name not in ALLOWED:
+                    raise FedmetaError(
+                        f"{source}'s archive holds {member.name!r}, which is not a run's file: nothing collected"
+                    )
+                runs.setdefault(folder, {})[name] = archive.extractfile(member).read()
+    except tarfile.TarError as exc:
+        raise FedmetaError(f"{source}'s archive cannot be read ({exc}): nothing collected") from None
+    return manifest, runs
+
+
+def _manifest_problem(manifest) -> str | None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"is not a manifest of format {FORMAT}"
+    parts = manifest.get("parts")
+    if manifest.get("slot") not in SLOTS or not isinstance(parts, list) or not parts:
+        return "names no slot or no parts"
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict):
+            return "names a part that is not a mapping"
+        name = part.get("name")
+        match = PART_NAME.fullmatch(name) if isinstance(name, str) else None
+        if not match or match[1] != manifest["slot"] or int(match[2]) != i:
+            return f"names a part {name!r} that is not part {i} of slot {manifest['slot']}"
+        if not isinstance(part.get("bytes"), int) or not isinstance(part.get("sha256"), str):
+            return f"gives part {name} no size or hash"
+    job = manifest.get("job")
+    if (
+        not isinstance(job, dict)
+        or not isinstance(job.get("id"), str)
+        or not isinstance(job.get("units"), dict)
+    ):
+        return "holds no job record"
+    seconds = job.get("seconds")
+    if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds < 0:
+        return "holds a job record without its seconds"
+    return None
+
+
+def install(files: dict[str, bytes], target: Path) -> None:
+    """Make ``target`` hold exactly ``files`` (a run's state), each file written beside and renamed;
+    the checkpoint last, so that a stop in between leaves the kept round's checkpoint."""
+    target.mkdir(parents=True, exist_ok=True)
+    order = sorted(files, key=lambda name: name == CHECKPOINT)
+    for name in order:
+        tmp = target / (name + ".collecting")
+        tmp.write_bytes(files[name])
+        os.replace(tmp, target / name)
+    for stale in ALLOWED - set(files):
+        (target / stale).unlink(missing_ok=True)
+
+
+def unpack_checkpoint(data: bytes, workdir: Path) -> Path:
+    """A checkpoint's bytes written to a file of ``workdir``, to be loaded (torch.load with
+    weights_only: no code runs)."""
+    fd, name = tempfile.mkstemp(suffix=".ckpt", dir=workdir)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return Path(name)
+
+
+def append_record(jobs: Path, record: dict) -> str:
+    """Add the job's record to ``jobs`` (a JSON line each); a record of the same job already there
+    is replaced only by one further along. Returns what was done, in a word."""
+    lines = jobs.read_text(encoding="utf-8", errors="replace").splitlines() if jobs.is_file() else []
+    kept, replaced, outcome = [], False, "appended"
+    for line in lines:
+        earlier = _parse(line)
+        if isinstance(earlier, dict) and earlier.get("id") == record["id"]:
+            if replaced or float(earlier.get("seconds") or 0) >= float(record["seconds"]):
+                outcome = "already kept"
+                kept.append(line)
+            else:
+                kept.append(json.dumps(record))
+                outcome = "replaced"
+            replaced = True
+        else:
+            kept.append(line)
+    if not replaced:
+        kept.append(json.dumps(record))
+    tmp = jobs.with_name(jobs.name + ".collecting")
+    jobs.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, jobs)
+    return outcome
+
+
+def _parse(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def clear(out: Path) -> None:
+    """An output folder emptied of an earlier job's manifest and parts."""
+    for path in [out / MANIFEST, out / (MANIFEST + ".tmp"), *out.glob("runs-*.*")]:
+        if path.is_file():
+            path.unlink()
+
+
+def describe(out: Path) -> str:
+    """One line on the archive in ``out``: "final …" (the job's last pack), "partial …" (a pack made
+    while its runs went on: the job was cut off after it) or "none"."""
+    manifest = _read_json(out / MANIFEST)
+    if _manifest_problem(manifest):
+        return "none"
+    runs = list(manifest.get("runs", {}).values())
+    finished = sum(state == "finished" for state in runs)
+    left_out = manifest.get("left_out") or []
+    return (
+        f"{'final' if manifest['job'].get('ended') else 'partial'} archive {manifest.get('generation')}: "
+        f"{finished} finished runs, {len(runs) - finished} checkpoints, "
+        f"{sum(p['bytes'] for p in manifest['parts']) / 2**20:.1f} MiB in {len(manifest['parts'])} parts"
+        + (f"; not carried: {'; '.join(left_out)}" if left_out else "")
+    )
+
+
+if __name__ == "__main__":  # scripts/gpu_job.sh: what its OUT holds
+    import sys
+
+    print(describe(Path(sys.argv[1])))
