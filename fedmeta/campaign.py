@@ -265,7 +265,13 @@ def collect(campaign: DictConfig, source: Path, kept: Path) -> list[str]:
                 else:
                     said.append(f"{folder}: finished (already kept)")
                 continue
-            if lease.CHECKPOINT not in files:
+            if lease.CHECKPOINT not in files:  # not carried: its rounds' seconds, where nothing is kept
+                if not any(
+                    (kept / folder / name).exists()
+                    for name in ("summary.json", lease.CHECKPOINT, "metrics.csv")
+                ):
+                    taken.append((folder, files))
+                    said.append(f"{folder}: not carried; its measured rounds kept")
                 continue
             path = lease.unpack_checkpoint(files[lease.CHECKPOINT], Path(scratch))
             problem = _foreign(path, compose(list(job.overrides)))

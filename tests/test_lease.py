@@ -253,6 +253,7 @@ def test_an_archive_over_its_limit_keeps_the_finished_runs_and_the_furthest_alon
         folder = root / "s" / "m" / f"seed{i}"
         folder.mkdir(parents=True)
         torch.save({"round": round_, "weights": torch.zeros(50_000)}, folder / "checkpoint.ckpt")  # ~200 KB
+        (folder / "metrics.csv").write_text("round,round_seconds\n1,0.5\n")
     (root / "s" / "m" / "seed3").mkdir()
     (root / "s" / "m" / "seed3" / "summary.json").write_text('{"accuracy": 0.5}')
     folders = [Path("s/m") / f"seed{i}" for i in range(4)]
@@ -260,6 +261,9 @@ def test_an_archive_over_its_limit_keeps_the_finished_runs_and_the_furthest_alon
     manifest = lease.Packer(root, out, lambda: folders, lambda: job, limit_bytes=450_000).pack()
     assert manifest["runs"] == {"s/m/seed3": "finished", "s/m/seed1": 9, "s/m/seed2": 7}
     assert manifest["left_out"][0].startswith("s/m/seed0 (round 5")
+    _, runs = lease.read_output(out)
+    assert set(runs["s/m/seed0"]) == {"metrics.csv"}  # its speed travels, not its checkpoint
+    assert set(runs["s/m/seed1"]) == {"metrics.csv", "checkpoint.ckpt"}
 
 
 def test_a_job_that_could_pass_the_leases_per_command_limit_is_refused_in_one_line():
