@@ -161,11 +161,16 @@ def run(
     if parallel is None:
         parallel = campaign.parallel.cuda if torch.cuda.is_available() else campaign.parallel.cpu
     unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
-    missing = {unit.label: missing_data(unit) for unit in unfinished}
-    refused = [f"{unit.label}: skipped: {missing[unit.label]}" for unit in unfinished if missing[unit.label]]
+    missing = {}  # per setting: its methods read the same data
+    for unit in unfinished:
+        if unit.setting not in missing:
+            missing[unit.setting] = missing_data(unit)
+    refused = [
+        f"{unit.label}: skipped: {missing[unit.setting]}" for unit in unfinished if missing[unit.setting]
+    ]
     for problem in dict.fromkeys(problem for problem in missing.values() if problem):
         print(f"skipped the units whose data is not on this machine: {problem}")
-    reachable = [unit for unit in unfinished if not missing[unit.label]]
+    reachable = [unit for unit in unfinished if not missing[unit.setting]]
     todo = []
     under_way = [unit for unit in reachable if any(unit.rounds_done(kept))]
     # the units under way first, then as many new ones as can follow those that finish in this job
@@ -189,6 +194,7 @@ def run(
         "parallel": parallel,
         "units": {},
         "carry_mib": carry,
+        "overrides": list(campaign.overrides),  # what collect checks the job's checkpoints against
         "not_done": [],
         "ended": False,
     }
@@ -237,6 +243,12 @@ def collect(campaign: DictConfig, source: Path, kept: Path) -> list[str]:
     is further along than the kept one, its checkpoint loaded and checked against the run it
     continues first; the job's record into ``kept/jobs.jsonl``. Returns a line per run."""
     manifest, runs = lease.read_output(source)
+    ran = manifest["job"].get("overrides", list(campaign.overrides))
+    if not (isinstance(ran, list) and all(isinstance(o, str) for o in ran)):
+        raise FedmetaError(
+            f"{source / lease.MANIFEST} names overrides that are not key=value strings: nothing collected"
+        )
+    campaign = OmegaConf.merge(campaign, {"overrides": ran})  # the settings the job ran with
     known = {
         folder.relative_to(kept).as_posix(): (unit, job)
         for unit in units(campaign, kept)
@@ -362,7 +374,9 @@ def status(campaign: DictConfig, kept: Path) -> str:
         f"**{counts['done']} units done, {counts['under way']} under way, {counts['to do']} to do.**",
         "",
     ]
-    if card_seconds and usable > 0:
+    if reachable_left == 0:
+        lines.append("**In leases:** nothing is left that a lease can reach.")
+    elif card_seconds and usable > 0:
         wall = card_seconds / together
         lines.append(
             f"**In leases:** the {reachable_left - len(unmeasured)} measured units that leases can reach "
@@ -379,7 +393,7 @@ def status(campaign: DictConfig, kept: Path) -> str:
             )
         )
     else:
-        lines.append("**In leases:** no unit has been measured yet: no projection.")
+        lines.append("**In leases:** no unit that a lease can reach has been measured yet: no projection.")
     for dataset, left_units in unreachable.items():
         lines += [
             "",

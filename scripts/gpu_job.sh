@@ -65,8 +65,12 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 at() { echo "[+$(( $(date +%s) - START )) s] $*"; }
 
 # What travelled (the tree and the kit, the kept checkpoints aside: they are what the next job replaces)
-TRAVELLED=$(find . -path ./.git -prune -o -path ./runs -prune -o -path ./.cache -prune -o -type f \
-  ! -path "./$KEPT/*/checkpoint.ckpt" -printf '%s\n' | awk '{ s += $1 } END { printf "%.0f", s / 1048576 }')
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then  # a checkout: what a lease would carry of it
+  LISTED=$( (git ls-files -co --exclude-standard; find .gpu -type f 2>/dev/null) | grep -v "^$KEPT/.*/checkpoint.ckpt$")
+else  # a lease's copy: everything here travelled
+  LISTED=$(find . -path ./runs -prune -o -path ./.cache -prune -o -type f -print | grep -v "^./$KEPT/.*/checkpoint.ckpt$")
+fi
+TRAVELLED=$(tr '\n' '\0' <<< "$LISTED" | xargs -0 -r stat -c %s 2>/dev/null | awk '{ s += $1 } END { printf "%.0f", s / 1048576 }')
 CARRY=$(( 64 - TRAVELLED - 2 ))
 (( CARRY > 28 )) && CARRY=28
 (( CARRY < 0 )) && CARRY=0
@@ -131,7 +135,7 @@ fi
 RESERVE=4  # after the campaign: reading its manifest
 at "campaign, $(( $(left) - RESERVE )) s"
 timeout --kill-after=2 $(( $(left) - RESERVE )) "$PY" -m fedmeta.cli campaign --budget $(( $(left) - RESERVE - 2 )) \
-  --pack "$OUT" --carry-mib "$CARRY" --out /tmp/campaign.md ${PARALLEL:+--parallel "$PARALLEL"} ${RUN_ARGS[@]+"${RUN_ARGS[@]}"}
+  --pack "$OUT" --carry-mib "$CARRY" ${PARALLEL:+--parallel "$PARALLEL"} ${RUN_ARGS[@]+"${RUN_ARGS[@]}"}
 code=$?
 at "campaign ended (exit $code)"
 summary=$("$PY" -m fedmeta.lease "$OUT")

@@ -3,6 +3,7 @@ boundary, checkpointed, and continues to the result it would have had; a campaig
 its order within what a job may carry, refuses a checkpoint of other settings, and a job on another
 machine continues a carried checkpoint."""
 
+import math
 import os
 import shutil
 import signal
@@ -201,3 +202,25 @@ def test_a_carried_checkpoint_continues_in_the_next_job_on_another_machine(
         assert (folder / "summary.json").is_file() and not (folder / "checkpoint.ckpt").exists()
         assert '"resumed_at_round": 1' in (folder / "summary.json").read_text()
     assert "| 1 | rmnist-shards | local | done |" in campaign.status(plan, kept)
+
+
+def test_the_state_speaks_in_leases_and_names_the_units_no_lease_reaches(tmp_path, mnist_dir):
+    plan = tiny_campaign(mnist_dir, lease={"device_seconds": 900, "start_seconds": 100, "overhead": 0.2})
+    kept = tmp_path / "kept"
+    for unit in campaign.units(plan, kept):  # every seed measured at 2 s a round, none begun
+        for folder in unit.folders(kept):
+            folder.mkdir(parents=True)
+            (folder / "metrics.csv").write_text("round,round_seconds\n1,2.0\n2,zz\n")  # 'zz': skipped
+    state = campaign.status(plan, kept)
+    units = campaign.units(plan, kept)
+    seconds = sum(len(u.jobs) * u.rounds * 2.0 for u in units)  # one unit at a time (no job yet)
+    assert f"need {seconds / 3600:.2f} card-hours" in state
+    assert f"about **{math.ceil(seconds / ((900 - 100) * 0.8))} leases** of 900 s" in state
+    assert "Not reachable" not in state
+    plan.not_in_leases = {"rmnist": "its data cannot travel"}
+    state = campaign.status(plan, kept)
+    assert (
+        f"**Not reachable in leases: {len(units)} units of rmnist** (rmnist-shards): its data cannot travel."
+        in state
+    )
+    assert "nothing is left that a lease can reach" in state
