@@ -14,7 +14,7 @@
 #   4. The collected tree shipped again: a third job (out3) continues the units under way ("resuming").
 # The units run as on a card: vmapped, each unit's seeds stacked, PARALLEL (default 2) at once; on 2
 # cores that is slow, so CAMPAIGN_ARGS (default: 2 clients a round, 2 new clients, 2 steps each, a
-# smaller CNN) makes the rounds small, and a loaded machine only means fewer rounds: the deadline holds whatever the load.
+# smaller CNN, a checkpoint every 5 rounds) makes the rounds small, and a loaded machine only means fewer rounds: the deadline holds whatever the load.
 # Environment: SECONDS_GIVEN (default 150), KILL_AT, PARALLEL, CAMPAIGN_ARGS, JOB (a stand-in for
 # scripts/gpu_job.sh, copied into the copies in its place), CARRY (default .gpu), PY312. The log: stdout
 # and .cache/rehearse/rehearsal.log. Exits 1 if any check fails.
@@ -25,7 +25,7 @@ JOB=${JOB:-scripts/gpu_job.sh}
 SECONDS_GIVEN=${SECONDS_GIVEN:-150}
 KILL_AT=${KILL_AT:-$(( SECONDS_GIVEN * 2 / 3 ))}
 PARALLEL=${PARALLEL:-2}
-SMALL="federation.clients_per_round=2 federation.num_new_clients=2 personalization.steps=2 model.conv_channels=[8,16] model.dense_units=[32]"
+SMALL="federation.clients_per_round=2 federation.num_new_clients=2 personalization.steps=2 model.conv_channels=[8,16] model.dense_units=[32] federation.checkpoint_every=5"
 CARRY=${CARRY:-.gpu}
 PY312=${PY312:-}
 for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
@@ -98,6 +98,11 @@ run_job() {  # run_job NAME TREE LIMIT
   (cd "$copy" && CUDA_VISIBLE_DEVICES= PY=$VPY OUT=$out CAMPAIGN_ARGS=${CAMPAIGN_ARGS-$SMALL} PARALLEL=$PARALLEL \
     timeout -s KILL "$3" scripts/gpu_job.sh "$SECONDS_GIVEN") > "$WORK/job-$name.txt" 2>&1
   rc=$?
+  # As the device ends a command: everything it started goes with it (the campaign's own timeout
+  # puts it in a process group of its own, which the kill above does not reach).
+  for proc in /proc/[0-9]*; do
+    [[ "$(readlink "$proc/cwd" 2>/dev/null)" == "$copy"* ]] && kill -KILL "${proc#/proc/}" 2>/dev/null
+  done
   end=$(date +%s.%N)
   wall=$(awk -v s="$start" -v e="$end" 'BEGIN { printf "%.1f", e - s }')
   say "$name: exit $rc after $wall s (given $SECONDS_GIVEN s; its output: $WORK/job-$name.txt)"

@@ -120,3 +120,29 @@ def test_the_config_home_is_read_first_in_a_checkout_too(tmp_path, monkeypatch):
     (home / "method" / "loop.yaml").write_text("inherits: loop\n")
     with pytest.raises(FedmetaError, match="inherits itself"):
         compose(["method=loop"])
+
+
+def test_the_suite_never_reads_the_users_own_state(tmp_path):
+    """A user who has run fedmeta tune once (a tuned variant in ~/.config/fedmeta) and keeps a broken
+    method file of their own there: the tests that open studies and compose every method still pass,
+    and nothing of the user's is written."""
+    home = tmp_path / "user"
+    own = home / ".config" / "fedmeta"
+    (own / "variant" / "fedavg_ft").mkdir(parents=True)
+    (own / "variant" / "fedavg_ft" / "tuned.yaml").write_text("method:\n  local_lr: 0.3\n")
+    (own / "method").mkdir()
+    (own / "method" / "fedavg.yaml").write_text("method: [broken\n")
+    before = {p: p.read_bytes() for p in home.rglob("*") if p.is_file()}
+    tests = [
+        "tests/test_tune.py::test_each_study_draws_its_own_values_and_the_model_proposes_half_of_them",
+        "tests/test_cli.py::test_a_method_file_that_inherits_personalization_steps_0_is_noted_once",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=ROOT,
+        env=dict(os.environ, HOME=str(home), FEDMETA_CONFIG_HOME=str(own)),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert {p: p.read_bytes() for p in home.rglob("*") if p.is_file()} == before
