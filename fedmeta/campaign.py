@@ -49,7 +49,103 @@ CARRIED = (*report.RUN_FILES, "checkpoint.ckpt")  # what an unfinished run leave
 
 
 def load(path: Path = CONFIG_DIR / "campaign.yaml") -> DictConfig:
-    return OmegaConf.load(path)
+    """configs/campaign.yaml, checked: each fault is one line naming the key and what it takes."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FedmetaError(
+            f"{path} cannot be read ({type(exc).__name__}): restore it from the repository"
+        ) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise FedmetaError(
+            f"{path} is not valid YAML{where}: correct it or restore it from the repository"
+        ) from None
+    problem = _campaign_problem(raw)
+    if problem:
+        raise FedmetaError(f"{path}: {problem}")
+    return OmegaConf.create(raw)
+
+
+def _campaign_problem(raw) -> str | None:
+    """What is wrong with a campaign's settings (parsed YAML), or None."""
+    if not isinstance(raw, dict):
+        return "holds no settings (a mapping of preset, order, methods, overrides, carry_mib, parallel, …)"
+    known = {
+        "preset",
+        "order",
+        "methods",
+        "overrides",
+        "carry_mib",
+        "parallel",
+        "reserve_seconds",
+        "lease",
+        "not_in_leases",
+    }
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        return f"unknown setting {unknown[0]!r}: the settings are {', '.join(sorted(known))}"
+    missing = sorted({"preset", "order", "overrides", "carry_mib", "parallel", "reserve_seconds"} - set(raw))
+    if missing:
+        return f"lacks {', '.join(missing)}: restore it from the repository"
+
+    def number(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    def words(value) -> bool:
+        return isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
+
+    checks = [
+        (isinstance(raw["preset"], str) and raw["preset"], "preset must be a preset's name, e.g. paper"),
+        (words(raw["order"]), "order must be a list of the preset's settings, e.g. [rmnist-shards]"),
+        (
+            raw.get("methods") is None or words(raw["methods"]),
+            "methods must be null (every method) or a list of names",
+        ),
+        (
+            isinstance(raw["overrides"], list)
+            and all(isinstance(o, str) and "=" in o for o in raw["overrides"]),
+            "overrides must be a list of key=value",
+        ),
+        (
+            raw["carry_mib"] is None or (number(raw["carry_mib"]) and raw["carry_mib"] >= 0),
+            f"carry_mib must be a size in MiB ≥ 0 (or null: nothing travels), got {raw['carry_mib']!r}",
+        ),
+        (
+            isinstance(raw["parallel"], dict)
+            and set(raw["parallel"]) == {"cuda", "cpu"}
+            and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in raw["parallel"].values()
+            ),
+            f"parallel must be {{cuda: N, cpu: N}}, units at once, each ≥ 1, got {raw['parallel']!r}",
+        ),
+        (
+            number(raw["reserve_seconds"]) and 5 <= raw["reserve_seconds"] <= 600,
+            f"reserve_seconds must be 5 to 600 (a straggler's stop, the last pack), got {raw['reserve_seconds']!r}",
+        ),
+    ]
+    lease_plan = raw.get("lease", {"device_seconds": 900, "start_seconds": 90, "overhead": 0.15})
+    checks.append(
+        (
+            isinstance(lease_plan, dict)
+            and set(lease_plan) == {"device_seconds", "start_seconds", "overhead"}
+            and all(number(v) for v in lease_plan.values())
+            and 0 <= lease_plan["start_seconds"] < lease_plan["device_seconds"]
+            and 0 <= lease_plan["overhead"] < 1,
+            "lease must be {device_seconds: S, start_seconds: s < S, overhead: a fraction in [0, 1)}",
+        )
+    )
+    not_in_leases = raw.get("not_in_leases") or {}
+    checks.append(
+        (
+            isinstance(not_in_leases, dict) and all(isinstance(v, str) for v in not_in_leases.values()),
+            "not_in_leases must map a data set to why no lease can run it",
+        )
+    )
+    return next((why for ok, why in checks if not ok), None)
 
 
 @dataclass
@@ -82,6 +178,12 @@ def units(campaign: DictConfig, root: Path) -> list[Unit]:
         raise FedmetaError(
             f"configs/campaign.yaml orders settings the preset {campaign.preset} lacks: {unknown}; "
             f"its settings: {sorted(preset.settings)}"
+        )
+    unknown = [name for name in campaign.get("methods") or [] if name not in preset.methods]
+    if unknown:
+        raise FedmetaError(
+            f"configs/campaign.yaml names methods the preset {campaign.preset} lacks: {unknown}; "
+            f"its methods: {list(preset.methods)}"
         )
     grids = sorted({setting.grid for setting in preset.settings.values()})
     found = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from fedmeta.config import CONFIG_DIR, method_card, user_config_dir
 from fedmeta.errors import FedmetaError
 from fedmeta.runs import read_summary
+
+log = logging.getLogger("fedmeta")
 
 
 @functools.cache
@@ -125,8 +128,20 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
         summary = read_summary(path)
         if summary is None or not (path.parent / "metrics.csv").is_file():
             continue
-        with open(path.parent / "metrics.csv") as f:
-            summary["metrics"] = [row for row in csv.DictReader(f) if row["eval_accuracy"]]
+        try:
+            with open(path.parent / "metrics.csv", encoding="utf-8") as f:
+                summary["metrics"] = [row for row in csv.DictReader(f) if row.get("eval_accuracy")]
+            planned = OmegaConf.load(path.parent / "config.yaml").federation.rounds
+        except Exception as exc:  # noqa: BLE001 — a cut-short, edited or foreign file: that run is skipped
+            log.warning(
+                f"skipping {path.parent}: its metrics.csv or config.yaml cannot be read ({type(exc).__name__})"
+            )
+            continue
+        if summary.get("rounds") is not None and summary["rounds"] > planned:
+            log.warning(
+                f"skipping {path.parent}: its summary has {summary['rounds']} rounds, its config {planned}"
+            )
+            continue
         summary["folder"] = path.parent
         summary["command"] = _command(path.parent / COMMAND_FILE)
         runs[(path.parts[-4], path.parts[-3])].append(summary)

@@ -160,6 +160,7 @@ DEV=$SCRATCH/developer  # the developer's tree, without its .git: the jobs' copi
 ship "$ROOT" "$DEV"
 [ "$JOB" -ef scripts/gpu_job.sh ] || cp "$JOB" "$DEV/scripts/gpu_job.sh"
 
+RECORDS_BEFORE=$(grep -c . "$DEV/results/runs/paper/jobs.jsonl" 2>/dev/null || true)
 run_job out1 "$DEV" "$KILL_AT"
 [ -f "$WORK/out1/lease.json" ] || fail "out1 was killed at $KILL_AT s with no archive in OUT"
 run_job out2 "$DEV" $(( SECONDS_GIVEN + 20 ))
@@ -168,12 +169,13 @@ grep -q "done:" "$WORK/out2/job.log" || fail "out2 did not end with its final ar
 collect_check out2 || fail "collecting out2 failed"
 collect_check out1 || fail "collecting the older out1 after out2 failed"
 collect_check out2 || fail "collecting out2 a second time failed"
+records=$(grep -c . "$DEV/results/runs/paper/jobs.jsonl")
 cp -r "$WORK/out2" "$WORK/out2-cut"
-part=$(ls "$WORK"/out2-cut/runs-*.00 | head -n 1)
+part=$WORK/out2-cut/$("$DEV_PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['parts'][0]['name'])" "$WORK/out2/lease.json")
 head -c $(( $(stat -c %s "$part") / 2 )) "$part" > "$part.cut" && mv "$part.cut" "$part"
 if collect_check out2-cut; then fail "a truncated archive was collected"; else say "out2-cut refused, as it should be"; fi
-records=$(grep -c . "$DEV/results/runs/paper/jobs.jsonl")
-[ "$records" -eq 2 ] || fail "jobs.jsonl holds $records records after collecting 2 jobs 4 times"
+[ "$(grep -c . "$DEV/results/runs/paper/jobs.jsonl")" -eq "$records" ] || fail "the refused archive changed jobs.jsonl"
+[ "$records" -eq "$(( RECORDS_BEFORE + 2 ))" ] || fail "jobs.jsonl gained $(( records - RECORDS_BEFORE )) records from 2 jobs collected 4 times"
 
 run_job out3 "$DEV" $(( SECONDS_GIVEN + 20 ))
 resumed=$(grep -m1 -iE "resum(ed|ing)" "$WORK/out3/job.log")

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from fedmeta import campaign, grid
 from fedmeta.config import compose
-from fedmeta.errors import RunStopped
+from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.loop import Stopper, train
 
 TINY = [
@@ -224,3 +224,36 @@ def test_the_state_speaks_in_leases_and_names_the_units_no_lease_reaches(tmp_pat
         in state
     )
     assert "nothing is left that a lease can reach" in state
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ("preset: paper\norder: [rmnist-shards\n", "is not valid YAML (line"),
+        ("- a\n- list\n", "holds no settings"),
+        ("", "holds no settings"),
+        ("DROP reserve_seconds", "lacks reserve_seconds"),
+        ("reserve_seconds: -100", "reserve_seconds must be 5 to 600"),
+        ("parallel: {cuda: 9, cpu: 0}", "parallel must be {cuda: N, cpu: N}"),
+        ("carry_mib: abc", "carry_mib must be a size in MiB ≥ 0"),
+        ("carry_mib: .nan", "carry_mib must be a size in MiB ≥ 0"),
+        ("orders: [rmnist-shards]", "unknown setting 'orders'"),
+        ("lease: {device_seconds: 60, start_seconds: 90, overhead: 0.1}", "lease must be"),
+        ("methods: [bogus]", "names methods the preset paper lacks: ['bogus']"),
+    ],
+)
+def test_a_campaign_file_that_is_not_one_is_refused_in_one_line(tmp_path, change, said):
+    lines = (Path(__file__).resolve().parent.parent / "configs" / "campaign.yaml").read_text().splitlines()
+    if change.startswith("DROP "):
+        text = "\n".join(line for line in lines if not line.startswith(change[5:] + ":"))
+    elif change.startswith(("preset:", "- ")) or not change:  # a whole file
+        text = change
+    else:  # one setting changed, or added
+        key = change.split(":")[0] + ":"
+        text = "\n".join(change if line.startswith(key) else line for line in lines)
+        text += "" if any(line.startswith(key) for line in lines) else "\n" + change
+    path = tmp_path / "campaign.yaml"
+    path.write_text(text)
+    with pytest.raises(FedmetaError) as error:
+        campaign.units(campaign.load(path), tmp_path)
+    assert said in str(error.value) and "\n" not in str(error.value)
