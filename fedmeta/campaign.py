@@ -32,7 +32,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -232,10 +232,26 @@ def _foreign(path: Path, cfg: DictConfig) -> str | None:
     return None
 
 
+def chunks(unit: Unit, carry_mib: float | None) -> list[grid.Job]:
+    """The unit's jobs, its seeds stacked in chunks whose checkpoints fit ``carry_mib`` (IFCA's four
+    models a seed: 5 seeds would be ~47 MiB), so that whatever a job leaves unfinished can travel."""
+    if carry_mib is None:
+        return unit.jobs
+    per_seed = checkpoint_mib(unit.jobs[0])
+    size = max(1, int(carry_mib // per_seed))
+    if per_seed > carry_mib:
+        print(
+            f"{unit.label}: a seed's checkpoint (~{per_seed:.0f} MiB) passes carry_mib={carry_mib}: "
+            "it must finish within the job"
+        )
+    return [replace(job, chunk=i // size) for i, job in enumerate(unit.jobs)]
+
+
 def checkpoint_mib(job: grid.Job) -> float:
-    """The size of the checkpoints a unit's process leaves: its global model(s) per seed, at their
-    precision, with a tenth more for the clients' state (FedRep's heads, counters); built with
-    FEMNIST's 62 classes, the most of any data set, so never less than the truth."""
+    """An estimate of the checkpoints a job's process leaves: its global model(s) per seed, at their
+    precision, with a tenth more for the clients' state, built with FEMNIST's 62 classes. Clients'
+    state can weigh more (FedRep's heads: 3.9 MiB a seed on RMNIST after 173 rounds, estimated 2.6):
+    what a job carries is measured when it is packed (fedmeta.lease), this only chunks the seeds."""
     from fedmeta.algorithms import build_model
 
     cfg = compose(list(job.overrides))
@@ -275,8 +291,8 @@ def run(
     reachable = [unit for unit in unfinished if not missing[unit.setting]]
     todo = []
     under_way = [unit for unit in reachable if any(unit.rounds_done(kept))]
-    # the units under way first, then as many new ones as can follow those that finish in this job
-    for unit in under_way + [u for u in reachable if u not in under_way][: 2 * parallel]:
+    # the units under way first, then the next ones: more than one job can run (it stops at its deadline)
+    for unit in under_way + [u for u in reachable if u not in under_way][: 6 * parallel]:
         problem = carry_in(unit, kept, root)
         if problem:
             refused.append(f"{unit.label}: refused: {problem}")
@@ -312,23 +328,22 @@ def run(
         folders = [folder.relative_to(root) for unit in todo for folder in unit.folders(root)]
         limit = lease.ARCHIVE_BYTES if carry is None else int(carry * 2**20)
         packer = lease.Packer(root, out, lambda: folders, progress, limit_bytes=limit).start()
-    jobs = [job for unit in todo for job in unit.jobs]
+    jobs = [job for unit in todo for job in chunks(unit, carry)]
+    lines = None
     try:
         lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at) if jobs else []
     finally:  # a stop of the campaign itself still packs what its runs left
-        record["ended"] = True
+        record["ended"] = lines is not None
+        record["not_done"] = (lines or []) + refused
         if packer is not None:
             manifest = packer.stop()
             if manifest["left_out"]:
                 print(f"not carried (over carry_mib={carry}): {'; '.join(manifest['left_out'])}")
-    record["not_done"] = lines + refused
-    report.archive(root, kept)
-    carry_out(todo, root, kept)
-    progress()
-    kept.mkdir(parents=True, exist_ok=True)
-    lease.append_record(kept / "jobs.jsonl", record)
-    if packer is not None:
-        packer.pack()  # the record with its failures
+    if packer is None:  # here the kept runs are what the next job reads; a packing job's go with its archive
+        report.archive(root, kept)
+        carry_out(todo, root, kept)
+        progress()
+        lease.append_record(kept / "jobs.jsonl", record)
     return record
 
 
@@ -441,61 +456,73 @@ def status(campaign: DictConfig, kept: Path) -> str:
         f"Written by `fedmeta campaign` from `{kept}` (configs/campaign.yaml: the order). A unit is a "
         "setting × method over the preset's seeds, stacked in one process; *s/seed-round* is the median "
         "of its rounds' seconds per seed, as measured by its own runs (with the other units of its "
-        "job sharing the machine, see the jobs below); *card h* is what is left of it at that speed.",
+        "job sharing the machine, see the jobs below); *card h* is what is left of it at that speed, "
+        "divided by the units its job ran at once (a card shared by n processes gives each about 1/n of "
+        "its time).",
         "",
         "| # | setting | method | state | s/seed-round | card h |",
         "|---|---|---|---|---|---|",
     ]
-    card_seconds, unmeasured, counts, unreachable = 0.0, [], {"done": 0, "under way": 0, "to do": 0}, {}
+    preset = grid.load_preset(campaign.preset)
+    parts = {"table": "the paper's table"}  # else a figure's runs
+    left_by_part: dict[str, dict] = {}
+    counts, unreachable = {"done": 0, "under way": 0, "to do": 0}, {}
     for i, unit in enumerate(all_units, 1):
         done = unit.rounds_done(kept)
         state = "done" if min(done) == unit.rounds else ("under way" if any(done) else "to do")
         counts[state] += 1
         dataset = unit.setting.split("-")[0]
-        speed = speeds[unit.label] or _same_method_speed(unit, all_units, speeds)
+        measured = unit if speeds[unit.label] is not None else _same_method(unit, all_units, speeds)
+        speed = None if measured is None else speeds[measured.label]
         remaining = sum(unit.rounds - d for d in done)
-        left = None if speed is None else remaining * speed
+        # a card shared by n processes gives each about 1/n of its time: the card's time is speed / n
+        left = None if speed is None else remaining * speed / _sharing(measured, jobs)
+        part = left_by_part.setdefault(
+            parts.get(preset.settings[unit.setting].grid, "the figures' runs"),
+            {"seconds": 0.0, "units": 0, "unmeasured": []},
+        )
         if remaining and dataset in not_in_leases:
             unreachable.setdefault(dataset, []).append(unit)
         elif remaining and speed is None:
-            unmeasured.append(unit)
+            part["unmeasured"].append(unit)
         elif remaining:
-            card_seconds += left
+            part["seconds"] += left
+            part["units"] += 1
         shown = state if state != "under way" else f"rounds {', '.join(map(str, done))} of {unit.rounds}"
         lines.append(
             f"| {i} | {unit.setting} | {unit.method} | {shown} | "
             f"{'-' if speeds[unit.label] is None else f'{speeds[unit.label]:.4f}'} | "
             f"{'-' if left is None else f'{left / 3600:.2f}'} |"
         )
-    together = statistics.median([job["parallel"] for job in jobs if _number(job.get("parallel"))] or [1])
     usable = float(lease_plan.get("device_seconds", 900)) - float(lease_plan.get("start_seconds", 90))
     usable *= 1 - float(lease_plan.get("overhead", 0.15))
-    reachable_left = counts["under way"] + counts["to do"] - sum(map(len, unreachable.values()))
     lines += [
         "",
-        f"**{counts['done']} units done, {counts['under way']} under way, {counts['to do']} to do.**",
+        f"**{counts['done']} units done, {counts['under way']} under way, {counts['to do']} to do.** In 15-minute "
+        f"leases, each {usable:.0f} s of training ({lease_plan.get('device_seconds', 900)} s of device time, less a "
+        f"{lease_plan.get('start_seconds', 90)} s start and {float(lease_plan.get('overhead', 0.15)):.0%} overhead: "
+        "configs/campaign.yaml, lease), at the measured speeds (a unit not measured yet takes its method's on "
+        "the same data set, where measured):",
         "",
     ]
-    if reachable_left == 0:
-        lines.append("**In leases:** nothing is left that a lease can reach.")
-    elif card_seconds and usable > 0:
-        wall = card_seconds / together
-        lines.append(
-            f"**In leases:** the {reachable_left - len(unmeasured)} measured units that leases can reach "
-            f"need {card_seconds / 3600:.2f} card-hours at their measured speeds; run {together:g} at a "
-            f"time, as their jobs ran them, that is {wall / 3600:.2f} h of a card, or about "
-            f"**{math.ceil(wall / usable)} leases** of {lease_plan.get('device_seconds', 900)} s (each "
-            f"{usable:.0f} s of training after a {lease_plan.get('start_seconds', 90)} s start and "
-            f"{float(lease_plan.get('overhead', 0.15)):.0%} overhead: configs/campaign.yaml, lease)"
-            + (
-                f"; {len(unmeasured)} more not measured yet ({', '.join(u.label for u in unmeasured[:4])}"
-                f"{' …' if len(unmeasured) > 4 else ''})."
-                if unmeasured
-                else "."
-            )
+    for name, part in left_by_part.items():
+        unmeasured = part["unmeasured"]
+        if not part["units"] and not unmeasured:
+            lines.append(f"- **{name}:** nothing is left that a lease can reach.")
+            continue
+        projection = (
+            f"{part['units']} units need {part['seconds'] / 3600:.2f} h of a card, about "
+            f"**{math.ceil(part['seconds'] / usable)} leases**"
+            if part["units"] and usable > 0
+            else "no unit measured yet: no projection"
         )
-    else:
-        lines.append("**In leases:** no unit that a lease can reach has been measured yet: no projection.")
+        more = (
+            f"; {len(unmeasured)} more not measured yet ({', '.join(u.label for u in unmeasured[:3])}"
+            f"{' …' if len(unmeasured) > 3 else ''})"
+            if unmeasured
+            else ""
+        )
+        lines.append(f"- **{name}:** {projection}{more}.")
     for dataset, left_units in unreachable.items():
         lines += [
             "",
@@ -518,6 +545,13 @@ def status(campaign: DictConfig, kept: Path) -> str:
             f"{job['parallel']} | {moved} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _sharing(unit: Unit, jobs: list[dict]) -> float:
+    """How many units shared the machine when the unit was last measured: the units at once of the
+    last job that moved it (1 if none did)."""
+    moved = [job for job in jobs if unit.label in job["units"] and _number(job.get("parallel"))]
+    return max(1.0, float(moved[-1]["parallel"])) if moved else 1.0
 
 
 def _number(value) -> bool:
@@ -571,11 +605,12 @@ def _seconds_per_seed_round(unit: Unit, kept: Path) -> float | None:
     return statistics.median(seconds) if seconds else None
 
 
-def _same_method_speed(unit: Unit, all_units: list[Unit], speeds: dict) -> float | None:
+def _same_method(unit: Unit, all_units: list[Unit], speeds: dict) -> Unit | None:
+    """A measured unit of the same method on the same data set, or None."""
     dataset = unit.setting.split("-")[0]
     return next(
         (
-            speeds[other.label]
+            other
             for other in all_units
             if other.method == unit.method
             and other.setting.split("-")[0] == dataset

@@ -59,6 +59,7 @@ class Job:
     point: str = ""  # a sweep's point: the swept values that the run folder's name does not hold
     stage: int = 0  # a preset's chain: 0 for a fresh start, one more than its source's otherwise
     source: str = ""  # a preset's chain: the method whose run (same setting and seed) this one starts from
+    chunk: int = 0  # stacked seeds: jobs of one setting and method stack only within the same chunk
 
     @property
     def stacked_seeds(self) -> list | None:
@@ -251,7 +252,7 @@ def stacked(jobs: list[Job]) -> list[Job]:
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         together = vectorized_here(compose(list(job.overrides)))
-        key = (job.point, job.setting, job.method) + (() if together else (job.seed,))
+        key = (job.point, job.setting, job.method, job.chunk) + (() if together else (job.seed,))
         groups.setdefault(key, []).append(job)
     merged = []
     for group in groups.values():
@@ -269,6 +270,7 @@ def stacked(jobs: list[Job]) -> list[Job]:
                 group[0].point,
                 group[0].stage,
                 group[0].source,
+                group[0].chunk,
             )
         )
     return merged

@@ -33,8 +33,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from fedmeta.errors import FedmetaError
 
 MANIFEST = "lease.json"
@@ -51,6 +49,8 @@ RUN_FOLDER = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/seed\d+")
 def checkpoint_round(path: Path) -> int | None:
     """The round a checkpoint was written after, or None where it cannot be read (memory-mapped:
     the weights are not read)."""
+    import torch  # here: describing an output folder (scripts/gpu_job.sh's last step) needs no torch
+
     try:
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["round"])
     except Exception:  # noqa: BLE001 — whatever a cut-off or foreign file raises
@@ -72,9 +72,9 @@ class Packer:
     """Packs the run folders ``folders()`` names (relative to ``root``) into ``out`` as described
     above, each time one of their checkpoints or summaries changes (looked at every ``poll_s``) and
     at least every ``every_s``; ``record()`` is the job's record so far, written into the manifest.
-    Finished runs go first; unfinished ones while the archive stays within ``limit_bytes``, the
-    furthest along first; what did not fit is named in the manifest, and only its small files go
-    (its measured speed)."""
+    Finished runs go first; unfinished ones while the archive stays within ``limit_bytes``, a unit's
+    seeds together, the furthest along first; what did not fit is named in the manifest, and only
+    its small files go (its measured speed)."""
 
     def __init__(
         self,
@@ -159,36 +159,40 @@ class Packer:
 
     def _snapshot(self) -> tuple[list[tuple[str, bytes]], dict, list[str]]:
         """Each run folder's files, read once each (a checkpoint is replaced by a rename: an open
-        file is one whole checkpoint): finished runs first, then the furthest along."""
-        finished, unfinished = [], []
+        file is one whole checkpoint): finished runs first, then the unfinished ones by unit (a
+        setting × method: its seeds resume together), the furthest along first."""
+        finished, units = [], {}
         for folder in self.folders():
             path = self.root / folder
             if (path / "summary.json").is_file():
                 finished.append((folder, None))
             elif (path / CHECKPOINT).is_file():
-                unfinished.append((folder, checkpoint_round(path / CHECKPOINT)))
-        unfinished.sort(key=lambda item: -(item[1] or 0))
+                units.setdefault(folder.parent, []).append((folder, checkpoint_round(path / CHECKPOINT)))
+        ordered = sorted(units.values(), key=lambda runs: -min(r or 0 for _, r in runs))
         files, runs, left_out, total = [], {}, [], 0
-        for folder, round_ in finished + unfinished:
-            names = FINISHED_FILES if round_ is None else UNFINISHED_FILES
-            contents = []
-            for name in names:
-                try:
-                    contents.append((f"{folder.as_posix()}/{name}", (self.root / folder / name).read_bytes()))
-                except OSError:
-                    pass
-            size = sum(len(data) + 1024 for _, data in contents)
-            if round_ is not None and total + size > self.limit_bytes:
-                left_out.append(f"{folder.as_posix()} (round {round_}, {size / 2**20:.1f} MiB)")
-                # its small files still travel: its rounds' seconds measure the unit for the next plan
-                contents = [(name, data) for name, data in contents if not name.endswith(CHECKPOINT)]
-                total += sum(len(data) + 1024 for _, data in contents)
-                files += contents
-                continue
-            total += size
-            files += contents
-            runs[folder.as_posix()] = "finished" if round_ is None else round_
+        for group in [[run] for run in finished] + ordered:
+            contents = {folder: self._read(folder, round_ is None) for folder, round_ in group}
+            size = sum(len(data) + 1024 for found in contents.values() for _, data in found)
+            carried = group[0][1] is None or total + size <= self.limit_bytes
+            for folder, round_ in group:
+                found = contents[folder]
+                if carried:
+                    runs[folder.as_posix()] = "finished" if round_ is None else round_
+                else:  # its small files still travel: its rounds' seconds measure the unit for the next plan
+                    left_out.append(f"{folder.as_posix()} (round {round_})")
+                    found = [(name, data) for name, data in found if not name.endswith(CHECKPOINT)]
+                total += sum(len(data) + 1024 for _, data in found)
+                files += found
         return files, runs, left_out
+
+    def _read(self, folder: Path, finished: bool) -> list[tuple[str, bytes]]:
+        found = []
+        for name in FINISHED_FILES if finished else UNFINISHED_FILES:
+            try:
+                found.append((f"{folder.as_posix()}/{name}", (self.root / folder / name).read_bytes()))
+            except OSError:
+                pass
+        return found
 
 
 def _write_parts(out: Path, slot: str, files: list[tuple[str, bytes]]) -> list[dict]:

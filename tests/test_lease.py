@@ -247,23 +247,34 @@ def _repack(runs: dict[str, dict[str, bytes]], out: Path) -> None:
     (out / lease.MANIFEST).write_text(json.dumps({"format": 1, "slot": "b", "parts": [part], "job": job}))
 
 
-def test_an_archive_over_its_limit_keeps_the_finished_runs_and_the_furthest_along(tmp_path):
+def test_an_archive_over_its_limit_keeps_the_finished_runs_and_the_furthest_along_units_whole(tmp_path):
+    """Three units of two seeds (~200 KB a checkpoint): within 900 KB, the finished run and the two
+    units furthest along (by their slowest seed) travel whole; the third sends only its metrics."""
     root, out = tmp_path / "runs", tmp_path / "out"
-    for i, round_ in enumerate((5, 9, 7)):
-        folder = root / "s" / "m" / f"seed{i}"
-        folder.mkdir(parents=True)
-        torch.save({"round": round_, "weights": torch.zeros(50_000)}, folder / "checkpoint.ckpt")  # ~200 KB
-        (folder / "metrics.csv").write_text("round,round_seconds\n1,0.5\n")
-    (root / "s" / "m" / "seed3").mkdir()
-    (root / "s" / "m" / "seed3" / "summary.json").write_text('{"accuracy": 0.5}')
-    folders = [Path("s/m") / f"seed{i}" for i in range(4)]
+    folders = []
+    for method, rounds in (("a", (5, 6)), ("b", (9, 3)), ("c", (7, 8))):
+        for seed, round_ in enumerate(rounds):
+            folder = root / "s" / method / f"seed{seed}"
+            folder.mkdir(parents=True)
+            torch.save({"round": round_, "weights": torch.zeros(50_000)}, folder / "checkpoint.ckpt")
+            (folder / "metrics.csv").write_text("round,round_seconds\n1,0.5\n")
+            folders.append(folder.relative_to(root))
+    (root / "s" / "d" / "seed0").mkdir(parents=True)
+    (root / "s" / "d" / "seed0" / "summary.json").write_text('{"accuracy": 0.5}')
+    folders.append(Path("s/d/seed0"))
     job = {"id": "x", "seconds": 0.0, "units": {}}
-    manifest = lease.Packer(root, out, lambda: folders, lambda: job, limit_bytes=450_000).pack()
-    assert manifest["runs"] == {"s/m/seed3": "finished", "s/m/seed1": 9, "s/m/seed2": 7}
-    assert manifest["left_out"][0].startswith("s/m/seed0 (round 5")
+    manifest = lease.Packer(root, out, lambda: folders, lambda: job, limit_bytes=900_000).pack()
+    assert manifest["runs"] == {
+        "s/d/seed0": "finished",
+        "s/c/seed0": 7,
+        "s/c/seed1": 8,
+        "s/a/seed0": 5,
+        "s/a/seed1": 6,
+    }
+    assert manifest["left_out"] == ["s/b/seed0 (round 9)", "s/b/seed1 (round 3)"]
     _, runs = lease.read_output(out)
-    assert set(runs["s/m/seed0"]) == {"metrics.csv"}  # its speed travels, not its checkpoint
-    assert set(runs["s/m/seed1"]) == {"metrics.csv", "checkpoint.ckpt"}
+    assert set(runs["s/b/seed0"]) == {"metrics.csv"}  # its speed travels, not its checkpoint
+    assert set(runs["s/c/seed1"]) == {"metrics.csv", "checkpoint.ckpt"}
 
 
 def test_a_job_that_could_pass_the_leases_per_command_limit_is_refused_in_one_line():
