@@ -12,8 +12,8 @@
 #      again, then a copy of out2 with a part cut short (refused, exit 2). After each: no kept run moved
 #      back, every round a collected archive reported is kept, every kept checkpoint loads.
 #   4. The collected tree shipped again: a third job (out3) continues the units under way ("resuming").
-# The units run as on a card: vmapped, each unit's seeds stacked, PARALLEL (default 2) at once; on 2
-# cores that is slow, so CAMPAIGN_ARGS (default: 2 clients a round, 2 new clients, 2 steps each, a
+# The units run as on a card: vmapped, each unit's seeds stacked, PARALLEL at once (default: the
+# campaign's, one on a card: several processes are time-sliced there); on 2 cores that is slow, so CAMPAIGN_ARGS (default: 2 clients a round, 2 new clients, 2 steps each, a
 # smaller CNN, a checkpoint every 5 rounds) makes the rounds small, and a loaded machine only means fewer rounds: the deadline holds whatever the load.
 # Environment: SECONDS_GIVEN (default 150), KILL_AT, PARALLEL, CAMPAIGN_ARGS, JOB (a stand-in for
 # scripts/gpu_job.sh, copied into the copies in its place), CARRY (default .gpu), PY312. The log: stdout
@@ -24,7 +24,7 @@ ROOT=$PWD
 JOB=${JOB:-scripts/gpu_job.sh}
 SECONDS_GIVEN=${SECONDS_GIVEN:-150}
 KILL_AT=${KILL_AT:-$(( SECONDS_GIVEN * 2 / 3 ))}
-PARALLEL=${PARALLEL:-2}
+PARALLEL=${PARALLEL:-}
 SMALL="federation.clients_per_round=2 federation.num_new_clients=2 personalization.steps=2 model.conv_channels=[8,16] model.dense_units=[32] federation.checkpoint_every=5"
 CARRY=${CARRY:-.gpu}
 PY312=${PY312:-}
