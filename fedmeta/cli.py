@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 
@@ -427,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, as the shell reports a writer whose reader went away
 
 
+def _stopped_while_starting(signum, frame) -> None:
+    raise RunStopped(
+        "stopped by SIGTERM while starting, before its first round: its last checkpoint, if any, is kept; "
+        "run it again (output.resume=true continues one)"
+    )
+
+
 def _stdout_to_devnull() -> None:
     """What is left in stdout's buffer goes nowhere: Python flushes it on exit."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -522,6 +530,7 @@ def _main(argv: list[str] | None) -> int:
             print(json.dumps(stats, indent=2))
             print(f"class histograms of 10 clients: {path}")
             return 0
+        signal.signal(signal.SIGTERM, _stopped_while_starting)  # until the run's own Stopper takes over
         cfg = compose(args.overrides)
         if args.print_config:
             print(OmegaConf.to_yaml(cfg))

@@ -10,9 +10,11 @@ class FedmetaError(Exception):
     """Bad input or an unrecoverable run condition, reported as one line by the CLI."""
 
 
-class RunStopped(FedmetaError):
+class RunStopped(BaseException):
     """A run stopped early on purpose (SIGTERM, or its deadline ``output.stop_at``), its last round
-    checkpointed: not a failure, it continues with ``output.resume=true``."""
+    checkpointed: not a failure, it continues with ``output.resume=true``. Not an ``Exception``, as
+    KeyboardInterrupt is not: a stop that arrives inside a guarded step (reading a data file) is
+    never taken for that step's failure."""
 
     EXIT_STATUS = 75  # fedmeta train's status for it (sysexits' EX_TEMPFAIL: try again later)
 

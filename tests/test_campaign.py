@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -272,3 +273,37 @@ def test_a_unit_whose_seeds_cannot_travel_together_runs_in_chunks_that_can(mnist
     assert [job.stacked_seeds or [job.seed] for job in processes] == [[0, 1], [2]]
     assert [job.stacked_seeds for job in grid.stacked(campaign.chunks(cafeme, 28))] == [[0, 1, 2]]
     assert [job.stacked_seeds for job in grid.stacked(campaign.chunks(ifca, None))] == [[0, 1, 2]]
+
+
+def test_sigterm_while_the_data_loads_is_a_stop_not_a_corrupt_file(tmp_path, mnist_dir, monkeypatch):
+    real = np.load
+
+    def load_then_sigterm(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "load", load_then_sigterm)
+    with pytest.raises(RunStopped, match="stopped by SIGTERM"):
+        train(
+            compose(["method=fedavg", *TINY, f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"]),
+            show_progress=False,
+        )
+
+
+def test_sigterm_while_a_run_starts_is_a_stop_in_one_line(tmp_path, monkeypatch, capsys):
+    from fedmeta import cli, config
+
+    def compose_then_sigterm(overrides):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return compose(overrides)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(config, "compose", compose_then_sigterm)  # the CLI imports it when it runs
+    try:
+        status = cli.main(["train", "method=fedavg", f"output.root={tmp_path}"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert (
+        status == RunStopped.EXIT_STATUS and len(said) == 1 and "stopped by SIGTERM while starting" in said[0]
+    )
