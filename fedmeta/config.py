@@ -267,6 +267,7 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
         layer.pop("label", None)
         layer.pop("tune", None)
         choices |= OmegaConf.to_container(layer.pop("choices", None) or OmegaConf.create())
+        choices |= OmegaConf.to_container(layer.pop("ranges", None) or OmegaConf.create())
     try:
         cfg = OmegaConf.merge(*layers)
     except OmegaConfBaseException as exc:  # a file of the user's whose values do not fit the keys they set
@@ -472,14 +473,45 @@ def _require(ok: bool, message: str) -> None:
         raise FedmetaError(message)
 
 
+INTERVAL = re.compile(r"([\[(])\s*(-inf|[-+0-9.e]+)\s*,\s*(inf|[-+0-9.e]+)\s*([\])])")
+
+
+def _check_range(cfg: DictConfig, key: str, value, spec: dict) -> None:
+    """A method file's ``ranges`` entry: ``{range: "[0, 1]", integer: true, means: "…"}`` or
+    ``{equals: other.key, means: "…"}``; a value outside it is refused, saying what the key means."""
+    means = spec.get("means", key)
+    if "equals" in spec:
+        other = OmegaConf.select(cfg, spec["equals"], default=None)
+        _require(value == other, f"{key}={value!r}: {means} {spec['equals']} ({other})")
+        return
+    low_bracket, low, high, high_bracket = INTERVAL.fullmatch(spec["range"]).groups()
+    integer = bool(spec.get("integer"))
+    number = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+    ok = number and (isinstance(value, int) or not integer)
+    if ok:
+        low_value, high_value = float(low), float(high)
+        ok = (value > low_value or (low_bracket == "[" and value == low_value)) and (
+            value < high_value or (high_bracket == "]" and value == high_value)
+        )
+    _require(ok, f"{key}={value!r}: {means} takes {'integers' if integer else 'values'} in {spec['range']}")
+
+
 def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
     """Range checks that the YAML types cannot express, and the ``choices`` the config files
     declare for their own keys; each failure is one line."""
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(allowed, dict):
+            _check_range(cfg, key, value, allowed)
+            continue
         _require(
             value in allowed,
             f"{key} must be one of {', '.join(map(str, allowed))}, got {value!r}",
+        )
+    if cfg.method.get("hessian") == "exact" and cfg.method.get("first_order"):
+        raise FedmetaError(
+            "method.hessian=exact with method.first_order=true: the exact Hessian-vector product is the "
+            "second-order term that first_order leaves out; choose one"
         )
     fed, pers = cfg.federation, cfg.personalization
     _require(fed.num_clients >= 2, f"federation.num_clients must be ≥ 2, got {fed.num_clients}")

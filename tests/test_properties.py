@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedmeta.cli import main
+from fedmeta.config import compose
+from fedmeta.errors import FedmetaError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -396,3 +398,45 @@ def test_a_config_home_with_broken_files_breaks_no_command(tmp_path, monkeypatch
     assert_exit_0_or_one_line(code, err)
     if "--help" in argv or argv == ["train", "--print-config"]:
         assert code == 0, err
+
+
+def _declared_ranges() -> list[tuple[str, str, dict]]:
+    """(method, key, spec) of every ``ranges`` entry of configs/method/*.yaml."""
+    import yaml
+
+    from fedmeta.config import CONFIG_DIR
+
+    found = []
+    for path in sorted((CONFIG_DIR / "method").glob("*.yaml")):
+        for key, spec in (yaml.safe_load(path.read_text()).get("ranges") or {}).items():
+            if "range" in spec:
+                found.append((path.stem, key, spec))
+    return found
+
+
+def _outside(spec: dict):
+    """Values a key with this range must refuse."""
+    from fedmeta.config import INTERVAL
+
+    low_bracket, low, high, high_bracket = INTERVAL.fullmatch(spec["range"]).groups()
+    options = [st.sampled_from([float("nan"), True])]
+    if low != "-inf":
+        options.append(st.floats(max_value=float(low), exclude_max=low_bracket == "[", allow_nan=False))
+    if high != "inf":
+        options.append(st.floats(min_value=float(high), exclude_min=high_bracket == "]", allow_nan=False))
+    if spec.get("integer"):
+        options.append(st.floats(min_value=0.01, max_value=1e6).filter(lambda v: v != int(v)))
+    return st.one_of(options)
+
+
+@pytest.mark.parametrize(
+    "method, key, spec", _declared_ranges(), ids=lambda v: v if isinstance(v, str) else ""
+)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_method_key_outside_its_range_is_refused_in_one_line(method, key, spec, data):
+    value = data.draw(_outside(spec))
+    with pytest.raises(FedmetaError) as error:
+        compose([f"method={method}", f"{key}={value!r}" if isinstance(value, float) else f"{key}={value}"])
+    said = str(error.value)
+    assert "\n" not in said and key in said, said
