@@ -50,7 +50,17 @@ CLUSTER_VARIABLES = (
 )
 
 
+def check_accelerator(cfg: DictConfig) -> None:
+    """A GPU asked for on a machine that has none: refused at once, in one line."""
+    if cfg.fabric.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise FedmetaError(
+            f"fabric.accelerator={cfg.fabric.accelerator}: this machine has no CUDA device that torch can use; "
+            "run on the CPU (fabric.accelerator=cpu or auto) or on a GPU machine"
+        )
+
+
 def make_fabric(cfg: DictConfig) -> Fabric:
+    check_accelerator(cfg)
     f = cfg.fabric
     on_cpu = f.accelerator == "cpu" or (f.accelerator == "auto" and not torch.cuda.is_available())
     if on_cpu and str(f.precision) == "16-mixed":  # Fabric would run bf16 while the config says 16

@@ -499,10 +499,12 @@ def run(
         from fedmeta.grid import load_preset
 
         load_preset(projection)  # an unknown preset: one line before anything runs
+    from fedmeta.assemble import check_accelerator
+
     for overrides in [
         row["overrides"] for row in rows
-    ] + memory_rows:  # bad names or values: one line before anything runs
-        compose([*overrides, *QUIET])
+    ] + memory_rows:  # bad names or values, a GPU this machine lacks: one line before anything runs
+        check_accelerator(compose([*overrides, *QUIET]))
     result = {"peaks": {}, "rows": [], "memory": []}
 
     def peak(kind: str) -> float:

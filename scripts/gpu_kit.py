@@ -291,11 +291,8 @@ def make_kit(names: list[str]) -> None:
         shutil.copy2(wheel, staging / "wheels" / wheel.name)
     if data:
         (staging / "data").mkdir()
-    for name, (source, _) in data.items():
-        try:  # a hard link costs no disk; across file systems a copy
-            os.link(source, staging / "data" / name)
-        except OSError:
-            shutil.copy2(source, staging / "data" / name)
+    for name, (source, _) in data.items():  # copied: a write to the kit's file never reaches the user's data
+        shutil.copy2(source, staging / "data" / name)
     (staging / "MANIFEST.txt").write_text("\n".join(manifest) + "\n")
     shutil.rmtree(KIT, ignore_errors=True)
     staging.rename(KIT)

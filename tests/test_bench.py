@@ -4,6 +4,7 @@ differentiable inner loops, and peak memory does not grow with the number of cli
 import json
 
 import pytest
+import torch
 
 from fedmeta import bench
 from fedmeta.cli import main
@@ -125,3 +126,11 @@ def test_bench_skips_rows_whose_data_is_missing(small_bench, tmp_path, monkeypat
 
 def test_bench_cli_rejects_unknown_method():
     assert main(["bench", "--methods", "no_such_method", "--no-memory", "--out", "/dev/null"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+@pytest.mark.parametrize("command", [["bench", "--datasets", "rmnist"], ["train", "federation.rounds=1"]])
+def test_a_gpu_this_machine_lacks_is_refused_at_once_in_one_line(command, capsys):
+    assert main([*command, "fabric.accelerator=cuda"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "fabric.accelerator=cuda: this machine has no CUDA device" in said[0]
