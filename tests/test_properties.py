@@ -6,7 +6,9 @@ a download, a Flower run), that work is replaced by a marker once its inputs hav
 
 import contextlib
 import io
+import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -339,6 +341,70 @@ def test_generated_run_folders_are_used_or_refused_in_one_line(
         assert code == 2
     assert outside.read_text() == "someone else's file\n"  # never written through a link
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "root"]  # nothing beside the roots
+
+
+# --- kept runs read back by the reports ----------------------------------------------------------------------
+
+KEPT_DAMAGE = {
+    "summary.json": [
+        lambda d: json.dumps(json.loads(d) | {"accuracy": 7.5}),
+        lambda d: json.dumps(json.loads(d) | {"accuracy": float("nan")}),
+        lambda d: json.dumps(json.loads(d) | {"accuracy": "high"}),
+        lambda d: json.dumps(json.loads(d) | {"rounds": 99999}),
+        lambda d: json.dumps(json.loads(d) | {"curve": [0.5, 3.0]}),
+        lambda d: d[: len(d) // 2],
+    ],
+    "metrics.csv": [
+        lambda d: d.replace(",0,", ",zz,", 1),
+        lambda d: "\udcff".encode("utf-8", "surrogateescape").decode("latin-1") + d,
+        lambda d: "round\n",
+        lambda d: "",
+    ],
+    "config.yaml": [lambda d: "- a\n- list\n", lambda d: ""],
+}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.dictionaries(
+        st.sampled_from(sorted(KEPT_DAMAGE)), st.integers(min_value=0, max_value=5), min_size=1, max_size=3
+    ),
+    st.sampled_from(["", '{"started": "x", "hardware": 3', '{"units": 1}\n', "not json\n"]),
+    st.sampled_from(["table", "campaign"]),
+)
+def test_tampered_kept_runs_are_skipped_or_refused_never_reported(
+    tmp_path, finished_run, monkeypatch, damage, jobs, command
+):
+    """A finished run kept as results/runs/paper/rmnist-shards/local/seed0, then edited: the table and
+    the campaign's state skip it with a warning (or refuse in one line); no value no run can have is
+    printed, let alone bolded as the best of its column."""
+    source, _ = finished_run
+    work = tmp_path / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    kept = work / "results" / "runs" / "paper" / "rmnist-shards" / "local" / "seed0"
+    shutil.copytree(next(source.glob("*/*/seed0")), kept)
+    summary = json.loads((kept / "summary.json").read_text())
+    summary["rounds"] = 1000  # the paper preset's budget: the run counts as a finished cell
+    (kept / "summary.json").write_text(json.dumps(summary))
+    config = (kept / "config.yaml").read_text()
+    (kept / "config.yaml").write_text(config.replace("rounds: 2\n", "rounds: 1000\n", 1))
+    for name, which in damage.items():
+        forms = KEPT_DAMAGE[name]
+        text = (kept / name).read_text(encoding="latin-1")
+        (kept / name).write_text(forms[which % len(forms)](text), encoding="latin-1")
+    (kept.parents[2] / "jobs.jsonl").write_text(jobs)
+    monkeypatch.chdir(work)
+    argv = {
+        "table": ["table", "--preset", "paper", "--no-run", "--out", str(work / "TABLES.md")],
+        "campaign": ["campaign", "--out", str(work / "campaign.md")],
+    }[command]
+    code, err = run_main(argv, seconds=120)
+    assert_exit_0_or_one_line(code, err)
+    if command == "table" and code == 0:
+        [row] = [
+            line for line in (work / "TABLES.md").read_text().splitlines() if line.startswith("| Local |")
+        ]
+        assert "nan" not in row.lower() and all(float(v) <= 100 for v in re.findall(r"\d+\.\d+", row)), row
 
 
 # --- the user's config home ------------------------------------------------------------------------------
