@@ -11,11 +11,13 @@ As implemented, a sampled client u
   3. computes g_u = ∇_θ L_Q(θ_u) (Meta-SGD: ∇_(θ,α)), second order through the adaptation
      (``first_order=true``: the inner gradients are constants — first-order MAML; Meta-SGD's α
      still gets its gradient −∇L_S ⊙ ∇L_Q);
-  4. sends θ − β·g_u (and α − β·g_u^α). fedmeta's protocol sends parameters and the server takes
-     their weighted mean, so the mean of what is sent is θ − β·mean(g_u): Algorithm 1's server step
-     (``outer_optimizer=sgd``). With ``outer_optimizer=adam`` (the default) the server reads
-     mean(g_u) back from that mean and takes one step of an Adam it keeps across rounds (its
-     moments are server state, in the checkpoint; clients keep nothing).
+  4. with ``outer_optimizer=sgd`` sends θ − β·g_u (and α − β·g_u^α): the server's weighted mean of
+     what is sent is θ − β·mean(g_u), Algorithm 1's server step. With ``outer_optimizer=adam`` (the
+     default) it sends g_u itself, under the names ``meta_grad.<name>`` (as SCAFFOLD sends Δc), and
+     the server takes one step of an Adam it keeps across rounds on their weighted mean (its
+     moments are server state, in the checkpoint; clients keep nothing). Reading mean(g_u) back
+     from a mean of θ − β·g_u would lose it to float32: Meta-SGD's rates' gradients (median
+     ~3e-6) are the size of that subtraction's rounding error.
 
 Meta-SGD's α lives in the model (``LearnedRates``: ``base.*`` the network, ``rates.*`` α with the
 same names and shapes, initialized to ``inner_lr``): it is averaged with θ, checkpointed, sent to
@@ -54,6 +56,7 @@ from fedmeta.data.federation import PERSONALIZE_PURPOSE, Batch, Client
 from fedmeta.functional import Params, adam, adam_state, grad_and_value, sgd
 
 BASE, RATES = "base.", "rates."
+META_GRAD = "meta_grad."  # the prefix of the names under which a client sends g_u to the server's Adam
 TEST_SUPPORT_STREAM = 1  # the ``round`` of a new client's support generator (the shared procedure uses 0)
 
 
@@ -122,24 +125,32 @@ class FedMeta(Algorithm):
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         grads, query_loss = grad_and_value(self.meta_loss)(params, data)  # g_u, for θ (and α)
-        sent, _ = sgd(params, grads, self.cfg.outer_lr)  # θ − β·g_u: their mean is the server's SGD step
-        return LocalResult(sent, query_loss, {}, {})
+        if self.cfg.outer_optimizer == "sgd":
+            sent, _ = sgd(params, grads, self.cfg.outer_lr)  # θ − β·g_u: their mean is the server's SGD step
+            return LocalResult(sent, query_loss, {}, {})
+        return LocalResult({META_GRAD + n: g for n, g in grads.items()}, query_loss, {}, {})
 
     def aggregate(self, updates) -> None:
         """The mean of θ − β·g_u (``sgd``: Algorithm 1's step), or one step of the server's Adam on
-        mean(g_u), read back from that mean (``adam``)."""
+        the weighted mean of the g_u the clients sent (``adam``)."""
         if self.cfg.outer_optimizer == "sgd":
             super().aggregate(updates)
             return
-        before = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        super().aggregate(updates)
+        super().aggregate(updates)  # the clients' kept state, if any: no parameter was sent
         with torch.no_grad():
-            params = dict(self.model.named_parameters())
-            mean_grad = {n: (before[n] - params[n]) / self.cfg.outer_lr for n in params}
+            params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            weights = torch.tensor([u.weight for u in updates], dtype=torch.float64)
+            weights = weights / weights.sum()
+            mean_grad = {
+                n: sum(
+                    w * u.params[META_GRAD + n].to(torch.float64) for w, u in zip(weights.tolist(), updates)
+                ).to(p)
+                for n, p in params.items()
+            }
             new, self.server_adam = adam(
-                before, mean_grad, self.server_adam or adam_state(before), self.cfg.outer_lr
+                params, mean_grad, self.server_adam or adam_state(params), self.cfg.outer_lr
             )
-            for n, p in params.items():
+            for n, p in self.model.named_parameters():
                 p.copy_(new[n])
 
     def federation_state(self) -> dict:
