@@ -42,6 +42,24 @@ def load_budget(config_dir: Path = CONFIG_DIR) -> DictConfig:
     return OmegaConf.load(config_dir / "tune.yaml").budget
 
 
+def trial_seeded_sampler(seed: int, startup_trials: int):
+    """Optuna's TPE sampler whose random draws for trial k come from (seed, k) alone. Seeded once
+    instead, every process of a study shared by several (``fedmeta tune`` on each machine) drew the
+    same start-up values for its first trial; trial numbers are unique in the study's storage, so
+    each trial draws its own, and one process draws what it always would."""
+    import optuna
+
+    class TrialSeededTPE(optuna.samplers.TPESampler):
+        def before_trial(self, study, trial) -> None:
+            trial_seed = (seed + 1_000_003 * trial.number) % 2**32
+            # Optuna 5 keeps its generators here (reseed_rng() can only reseed them at random)
+            self._rng.rng.seed(trial_seed)
+            self._random_sampler._rng.rng.seed(trial_seed)
+            super().before_trial(study, trial)
+
+    return TrialSeededTPE(seed=seed, n_startup_trials=startup_trials)
+
+
 def preset_seeds(config_dir: Path = CONFIG_DIR) -> set[int]:
     """Every seed a preset scores: the tuning seed must be none of them."""
     seeds = set()
@@ -241,9 +259,7 @@ class Study:
                     storage=storage,
                     load_if_exists=True,
                     direction="maximize",
-                    sampler=optuna.samplers.TPESampler(
-                        seed=self.sampler_seed, n_startup_trials=self.startup_trials
-                    ),
+                    sampler=trial_seeded_sampler(self.sampler_seed, self.startup_trials),
                     pruner=optuna.pruners.MedianPruner(n_startup_trials=2),
                 )
             except Exception as exc:  # a bad URL, an unreachable server, a database of another program

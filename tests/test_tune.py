@@ -3,6 +3,8 @@ study run again continues instead of starting over."""
 
 import shutil
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -210,3 +212,28 @@ def test_a_study_neither_replaces_a_committed_variant_nor_mixes_settings(tmp_pat
     )
     assert replacing.out == configs / "variant" / "fedavg_ft" / "tuned.yaml"
     assert "98.46 %" in replacing.replaces
+
+
+def test_two_processes_on_one_study_draw_distinct_trials(tmp_path):
+    """`fedmeta tune` run on two machines at once, one study: each process's sampler, seeded alike,
+    drew the same values for its first trial; now a trial's draws come from its own number."""
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    script = (
+        "import optuna, sys\n"
+        "from fedmeta.tune import trial_seeded_sampler\n"
+        "optuna.logging.set_verbosity(optuna.logging.ERROR)\n"
+        "study = optuna.create_study(study_name='s', storage=sys.argv[1], load_if_exists=True,\n"
+        "                            sampler=trial_seeded_sampler(1234, 10))\n"
+        "trial = study.ask()\n"
+        "print(trial.number, trial.suggest_float('personalization.lr', 5e-4, 0.1, log=True))\n"
+    )
+    import optuna
+
+    optuna.create_study(study_name="s", storage=storage)  # the tables, before both start
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, storage], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    drawn = [process.communicate(timeout=120)[0].split() for process in processes]
+    assert sorted(int(number) for number, _ in drawn) == [0, 1]
+    assert drawn[0][1] != drawn[1][1]
