@@ -175,10 +175,23 @@ def group_file(group: str, name: str, config_dir: Path = CONFIG_DIR) -> Path:
     return path
 
 
+_NOTED: set[Path] = (
+    set()
+)  # files noted once a process: a user's that replaces a shipped one, an inherited steps: 0
+
+
 def load_group(group: str, name: str, config_dir: Path, _seen: tuple[str, ...] = ()) -> DictConfig:
     """A choice's file merged over the file it ``inherits`` (a file of the user's may inherit a package's)."""
     path = group_file(group, name, config_dir)
     _require(name not in _seen, f"{path} inherits itself (through {' → '.join(_seen)}): break the loop")
+    shipped = config_dir / group / f"{name}.yaml"
+    if path != shipped and shipped.is_file() and path not in _NOTED:
+        _NOTED.add(path)
+        print(
+            f"fedmeta: note: {GROUP_WORDS.get(group.split('/')[0], group)} {name} is your own {path}, "
+            f"read in place of the one fedmeta ships ({shipped})",
+            file=sys.stderr,
+        )
     cfg = OmegaConf.load(path)
     parent = cfg.pop("inherits", None)
     if not parent:
@@ -289,9 +302,6 @@ def _sets_steps(layer: DictConfig) -> bool:
     """Whether a config file sets personalization.steps itself (or in one of its ``when`` blocks)."""
     blocks = [layer, *(layer.get("when") or {}).values()]
     return any(OmegaConf.select(b, "personalization.steps", default=None) is not None for b in blocks)
-
-
-_NOTED: set[Path] = set()  # method files whose inherited personalization.steps: 0 was noted, once a process
 
 
 def _note_inherited_scoring(name: str, cfg: DictConfig, config_dir: Path) -> None:

@@ -146,3 +146,42 @@ def test_the_suite_never_reads_the_users_own_state(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:]
     assert {p: p.read_bytes() for p in home.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("module", ["this:Y", "antigravity:X"])
+def test_a_method_file_of_ones_own_imports_nothing_that_cannot_define_its_method(tmp_path, module, mnist_dir):
+    """A user's method file naming ``this:Y`` printed the Zen of Python, ``antigravity:X`` started
+    $BROWSER, before "unknown algorithm": a module whose source holds no such name is not imported."""
+    home = tmp_path / "home"
+    (home / "method").mkdir(parents=True)
+    (home / "method" / "mine.yaml").write_text(
+        f"inherits: fedavg_ft\nlabel: Mine\nmethod:\n  name: mine\n  algorithm: '{module}'\n"
+    )
+    outside = tmp_path / "written-outside"
+    browser = tmp_path / "browser.sh"
+    browser.write_text(f"#!/bin/sh\ntouch {outside}\n")
+    browser.chmod(0o755)
+    env = {"FEDMETA_CONFIG_HOME": str(home), "BROWSER": str(browser), "FEDMETA_DATA": str(mnist_dir)}
+    result = fedmeta(["train", "method=mine", "federation.rounds=1"], cwd=tmp_path, env=env)
+    said = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and said[-1].startswith(f"fedmeta: error: unknown algorithm '{module}'")
+    assert "Beautiful is better than ugly" not in result.stdout + result.stderr and not outside.exists()
+
+
+def test_a_file_of_ones_own_that_replaces_a_shipped_method_is_noted_once(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "home"
+    (home / "method").mkdir(parents=True)
+    (home / "method" / "fedavg.yaml").write_text(
+        "# FedAvg, my way.\nlabel: FedAvg\nmethod:\n  name: fedavg\n  algorithm: fedavg\n  local_epochs: 1\n"
+        "  local_lr: 0.01\n  momentum: 0.0\n  batch_size: 16\n  train_split: all\n  drop_last: false\n"
+        "  averaging: samples\n  local_optimizer: sgd\n  local_batches: 0\n  shuffle: every_epoch\n"
+        "personalization:\n  steps: 0\n"
+    )
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(home))
+    assert compose(["method=fedavg"]).method.local_lr == 0.01
+    compose(["method=fedavg"])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert len(notes) == 1, notes
+    assert (
+        f"method fedavg is your own {home / 'method' / 'fedavg.yaml'}, read in place of the one" in notes[0]
+    )

@@ -8,8 +8,10 @@ configs/method/<name>.yaml. docs/extending.md walks through adding one.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import os
 import sys
+from pathlib import Path
 
 from lightning.fabric.plugins import Precision
 
@@ -62,7 +64,13 @@ def algorithm_class(name: str) -> type[Algorithm]:
         return ALGORITHMS[name]
     module, _, attribute = str(name).partition(":")
     found = None
-    if attribute:
+    source = _module_source(module) if attribute else None
+    if attribute and source is None:
+        raise FedmetaError(
+            f"method.algorithm {name!r}: cannot import {module} (no such module among the installed packages "
+            "and $PYTHONPATH): is its package on the path?"
+        )
+    if attribute and _holds(source, attribute):
         try:
             found = getattr(_import_outside_working_folder(module), attribute, None)
         except ImportError as exc:
@@ -75,6 +83,46 @@ def algorithm_class(name: str) -> type[Algorithm]:
         f"unknown algorithm {name!r}: choose one of {sorted(ALGORITHMS)}, or give package.module:Class "
         "of an Algorithm subclass"
     )
+
+
+def _module_source(module: str) -> Path | None:
+    """The source file ``module`` would be imported from (installed packages and $PYTHONPATH, not
+    the working folder), found without importing it or its package's ``__init__``; None if none."""
+    path = list(sys.path)
+    if path and path[0] in ("", os.getcwd()):
+        path = path[1:]
+    spec = None
+    for part in module.split("."):
+        search = path if spec is None else list(spec.submodule_search_locations or [])
+        if not search:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(
+            part if spec is None else f"{spec.name}.{part}", search
+        )
+        if spec is None:
+            return None
+    return Path(spec.origin) if spec.origin and spec.origin.endswith(".py") else None
+
+
+def _holds(source: Path, attribute: str) -> bool:
+    """Whether the module's source defines, imports or assigns ``attribute`` at its top level: a
+    module that could not hold the method (``this``, ``antigravity``) is never imported, so none of
+    its code runs."""
+    import ast
+
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return False
+    names = set()
+    for node in tree.body:  # defined there, imported into it, or assigned
+        if isinstance(node, ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Assign):
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+    return attribute in names
 
 
 def _import_outside_working_folder(module: str):
