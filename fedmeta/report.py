@@ -183,8 +183,8 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
         "",
         *_commands(shown),
         "",
-        "| method | " + " | ".join(settings) + " |",
-        "|---|" + "---|" * len(settings),
+        "| method | " + " | ".join(settings) + " | new clients' test-time procedure |",
+        "|---|" + "---|" * len(settings) + "---|",
     ]
     # each column's best mean as printed: means that print the same are tied, all bold
     best = {
@@ -213,7 +213,9 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
                 cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
             cells.append(cell)
         folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
-        lines.append(f"| {method_label(method, folders)} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {method_label(method, folders)} | " + " | ".join(cells) + f" | {procedure(folders[:1])} |"
+        )
     lines += [
         "",
         f"### Every cell of `{preset_name}`: budget, hardware, wall time",
@@ -236,6 +238,49 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
     text = "\n".join(lines) + "\n"
     replace_section(out, preset_name, text)
     return text
+
+
+def _adapts_first(folders: list[Path]) -> bool:
+    """Whether the method's new clients take steps of its own before the shared ones (FedMeta): its
+    personalization curve's step 0 is then not the global model's."""
+    try:
+        return bool(OmegaConf.load(folders[0] / "config.yaml").method.get("test_inner_steps"))
+    except Exception:  # noqa: BLE001 — no run, or a config that cannot be read
+        return False
+
+
+OWN_STEPS_FIRST = {
+    "test_head_steps": "head",
+    "test_bn_steps": "batch norm",
+    "test_local_steps": "local layers",
+}
+
+
+def procedure(folders: list[Path]) -> str:
+    """How a method's new clients were scored, from the config its first run kept: the shared
+    steps and their step size, and what the method does before or within them (a table's reader
+    sees that rows differ in more than training)."""
+    try:
+        cfg = OmegaConf.load(folders[0] / "config.yaml")
+        steps, lr, method = cfg.personalization.steps, cfg.personalization.lr, cfg.method
+    except Exception:  # noqa: BLE001 — no run, or a config that cannot be read: nothing to say
+        return "–"
+    said = [f"{steps} steps at lr {lr:g}" if steps else "scored as trained (0 steps)"]
+    if method.get("test_inner_steps"):  # FedMeta: its step 0 is after its own adaptation
+        n = method.test_inner_steps
+        said.insert(
+            0, f"{n} of its own adaptation step{'s' if n != 1 else ''} first (its step 0 comes after)"
+        )
+    said += [
+        f"the first {method[key]} on its {what} alone"
+        for key, what in OWN_STEPS_FIRST.items()
+        if method.get(key)
+    ]
+    if method.get("algorithm") == "apfl":
+        said.append("on the mix α·v + (1−α)·w, which moves at about 0.75 of the step at α = 0.5")
+    if method.get("algorithm") == "pfedme":
+        said.append("on pFedMe's Moreau-envelope problem (λ keeps them near the global model)")
+    return "; ".join(said)
 
 
 # a command that names one method and one seed (no second number follows it)
@@ -374,7 +419,7 @@ def draw_figures(preset: DictConfig, runs: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(out_dir / name)
 
-    def band(ax, xs, samples_per_x, method) -> None:
+    def band(ax, xs, samples_per_x, method, note: str = "") -> None:
         """Mean over seeds with a ±1 std band (none where one seed is all there is); one colour per
         method in every panel."""
         means = np.array([100 * np.mean(v) for v in samples_per_x])
@@ -391,7 +436,8 @@ def draw_figures(preset: DictConfig, runs: dict, out_dir: Path) -> list[Path]:
             linestyle=("-", "--", ":", "-.")[index // 10 % 4],
             label=method_label(
                 method, [s["folder"] for (_, m), done in runs.items() if m == method for s in done]
-            ),
+            )
+            + note,
         )
         ax.fill_between(xs, means - stds, means + stds, color=color, alpha=0.15)
 
@@ -448,7 +494,13 @@ def draw_figures(preset: DictConfig, runs: dict, out_dir: Path) -> list[Path]:
                 curves = [xy(s) for s in runs.get((setting, method), [])]
                 length = min((len(x) for x, _ in curves), default=0)
                 if length:
-                    band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method)
+                    folders = [s["folder"] for s in runs.get((setting, method), [])]
+                    note = (
+                        " (step 0 after its own adaptation)"
+                        if figure == "personalization" and _adapts_first(folders)
+                        else ""
+                    )
+                    band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method, note)
             ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
             ax.grid(alpha=0.3)
         save(fig, f"fig_{figure}.png", axes[0])
