@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.config import method_label, setting_name
 from fedmeta.errors import FedmetaError, write_failure
+from fedmeta.waiting import said_after
 
 log = logging.getLogger("fedmeta")
 
@@ -265,9 +266,11 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | 
         )
 
     began = time.monotonic()
+    waiting = f"waiting for W&B to start the run {mode} (at most {WANDB_INIT_TIMEOUT} s, then it says what went wrong)"
     try:
         try:
-            run = start(run_id)
+            with said_after(waiting):
+                run = start(run_id)
         except Exception as exc:  # noqa: BLE001 — W&B refuses to continue a run (a killed process's run still "in use")
             # no network: the init timeout ran out, and a new run would wait as long to fail the same way
             if not run_id or time.monotonic() - began >= WANDB_INIT_TIMEOUT:

@@ -411,3 +411,35 @@ def test_a_learn2learn_source_that_cannot_be_fetched_is_one_line(mirror, tmp_pat
         and len(err.strip().splitlines()) == 1
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_silent_mirror_is_named_while_fedmeta_waits_for_it(silent_server, tmp_path, monkeypatch, capsys):
+    """Silence of more than a moment says what it waits for (a mirror that accepts and never
+    answers printed nothing for 200 s)."""
+    from fedmeta import waiting
+    from fedmeta.data import download as downloads
+
+    monkeypatch.setattr(waiting, "NOTICE_S", 0.3)
+    monkeypatch.setattr(downloads, "TIMEOUT_S", 1.5)
+    monkeypatch.setattr(downloads, "ATTEMPTS", 1)
+    assert download("mnist", silent_server, tmp_path) == 2
+    err = capsys.readouterr().err
+    progress, _, error = err.rpartition("\r")  # the progress bar, then the line that replaces it
+    assert "train-images-idx3-ubyte.gz: 0.00B" in progress
+    assert "waiting for the server to answer (each try gives up after 1.5 s without a byte)" in progress
+    assert error.startswith("fedmeta: error: downloading") and error.count("\n") == 1
+
+
+def test_a_step_silent_past_its_notice_says_once_what_it_waits_for(monkeypatch, capsys):
+    """W&B reaching its server (a run logging online without a network waited 221 s in silence)."""
+    import time
+
+    from fedmeta import waiting
+
+    monkeypatch.setattr(waiting, "NOTICE_S", 0.1)
+    with waiting.said_after("waiting for W&B to start the run online"):
+        time.sleep(0.4)
+    with waiting.said_after("never said: this step is quick"):
+        pass
+    time.sleep(0.2)
+    assert capsys.readouterr().err == "fedmeta: waiting for W&B to start the run online\n"

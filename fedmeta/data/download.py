@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from fedmeta.data import convert
 from fedmeta.errors import FedmetaError
+from fedmeta.waiting import said_after
 
 GTSRB_URL = "https://sid.erda.dk/public/archives/daaeac0d7ce1152aea9b61d9f1e19370/GTSRB-Training_fixed.zip"
 GTSRB_MD5 = "513f3c79a4c5141765e10e952eaa2478"  # torchvision's GTSRB.download()
@@ -267,7 +268,10 @@ def _get(url: str, target: Path, bar: tqdm) -> str:
     wait at most TIMEOUT_S for a byte: a server that accepts and never answers must not hang it."""
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     digest = hashlib.md5(usedforsecurity=False)
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response, target.open("wb") as out:
+    waiting = f"waiting for the server to answer (each try gives up after {TIMEOUT_S:g} s without a byte)"
+    with said_after(waiting, bar.set_postfix_str):
+        response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
+    with response, target.open("wb") as out:
         bar.reset(total=response.length)
         while chunk := response.read(CHUNK):
             out.write(chunk)
