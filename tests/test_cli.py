@@ -140,7 +140,8 @@ def test_bad_input_is_one_line(overrides, message, capsys, tmp_path):
 def test_gpu_asked_on_a_machine_without_one(capsys, tmp_path):
     assert main(["train", "fabric.accelerator=cuda", f"output.root={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "fabric settings rejected" in err and not any(tmp_path.iterdir())
+    assert err.count("\n") == 1 and "fabric.accelerator=cuda: this machine has no CUDA device" in err
+    assert not any(tmp_path.iterdir())
 
 
 def test_missing_data_file_names_the_file(capsys, tmp_path, monkeypatch):
