@@ -128,16 +128,17 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
         summary = read_summary(path)
         if summary is None or not (path.parent / "metrics.csv").is_file():
             continue
+        config = path.parent / "config.yaml"
         try:
             with open(path.parent / "metrics.csv", encoding="utf-8") as f:
                 summary["metrics"] = [row for row in csv.DictReader(f) if row.get("eval_accuracy")]
-            planned = OmegaConf.load(path.parent / "config.yaml").federation.rounds
+            planned = OmegaConf.load(config).federation.rounds if config.exists() else None
         except Exception as exc:  # noqa: BLE001 — a cut-short, edited or foreign file: that run is skipped
             log.warning(
                 f"skipping {path.parent}: its metrics.csv or config.yaml cannot be read ({type(exc).__name__})"
             )
             continue
-        if summary.get("rounds") is not None and summary["rounds"] > planned:
+        if planned is not None and summary.get("rounds") is not None and summary["rounds"] > planned:
             log.warning(
                 f"skipping {path.parent}: its summary has {summary['rounds']} rounds, its config {planned}"
             )

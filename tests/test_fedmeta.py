@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fedmeta.algorithms import ClientUpdate, build_algorithm
+from fedmeta.algorithms.fedmeta import META_GRAD
 from fedmeta.config import compose
 from fedmeta.data import Batch
 from fedmeta.functional import grad_and_value
@@ -84,12 +85,14 @@ def test_second_order_differs_from_first_order():
 
 
 def updates_of(algorithm, gradients: list[dict]) -> list[ClientUpdate]:
-    """What clients whose meta-gradients are ``gradients`` send: θ − β·g_u, as local_update does."""
+    """What clients whose meta-gradients are ``gradients`` send, as local_update does: θ − β·g_u to a
+    server that steps with SGD, g_u itself (``meta_grad.<name>``) to one that steps with Adam."""
     theta, beta = algorithm.global_params(), algorithm.cfg.outer_lr
-    return [
-        ClientUpdate(i, {k: theta[k] - beta * g[k] for k in theta}, 1.0, torch.tensor(0.0))
-        for i, g in enumerate(gradients)
-    ]
+    if algorithm.cfg.outer_optimizer == "adam":
+        sent = [{META_GRAD + k: g[k] for k in theta} for g in gradients]
+    else:
+        sent = [{k: theta[k] - beta * g[k] for k in theta} for g in gradients]
+    return [ClientUpdate(i, params, 1.0, torch.tensor(0.0)) for i, params in enumerate(sent)]
 
 
 def random_gradients(algorithm, count: int, seed: int) -> list[dict]:

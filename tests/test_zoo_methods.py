@@ -340,7 +340,9 @@ KEPT = {  # method: its overrides (a new client's own-layers-first steps: 3 of t
     "fedper": (PARTIAL, layers("head")),
     "lgfedavg": (
         [*PARTIAL, "method.test_local_steps=3"],
-        layers("features.blocks.0.0", "features.blocks.1.0", *CONV_BN, "dense.0.0", "dense.0.1"),
+        layers(
+            "features.blocks.0.0", "features.blocks.1.0", *CONV_BN
+        ),  # global_layers=fc_block: the dense ones global
     ),
     "fedbn": ([*PARTIAL, "method.test_bn_steps=3"], layers(*CONV_BN, "dense.0.1")),
 }
