@@ -15,7 +15,8 @@
 #   1. the machine (into job.log, first, whatever fails after), and what may be carried: the 64 MiB
 #      less what travelled here (the tree and the kit, kept checkpoints aside), at most 28 MiB;
 #   2. the kit's wheels whose module does not import, into /tmp/fedmeta-site (no network needed);
-#   3. on a GPU whose model has not passed them with these sources (results/gpu/equivalence.txt), the
+#   3. on a GPU whose model has not passed them with these sources (the engine, the algorithms and the
+#      tests: results/gpu/equivalence.txt), the
 #      recorded rounds' GPU tests of every method the campaign runs, in three processes at once, at
 #      most EQUIVALENCE_SECONDS (default 90): a failure or a timeout turns recording off for the job;
 #   4. fedmeta campaign --budget (what is left) --pack $OUT: the unfinished units of
@@ -30,7 +31,7 @@ PRESET=paper
 KEPT=results/runs/$PRESET
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-SOURCES="tests/test_capture.py tests/test_vectorize.py fedmeta/capture.py fedmeta/engine.py fedmeta/functional.py"
+SOURCES="tests/test_capture.py tests/test_vectorize.py fedmeta/capture.py fedmeta/engine.py fedmeta/functional.py fedmeta/algorithms/*.py"
 
 if [ "${1:-}" = "--outputs" ]; then
   tr ' ' '\n' <<< "$OUTPUTS"
