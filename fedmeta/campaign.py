@@ -45,7 +45,7 @@ from fedmeta.config import CONFIG_DIR, compose
 from fedmeta.errors import FedmetaError
 from fedmeta.runs import summary_problem
 
-CARRIED = (*report.RUN_FILES, "checkpoint.ckpt")  # what an unfinished run leaves for the next job
+CARRIED = lease.UNFINISHED_FILES  # what an unfinished run leaves for the next job
 
 
 def load(path: Path = CONFIG_DIR / "campaign.yaml") -> DictConfig:
