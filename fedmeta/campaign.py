@@ -81,6 +81,7 @@ def _campaign_problem(raw) -> str | None:
         "overrides",
         "carry_mib",
         "parallel",
+        "start_ahead",
         "reserve_seconds",
         "lease",
         "not_in_leases",
@@ -121,6 +122,13 @@ def _campaign_problem(raw) -> str | None:
                 isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in raw["parallel"].values()
             ),
             f"parallel must be {{cuda: N, cpu: N}}, units at once, each ≥ 1, got {raw['parallel']!r}",
+        ),
+        (
+            isinstance(ahead := raw.get("start_ahead", {"cuda": 0, "cpu": 0}), dict)
+            and set(ahead) == {"cuda", "cpu"}
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 8 for v in ahead.values()),
+            f"start_ahead must be {{cuda: N, cpu: N}}, units that set up while others train, each 0 to 8, "
+            f"got {raw.get('start_ahead')!r}",
         ),
         (
             number(raw["reserve_seconds"]) and 5 <= raw["reserve_seconds"] <= 600,
@@ -276,8 +284,10 @@ def run(
     started = time.time()
     stop_at = started + budget - campaign.reserve_seconds
     carry = campaign.carry_mib if carry_mib is None else carry_mib
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if parallel is None:
-        parallel = campaign.parallel.cuda if torch.cuda.is_available() else campaign.parallel.cpu
+        parallel = campaign.parallel[device]
+    ahead = campaign.get("start_ahead", {}).get(device, 0)
     unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
     missing = {}  # per setting: its methods read the same data
     for unit in unfinished:
@@ -331,7 +341,7 @@ def run(
     jobs = [job for unit in todo for job in chunks(unit, carry)]
     lines = None
     try:
-        lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at) if jobs else []
+        lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at, ahead=ahead) if jobs else []
     finally:  # a stop of the campaign itself still packs what its runs left
         record["ended"] = lines is not None
         record["not_done"] = (lines or []) + refused

@@ -659,6 +659,11 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
         and stop_at > 0,
         f"output.stop_at must be null or a Unix time in seconds (e.g. $(( $(date +%s) + 600 ))), got {stop_at!r}",
     )
+    turns = cfg.output.get("turns")
+    _require(
+        turns is None or isinstance(turns, str) and any(Path(turns).glob("turn-*")),
+        f"output.turns must be null or a folder holding turn-* files (fedmeta campaign makes it), got {turns!r}",
+    )
     setting = cfg.output.setting
     _require(
         setting is None or _plain(setting),

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from fedmeta.checkpoint import differences, identity
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, method_label, run_name, setting_name
 from fedmeta.errors import FedmetaError, RunStopped
-from fedmeta.runs import read_summary
+from fedmeta.runs import DeviceTurn, read_summary
 
 EXECUTORS = ("pool", "local", "slurm")
 STOPPED = "stopped"  # a failure line that starts with it: the run stopped early, checkpointed, to continue
@@ -385,10 +385,13 @@ def run(
     executor: str = "pool",
     slurm: list[str] = (),
     stop_at: float | None = None,
+    ahead: int = 0,
 ) -> list[str]:
     """Run the jobs not yet finished on ``executor``; returns one line per run that failed or was
     stopped (its log holds the rest; a stopped one's line starts with ``STOPPED``).
     ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods).
+    ``ahead`` (pool): that many more processes start and set up while ``parallel`` train, each
+    waiting for a turn (``output.turns``) before its first round.
     ``stop_at`` (a Unix time): every run stops at its last round boundary before it, checkpointed
     (``output.stop_at``), none starts after it, and one still running then is sent SIGTERM, then
     killed ``KILL_AFTER`` seconds later."""
@@ -409,6 +412,10 @@ def run(
     if stop_at is not None:
         todo = [replace(job, overrides=(*job.overrides, f"output.stop_at={int(stop_at)}")) for job in todo]
     if executor == "pool":
+        if ahead and len(todo) > parallel:
+            turns = DeviceTurn.make(root / "turns", parallel).resolve()
+            todo = [replace(job, overrides=(*job.overrides, f"output.turns={turns}")) for job in todo]
+            parallel += ahead
         return _run_pool(todo, logs, parallel, threads, stop_at)
     if executor == "local":
         return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)

@@ -28,7 +28,7 @@ from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.evaluation import PersonalizationResult
 from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds, gather_updates
-from fedmeta.runs import RunLock, RunRecorder, check_run_folder, check_wandb_login
+from fedmeta.runs import DeviceTurn, RunLock, RunRecorder, check_run_folder, check_wandb_login
 
 log = logging.getLogger("fedmeta")
 
@@ -55,17 +55,34 @@ def train(
     )  # a setting the device cannot run: refused before any folder
     configs = seed_configs(cfg)
     runs: list[Run] = []
+    turn = DeviceTurn(cfg.output.turns) if cfg.output.get("turns") else None
     try:
         with Stopper(cfg.output.stop_at) as stopper:
             for one in configs:
                 runs.append(Run(fabric, one, len(configs)))
+            if turn is not None:
+                _take(turn, cfg.output)
             return _train(fabric, cfg, runs, show_progress, on_evaluation, engine, stopper)
     finally:
+        if turn is not None:
+            turn.release()
         for run in runs:
             run.recorder.close(
                 "failed"
             )  # a run that stopped early (error, pruner, Ctrl-C); after finish: nothing left
             run.lock.release()  # a run that failed to set up never took its lock
+
+
+def _take(turn: DeviceTurn, output: DictConfig) -> None:
+    """Wait, set up, for a turn on the device; stop in one line if the deadline comes first."""
+    log.info("set up; waiting for a turn on the device (%s)", output.turns)
+    waited = time.perf_counter()
+    if not turn.wait(output.stop_at):
+        raise RunStopped(
+            "stopped before its first round in this job: output.stop_at passed while it waited "
+            "for a turn on the device; continue with output.resume=true"
+        )
+    log.info("took a turn on the device after %.1f s", time.perf_counter() - waited)
 
 
 def _evaluate(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import io
 import json
 import logging
@@ -192,6 +193,52 @@ class RunLock:
         if self.held:
             self.path.unlink(missing_ok=True)
             self.held = False
+
+
+class DeviceTurn:
+    """A turn on a shared device: one of the ``turn-*`` files of a folder (``output.turns``), held
+    with ``flock`` from a run's first round until its process ends — the system lets it go even
+    when the process is killed. A campaign on a card starts the next unit while one trains: the
+    next one reads its data, builds its model and loads its checkpoint, then waits here, so no
+    turn passes in a process's start."""
+
+    POLL_SECONDS = 0.2
+
+    def __init__(self, folder: Path):
+        self.paths = sorted(Path(folder).glob("turn-*"))
+        self.held = None
+
+    @staticmethod
+    def make(folder: Path, turns: int) -> Path:
+        """``folder`` with ``turns`` turn files (runs at once on the device)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("turn-*"):
+            old.unlink()
+        for k in range(turns):
+            (folder / f"turn-{k}").touch()
+        return folder
+
+    def wait(self, stop_at: float | None) -> bool:
+        """Block until a turn is held (True) or ``stop_at`` has passed (False: the run then stops
+        before its first round, at its deadline)."""
+        while True:
+            for path in self.paths:
+                handle = open(path, "a")  # noqa: SIM115 — held until the process ends or release()
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.close()
+                    continue
+                self.held = handle
+                return True
+            if stop_at is not None and time.time() >= stop_at:
+                return False
+            time.sleep(self.POLL_SECONDS)
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.close()  # closing the file lets its lock go
+            self.held = None
 
 
 # a metrics.csv column → its name in the loggers: one namespace per chart section

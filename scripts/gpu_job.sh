@@ -15,8 +15,8 @@
 #   1. the machine (into job.log, first, whatever fails after), and what may be carried: the 64 MiB
 #      less what travelled here (the tree and the kit, kept checkpoints aside), at most 28 MiB;
 #   2. the kit's wheels whose module does not import, into /tmp/fedmeta-site (no network needed);
-#   3. on a GPU whose model has not passed them with these sources (the engine, the algorithms and the
-#      tests: results/gpu/equivalence.txt), the
+#   3. on a GPU whose model has not passed them with these sources (the engine, the tests and the
+#      campaign's methods' algorithm files: results/gpu/equivalence.txt), the
 #      recorded rounds' GPU tests of every method the campaign runs, in three processes at once, at
 #      most EQUIVALENCE_SECONDS (default 90): a failure or a timeout turns recording off for the job;
 #   4. fedmeta campaign --budget (what is left) --pack $OUT: the unfinished units of
@@ -31,7 +31,6 @@ PRESET=paper
 KEPT=results/runs/$PRESET
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-SOURCES="tests/test_capture.py tests/test_vectorize.py fedmeta/capture.py fedmeta/engine.py fedmeta/functional.py fedmeta/algorithms/*.py"
 
 if [ "${1:-}" = "--outputs" ]; then
   tr ' ' '\n' <<< "$OUTPUTS"
@@ -99,14 +98,37 @@ export WANDB_MODE=disabled PYTHONUNBUFFERED=1 FEDMETA_CACHE=${FEDMETA_CACHE:-/tm
 
 read -r -a RUN_ARGS <<< "${CAMPAIGN_ARGS:-}"
 if [ -n "$GPU" ]; then
+  # the campaign's methods (else its preset's), and the sources their recorded rounds run: the engine,
+  # the tests, and the algorithm files of those methods and of what they import (fedmeta itself is not
+  # imported: that costs seconds)
+  read -r METHODS_AND_SOURCES < <("$PY" - <<'PYTHON'
+import re, yaml
+from pathlib import Path
+plan = yaml.safe_load(open("configs/campaign.yaml"))
+methods = plan.get("methods") or yaml.safe_load(open(f"configs/preset/{plan['preset']}.yaml"))["methods"]
+files = {"fedmeta/algorithms/__init__.py", "fedmeta/algorithms/base.py"}
+for method in methods:
+    name = method
+    while not Path(f"fedmeta/algorithms/{name}.py").exists():  # fedavg_ft: FedAvg's file
+        name = yaml.safe_load(open(f"configs/method/{name}.yaml")).get("inherits")
+        if name is None:
+            break
+    todo = [f"fedmeta/algorithms/{name}.py"] if name else []
+    while todo:
+        file = todo.pop()
+        if file not in files:
+            files.add(file)
+            todo += [f"fedmeta/algorithms/{m}.py" for m in re.findall(r"fedmeta\.algorithms\.(\w+)", open(file).read())]
+print(" ".join(methods), "|", " ".join(sorted(files)))
+PYTHON
+)
+  METHODS=${METHODS_AND_SOURCES%% | *}
+  SOURCES="tests/test_capture.py tests/test_vectorize.py fedmeta/capture.py fedmeta/engine.py fedmeta/functional.py ${METHODS_AND_SOURCES#* | }"
   # shellcheck disable=SC2086  # the sources are words
   HASH=$(cat $SOURCES | sha256sum | cut -c1-16)
   if grep -qxF "$GPU sources $HASH" results/gpu/equivalence.txt 2>/dev/null; then
     at "equivalence: $GPU passed the recorded rounds' GPU tests with these sources before: not rerun"
   else
-    METHODS=$("$PY" -c "import yaml  # the campaign's methods, else its preset's (importing fedmeta costs seconds)
-plan = yaml.safe_load(open('configs/campaign.yaml'))
-print(' '.join(plan.get('methods') or yaml.safe_load(open(f'configs/preset/{plan[\"preset\"]}.yaml'))['methods']))")
     CAP=${EQUIVALENCE_SECONDS:-90}
     at "equivalence: the recorded rounds' GPU tests of $METHODS, three processes, at most $CAP s"
     read -r -a ALL <<< "$METHODS"

@@ -5,6 +5,7 @@ machine continues a carried checkpoint."""
 
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -122,7 +123,7 @@ def test_a_job_continues_the_units_under_way_first_then_the_next_in_order(tmp_pa
     assert all_units[5].rounds_done(kept) == [1, 0, 0]  # the checkpoint's round, not metrics.csv's
     started = []
 
-    def record(jobs, root_, parallel, kept_, stop_at):
+    def record(jobs, root_, parallel, kept_, stop_at, **_):
         started.extend(jobs)
         return []
 
@@ -307,3 +308,79 @@ def test_sigterm_while_a_run_starts_is_a_stop_in_one_line(tmp_path, monkeypatch,
     assert (
         status == RunStopped.EXIT_STATUS and len(said) == 1 and "stopped by SIGTERM while starting" in said[0]
     )
+
+
+def test_a_turn_is_held_by_one_run_at_a_time_and_let_go_when_its_process_dies(tmp_path):
+    from fedmeta.runs import DeviceTurn
+
+    turns = DeviceTurn.make(tmp_path / "turns", 1)
+    first, second = DeviceTurn(turns), DeviceTurn(turns)
+    assert first.wait(None)
+    assert not second.wait(time.time() + 0.5)  # its deadline passes while the other holds the turn
+    first.release()
+    assert second.wait(time.time() + 0.5)
+    second.release()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from fedmeta.runs import DeviceTurn; "
+            "turn = DeviceTurn(sys.argv[1]); turn.wait(None); print('held', flush=True); time.sleep(60)",
+            str(turns),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    assert not first.wait(time.time() + 0.5)
+    holder.kill()  # as a lease's end kills a job: the system lets its lock go
+    holder.wait()
+    assert first.wait(time.time() + 5)
+
+
+def test_a_run_sets_up_then_waits_for_its_turn_and_stops_in_one_line_at_its_deadline(tmp_path, mnist_dir):
+    from fedmeta.runs import DeviceTurn
+
+    turns = DeviceTurn.make(tmp_path / "turns", 1)
+    busy = DeviceTurn(turns)
+    assert busy.wait(None)  # another unit trains
+    cfg = compose(
+        [
+            "method=fedavg",
+            *TINY,
+            f"dataset.dir={mnist_dir}",
+            f"output.root={tmp_path / 'runs'}",
+            f"output.turns={turns}",
+            f"output.stop_at={time.time() + 3:.0f}",
+        ]
+    )
+    with pytest.raises(RunStopped, match="waited for a turn on the device"):
+        train(cfg, show_progress=False)
+    assert not list((tmp_path / "runs").rglob("checkpoint.ckpt"))  # it trained nothing
+    busy.release()
+    summary = train(cfg | {"output": {"stop_at": None, "resume": True}}, show_progress=False)
+    assert summary["rounds"] == 4  # with the turn free it runs
+
+
+@pytest.mark.slow
+def test_units_started_ahead_train_one_at_a_time_and_all_finish(tmp_path, mnist_dir):
+    """Two units with one turn and one started ahead: the second sets up while the first trains,
+    never trains beside it, and both finish."""
+    jobs = grid.stacked(
+        [
+            job
+            for unit in campaign.units(tiny_campaign(mnist_dir, methods=["fedavg", "fedavg_ft"]), tmp_path)
+            for job in unit.jobs
+        ]
+    )
+    assert grid.run(jobs, tmp_path, parallel=1, ahead=1) == []
+    logs = {
+        job.method: (tmp_path / "logs" / f"{job.label.replace('/', '-')}.log").read_text() for job in jobs
+    }
+    assert all("waiting for a turn on the device" in log for log in logs.values())
+    waited = sorted(
+        float(re.search(r"took a turn on the device after ([\d.]+) s", log)[1]) for log in logs.values()
+    )
+    assert waited[1] > 1.0  # one set up while the other trained, and waited for it to end
+    for job in jobs:
+        assert (tmp_path / job.setting / job.method / "seed0" / "summary.json").is_file()
