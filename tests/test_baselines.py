@@ -187,6 +187,7 @@ FAST = {
     "apfl": ["method.local_epochs=1"],
     "fedprox": ["method.local_epochs=1"],
     "scaffold": ["method.local_epochs=1"],
+    "feddyn": ["method.local_epochs=1"],
     "local": [],
 }
 

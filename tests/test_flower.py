@@ -65,8 +65,20 @@ def test_a_node_never_gets_two_training_messages_at_once():
 
 @pytest.mark.parametrize(
     "method",
-    ["cafeme", "fedrep", "scaffold", "fedper", "lgfedavg", "fedbn", "apfl", "pfedme", "fedmeta_metasgd"],
+    [
+        "cafeme",
+        "fedrep",
+        "scaffold",
+        "feddyn",
+        "fedper",
+        "lgfedavg",
+        "fedbn",
+        "apfl",
+        "pfedme",
+        "fedmeta_metasgd",
+    ],
 )  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
+# FedDyn: each ∇L_k on its node, h the server's alone
 # FedPer, LG-FedAvg, FedBN: their kept layers (the head, the body, the BN affines) on their node
 # APFL: each client's personal model v and weight α on its node
 # pFedMe: the server's β step; FedMeta (Meta-SGD): the server's Adam step on θ and the learned rates

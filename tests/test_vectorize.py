@@ -48,6 +48,7 @@ FAST = {
     "fedbn": ["method.local_epochs=1", "method.test_bn_steps=2"],
     "fedprox": ["method.local_epochs=1", "method.local_lr=0.05"],
     "scaffold": ["method.local_epochs=1", "method.local_lr=0.05"],  # c and each client's c_i after 3 rounds
+    "feddyn": ["method.local_epochs=1", "method.local_lr=0.05", "method.alpha=0.1"],  # h and each ∇L_k
     "local": [],
     "cafeme": [],
     "cafeme variant=authors": [],

@@ -327,6 +327,80 @@ def test_scaffold_server_control_variate_is_checkpointed(trained, tmp_path):
             assert torch.equal(fresh.client_state(client_id, fresh.global_params())[key][name], value)
 
 
+# ---- FedDyn ----------------------------------------------------------------------------------------
+# the config's federation is the fixture's (20 clients, 5 new): m = 15 in h's update; a few short
+# rounds: a larger step and α than the protocol's
+FEDDYN = [
+    "method.local_lr=0.05",
+    "method.local_epochs=1",
+    "method.alpha=0.1",
+    "federation.num_clients=20",
+    "federation.num_new_clients=5",
+]
+
+
+def test_feddyn_learns_and_h_is_the_mean_of_every_clients_gradient_state(trained):
+    """From h = 0 and ∇L_k = 0, h ← h − α/m·Σ(θ_k − θ) and ∇L_k ← ∇L_k − α(θ_k − θ) keep
+    h = (1/m)·Σ_k ∇L_k over all m training clients, those that never took part at 0."""
+    algorithm, federation, _, curves = trained("feddyn", *FEDDYN)
+    print(f"FedDyn: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    assert set(algorithm.client_states) == took_part and len(took_part) < len(federation.train_clients)
+    kept = [s["gradient"] for s in algorithm.client_states.values()]
+    assert not torch.equal(kept[0]["head.weight"], kept[1]["head.weight"])  # each client its own
+    m = len(federation.train_clients)
+    for name, h in algorithm.h.items():
+        torch.testing.assert_close(h, sum(g[name] for g in kept) / m, rtol=1e-5, atol=1e-7)
+        assert h.abs().max() > 0
+
+
+def test_feddyn_local_steps_gradient_state_and_server_update(zoo_data):
+    """From a kept ∇L_k and h (random here): θ ← θ − η(∇L_k(θ) − ∇L_k^{old} + α(θ − θ^{t−1})) for
+    2 steps, the client keeps ∇L_k^{old} − α(θ_k − θ^{t−1}); the server takes
+    h ← h − α/m·Σ(θ_k − θ^{t−1}) and θ^t = mean θ_k − h/α — the paper's Algorithm 1 by hand."""
+    cfg = compose(["method=feddyn", *TINY, "method.local_lr=0.1", "method.alpha=0.5"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    eta, alpha, x = 0.1, 0.5, {k: p.clone() for k, p in algorithm.global_params().items()}
+    torch.manual_seed(1)
+    old = {k: 0.01 * torch.randn_like(p) for k, p in x.items()}
+    h = {k: 0.01 * torch.randn_like(p) for k, p in x.items()}
+    algorithm.h, algorithm.client_states = dict(h), {client.id: {"gradient": dict(old)}}
+    theta = x
+    for batch in batches:
+        g = gradient(algorithm, theta, batch)
+        theta = {k: theta[k] - eta * (g[k] - old[k] + alpha * (theta[k] - x[k])) for k in x}
+    result = algorithm.local_update(x, algorithm.client_state(client.id, x), {"epochs": batches})
+    update = algorithm.to_update(client, result)
+    for k in x:
+        torch.testing.assert_close(update.params[k], theta[k])
+        torch.testing.assert_close(update.state["gradient"][k], old[k] - alpha * (theta[k] - x[k]))
+    other = type(update)(client.id + 1, {k: 2 * v for k, v in update.params.items()}, 1.0, 0.0, None)
+    algorithm.aggregate([update, other])
+    m = cfg.federation.num_clients - cfg.federation.num_new_clients
+    for k, p in algorithm.global_params().items():
+        h_new = h[k] - alpha * ((theta[k] - x[k]) + (2 * theta[k] - x[k])) / m
+        torch.testing.assert_close(algorithm.h[k], h_new)
+        torch.testing.assert_close(p, (theta[k] + 2 * theta[k]) / 2 - h_new / alpha)
+    assert client.id + 1 not in algorithm.client_states  # a reply without state (a Flower node keeps its own)
+
+
+def test_feddyn_server_state_is_checkpointed(trained, tmp_path):
+    algorithm, _, cfg, _ = trained("feddyn", *FEDDYN)
+    torch.save(algorithm.federation_state(), tmp_path / "state.pt")
+    fresh = build_algorithm(cfg, 10)
+    fresh.load_federation_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert fresh.h.keys() == algorithm.h.keys() and all(
+        torch.equal(fresh.h[k], algorithm.h[k]) for k in fresh.h
+    )
+    client_id = next(iter(algorithm.client_states))
+    params = algorithm.global_params()
+    for name, value in algorithm.client_state(client_id, params)["gradient"].items():
+        assert torch.equal(fresh.client_state(client_id, fresh.global_params())["gradient"][name], value)
+
+
 # ---- FedPer, LG-FedAvg, FedBN: some layers stay with each client; FedBABU: a head never trained ------
 PARTIAL = ["method.local_lr=0.05", "method.local_epochs=1"]
 
@@ -518,6 +592,7 @@ LEARNED = {
     "apfl": APFL,
     "fedbabu": PARTIAL,
     "fedbn": KEPT["fedbn"][0],
+    "feddyn": FEDDYN,
     "fedper": KEPT["fedper"][0],
     "fedprox": FEDPROX,
     "pfedme": PFEDME,

@@ -22,6 +22,7 @@ from fedmeta.algorithms.ditto import Ditto
 from fedmeta.algorithms.fedavg import FedAvg
 from fedmeta.algorithms.fedbabu import FedBABU
 from fedmeta.algorithms.fedbn import FedBN
+from fedmeta.algorithms.feddyn import FedDyn
 from fedmeta.algorithms.fedmeta import FedMeta
 from fedmeta.algorithms.fedper import FedPer
 from fedmeta.algorithms.fedprox import FedProx
@@ -51,6 +52,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "apfl": APFL,
     "fedprox": FedProx,
     "scaffold": SCAFFOLD,
+    "feddyn": FedDyn,
     "local": Local,
 }
 

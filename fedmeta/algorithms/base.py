@@ -164,6 +164,12 @@ class Algorithm(nn.Module):
         """A client's share of the average: its sample count (FedAvg), or 1 (``method.averaging=uniform``)."""
         return 1.0 if self.cfg.get("averaging") == "uniform" else float(client.num_samples)
 
+    def training_clients(self) -> int:
+        """N: the clients that train the model (the new clients are only evaluated). A method that
+        reads it sets ``num_clients: ${federation.num_clients}`` and ``num_new_clients:
+        ${federation.num_new_clients}`` in its method file (SCAFFOLD's and FedDyn's 1/N)."""
+        return self.cfg.num_clients - self.cfg.num_new_clients
+
     # ---- what a client carries between rounds, where a method (or its authors' code) keeps it ----
     def batches_read(self, client_id: int) -> int:
         """How many batches of its persistent iterator (``Client.stream``) the client has read."""
@@ -254,21 +260,21 @@ class Algorithm(nn.Module):
         momentum: float = 0.0,
         trainable: list[str] | None = None,
         objective: Objective | None = None,
+        correction: Callable[[Params, Params], Params] | None = None,
     ) -> tuple[Params, torch.Tensor]:
         """SGD over ``batches`` (a client's shuffled epochs), updating ``params[trainable]`` (all by
         default); returns the new parameters and the mean training loss. ``objective(params, batch)``:
         what each step minimizes instead of ``self.loss`` (FedProx: the loss plus a proximal term,
-        ``fedmeta.functional.proximal``); its value is the loss reported."""
+        ``fedmeta.functional.proximal``); its value is the loss reported. ``correction(params,
+        grads)``: the gradient a step takes instead (FedDyn's linear and quadratic terms, whose
+        value is no loss to report)."""
         names = trainable or list(params)
         velocity = {n: torch.zeros_like(params[n]) for n in names} if momentum else None
-        params, loss, _ = self._local_steps(
-            params,
-            batches,
-            names,
-            velocity,
-            lambda trained, grads, v: sgd(trained, grads, lr, momentum, v),
-            objective,
-        )
+
+        def step(trained: Params, grads: Params, v):
+            return sgd(trained, correction(trained, grads) if correction else grads, lr, momentum, v)
+
+        params, loss, _ = self._local_steps(params, batches, names, velocity, step, objective)
         return params, loss
 
     def local_adam(

@@ -52,10 +52,6 @@ class SCAFFOLD(FedAvg):
         super().__init__(model, cfg, precision)
         self.control: Params = {}  # c, the server control variate (at least float32); absent: 0
 
-    def training_clients(self) -> int:
-        """N: the clients that train the model (the new clients are only evaluated)."""
-        return self.cfg.num_clients - self.cfg.num_new_clients
-
     def client_state(self, client_id: int, params: Params) -> dict:
         kept = self.client_states.get(client_id, {}).get("control")  # c_i; none before its first round
 
