@@ -8,8 +8,8 @@ rule, evaluation schedule, checkpoints and run folder. Only *where a client comp
 that holds the client, which runs the same ``Algorithm.run_client`` (training) or the shared
 personalization procedure (evaluation) on its own data and replies. A client's kept state
 (FedRep's head, the authors' Adam moments, SCAFFOLD's c_i) stays on its node, in the node's Flower
-context; server state that a local update reads besides the model (SCAFFOLD's c:
-``Algorithm.broadcast_state``) travels with the model in each training message.
+context; server state that a client reads besides the model (SCAFFOLD's c, FedProto's prototypes:
+``Algorithm.broadcast_state``) travels with the model in each message.
 
 Which clients a node holds comes from its node config: ``partition-id`` p of ``num-partitions``
 P holds the clients whose id ≡ p (mod P) — one client per node with P = number of clients, or a
@@ -230,8 +230,10 @@ class FlowerEngine:
             content = RecordDict(
                 {"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})}
             )
-            shared = algorithm.broadcast_state() if kind == "train" else {}
-            if shared:  # the server's state a local update reads besides the model (SCAFFOLD's c)
+            shared = algorithm.broadcast_state()
+            if (
+                shared
+            ):  # the server's state a client reads besides the model (SCAFFOLD's c, FedProto's prototypes)
                 content["shared"] = ArrayRecord({k: v.contiguous() for k, v in shared.items()})
             messages.append(Message(content, self.node_of[client.id], kind, group_id=str(round_)))
             model_bytes[client.id] = sum(

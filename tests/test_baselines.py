@@ -188,6 +188,7 @@ FAST = {
     "fedprox": ["method.local_epochs=1"],
     "scaffold": ["method.local_epochs=1"],
     "feddyn": ["method.local_epochs=1"],
+    "fedproto": ["method.local_epochs=1"],
     "local": [],
 }
 

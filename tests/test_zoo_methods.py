@@ -401,6 +401,91 @@ def test_feddyn_server_state_is_checkpointed(trained, tmp_path):
         assert torch.equal(fresh.client_state(client_id, fresh.global_params())["gradient"][name], value)
 
 
+# ---- FedProto --------------------------------------------------------------------------------------
+FEDPROTO = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedproto_learns_sends_only_prototypes_and_each_client_keeps_its_model(trained):
+    from fedmeta.algorithms.fedproto import HELD, PROTOTYPE
+
+    algorithm, federation, _, curves = trained("fedproto", *FEDPROTO)
+    print(f"FedProto: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    initial = starting_params("fedproto", *FEDPROTO)
+    assert all(
+        torch.equal(p, initial[n]) for n, p in algorithm.global_params().items()
+    )  # no parameter is sent
+    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    assert set(algorithm.client_states) == took_part
+    models = [algorithm.client_states[c]["head.weight"] for c in sorted(took_part)]
+    assert not torch.equal(models[0], models[1]) and not torch.equal(models[0], initial["head.weight"])
+    assert algorithm.prototypes[HELD].sum() == 10  # every class has a global prototype by now
+    assert algorithm.prototypes[PROTOTYPE].norm(dim=1).min() > 0
+
+
+def test_fedproto_local_loss_prototypes_and_their_aggregation_by_hand(zoo_data):
+    """Two SGD steps on CE + λ·MSE(z, C̄_y) from the client's own model; its prototypes are its
+    embeddings' class means over all its data; the server's C̄_j is the mean over the clients that
+    hold j, and a class no client of the round holds keeps its last prototype."""
+    from fedmeta.algorithms.fedproto import HELD, PROTOTYPE
+
+    cfg = compose(["method=fedproto", *TINY, "method.local_lr=0.1", "method.lam=0.5"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    torch.manual_seed(1)
+    own = {k: p + 0.01 * torch.randn_like(p) for k, p in w.items()}  # the client's model, already its own
+    global_protos = torch.randn(10, 32, dtype=torch.float64)
+    held = torch.tensor([1.0] * 9 + [0.0], dtype=torch.float64)  # class 9 has no global prototype yet
+    algorithm.prototypes = {PROTOTYPE: global_protos, HELD: held}
+    algorithm.client_states = {client.id: dict(own)}
+
+    def embed(params, x):
+        return torch.func.functional_call(algorithm.model, params, (x,), {"embedding": True})
+
+    def loss(params, batch):
+        z = embed(params, batch.x)
+        ce = torch.nn.functional.cross_entropy(algorithm(params, batch.x), batch.y)
+        mse = torch.stack([((z[i] - global_protos[y]) ** 2).mean() * held[y] for i, y in enumerate(batch.y)])
+        return ce + 0.5 * mse.mean()
+
+    theta = own
+    for batch in batches:
+        leaves = {k: p.clone().requires_grad_() for k, p in theta.items()}
+        g = dict(zip(leaves, torch.autograd.grad(loss(leaves, batch), list(leaves.values()))))
+        theta = {k: theta[k] - 0.1 * g[k] for k in theta}
+    everything = client.batch("all", None)
+    everything = everything._replace(x=everything.x.double())
+    result = algorithm.local_update(
+        w, algorithm.client_state(client.id, w), {"epochs": batches, "all": everything}
+    )
+    for k in theta:
+        torch.testing.assert_close(result.state["own"][k], theta[k])
+    with torch.no_grad():
+        z = embed(theta, everything.x)
+    mine = torch.zeros(10, 32, dtype=torch.float64)
+    for j in everything.y.unique():
+        mine[j] = z[everything.y == j].mean(0)
+    torch.testing.assert_close(result.params[PROTOTYPE], mine)
+    assert result.params[HELD].tolist() == [float(j in everything.y.tolist()) for j in range(10)]
+
+    update = algorithm.to_update(client, result)
+    other_protos = torch.randn(10, 32, dtype=torch.float64)
+    other_held = torch.zeros(10, dtype=torch.float64)
+    other_held[[int(everything.y[0]), 3]] = 1  # shares one class with the client, and holds class 3
+    other = type(update)(client.id + 1, {PROTOTYPE: other_protos, HELD: other_held}, 1.0, 0.0, None)
+    algorithm.aggregate([update, other])
+    holders = result.params[HELD] + other_held
+    for j in range(10):
+        if holders[j] == 0:  # no client of the round holds it: the last one stays
+            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], global_protos[j])
+        else:
+            expected = (result.params[HELD][j] * mine[j] + other_held[j] * other_protos[j]) / holders[j]
+            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], expected)
+    assert torch.equal(algorithm.client_states[client.id]["head.weight"], result.state["own"]["head.weight"])
+
+
 # ---- FedPer, LG-FedAvg, FedBN: some layers stay with each client; FedBABU: a head never trained ------
 PARTIAL = ["method.local_lr=0.05", "method.local_epochs=1"]
 

@@ -25,6 +25,7 @@ from fedmeta.algorithms.fedbn import FedBN
 from fedmeta.algorithms.feddyn import FedDyn
 from fedmeta.algorithms.fedmeta import FedMeta
 from fedmeta.algorithms.fedper import FedPer
+from fedmeta.algorithms.fedproto import FedProto
 from fedmeta.algorithms.fedprox import FedProx
 from fedmeta.algorithms.fedrep import FedRep
 from fedmeta.algorithms.ifca import IFCA, ClusteredNets
@@ -53,6 +54,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "fedprox": FedProx,
     "scaffold": SCAFFOLD,
     "feddyn": FedDyn,
+    "fedproto": FedProto,
     "local": Local,
 }
 

@@ -346,13 +346,14 @@ class Algorithm(nn.Module):
 
     # ---- what the server sends a sampled client besides the global model --------------------
     def broadcast_state(self) -> Params:
-        """Tensors of the server's state, besides the model, that a client's local update reads
-        (SCAFFOLD's server control variate); none by default. In one process ``client_state`` reads
-        them from the algorithm itself; on a Flower node they arrive with the model (fedmeta.flower)."""
+        """Tensors of the server's state, besides the model, that a client's local update or a new
+        client's personalization reads (SCAFFOLD's server control variate, FedProto's prototypes);
+        none by default. In one process they are read from the algorithm itself; on a Flower node
+        they arrive with the model (fedmeta.flower)."""
         return {}
 
     def load_broadcast_state(self, tensors: Params) -> None:
-        """Takes the server's ``broadcast_state`` where a node computes a client's update."""
+        """Takes the server's ``broadcast_state`` where a node trains or personalizes a client."""
 
     # ---- the whole federation state, for checkpoints ----------------------------------------
     def federation_state(self) -> dict:

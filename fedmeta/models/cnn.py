@@ -141,7 +141,9 @@ class ConvNet(nn.Module):
         gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
         gate_flatten: bool = False,
         mask: torch.Tensor | None = None,
+        embedding: bool = False,
     ) -> torch.Tensor:
+        """The logits; with ``embedding`` the representation the classifier reads (FedProto's)."""
         keep = gate or (lambda _, a: a)
         x = self.features(x, keep, mask)
         layer = len(self.conv_channels)
@@ -150,7 +152,7 @@ class ConvNet(nn.Module):
             layer += 1
         for i, block in enumerate(self.dense):
             x = keep(layer + i, run_block(block, x, mask))
-        return self.head(x)
+        return x if embedding else self.head(x)
 
 
 # the parameter names of the base network's parts: its classifier and its dense block
