@@ -189,6 +189,7 @@ FAST = {
     "scaffold": ["method.local_epochs=1"],
     "feddyn": ["method.local_epochs=1"],
     "fedproto": ["method.local_epochs=1"],
+    "fedrod": ["method.local_epochs=1"],
     "local": [],
 }
 

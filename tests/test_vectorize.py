@@ -50,6 +50,7 @@ FAST = {
     "scaffold": ["method.local_epochs=1", "method.local_lr=0.05"],  # c and each client's c_i after 3 rounds
     "feddyn": ["method.local_epochs=1", "method.local_lr=0.05", "method.alpha=0.1"],  # h and each ∇L_k
     "fedproto": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's model, the prototypes
+    "fedrod": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's personalized head
     "local": [],
     "cafeme": [],
     "cafeme variant=authors": [],

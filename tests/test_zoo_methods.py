@@ -486,6 +486,63 @@ def test_fedproto_local_loss_prototypes_and_their_aggregation_by_hand(zoo_data):
     assert torch.equal(algorithm.client_states[client.id]["head.weight"], result.state["own"]["head.weight"])
 
 
+# ---- FedRoD ----------------------------------------------------------------------------------------
+FEDROD = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedrod_learns_a_generic_model_and_a_personalized_head_per_client(trained):
+    algorithm, federation, _, curves = trained("fedrod", *FEDROD)
+    print(f"FedRoD: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    assert set(algorithm.client_states) == took_part
+    heads = [algorithm.client_states[c]["personal_head.weight"] for c in sorted(took_part)]
+    assert not torch.equal(heads[0], heads[1])
+    initial = starting_params("fedrod", *FEDROD)
+    assert torch.equal(initial["personal_head.weight"], initial["head.weight"])  # a copy of the generic head
+    params = algorithm.global_params()
+    assert torch.equal(params["personal_head.weight"], initial["personal_head.weight"])  # never averaged
+    assert not torch.equal(params["head.weight"], initial["head.weight"])
+
+
+def test_fedrod_local_steps_are_the_balanced_softmax_and_the_personal_heads_by_hand(zoo_data):
+    """Two SGD steps: the body and generic head on CE(g(z) + log n_y) with n the client's class
+    counts over its batches; the personalized head on CE(g(z) + p(z)) with g(z) and z held fixed;
+    the client sends the body and generic head and keeps its head."""
+    cfg = compose(["method=fedrod", *TINY, "method.local_lr=0.1"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    torch.manual_seed(1)
+    own = {k: w[k] + 0.1 * torch.randn_like(w[k]) for k in ("personal_head.weight", "personal_head.bias")}
+    algorithm.client_states = {client.id: dict(own)}
+    labels = torch.cat([b.y for b in batches])
+    log_counts = torch.bincount(labels, minlength=10).double().log()
+    body = [k for k in w if not k.startswith("personal_head.")]
+
+    def embed(params, x):
+        return torch.func.functional_call(algorithm.model, params, (x,), {"embedding": True})
+
+    theta = {**w, **own}
+    for batch in batches:
+        leaves = {k: p.clone().requires_grad_() for k, p in theta.items()}
+        z = embed(leaves, batch.x)
+        g = z @ leaves["head.weight"].T + leaves["head.bias"]
+        p_ = z.detach() @ leaves["personal_head.weight"].T + leaves["personal_head.bias"]
+        loss = torch.nn.functional.cross_entropy(g + log_counts, batch.y)
+        loss = loss + torch.nn.functional.cross_entropy(g.detach() + p_, batch.y)
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        theta = {k: theta[k] - 0.1 * grads[k] for k in theta}
+    result = algorithm.local_update(w, algorithm.client_state(client.id, w), {"epochs": batches})
+    update = algorithm.to_update(client, result)
+    assert set(update.params) == set(body)
+    for k in body:
+        torch.testing.assert_close(update.params[k], theta[k])
+    for k in own:
+        torch.testing.assert_close(update.state[k], theta[k])
+
+
 # ---- FedPer, LG-FedAvg, FedBN: some layers stay with each client; FedBABU: a head never trained ------
 PARTIAL = ["method.local_lr=0.05", "method.local_epochs=1"]
 

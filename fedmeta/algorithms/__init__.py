@@ -28,6 +28,7 @@ from fedmeta.algorithms.fedper import FedPer
 from fedmeta.algorithms.fedproto import FedProto
 from fedmeta.algorithms.fedprox import FedProx
 from fedmeta.algorithms.fedrep import FedRep
+from fedmeta.algorithms.fedrod import FedRoD
 from fedmeta.algorithms.ifca import IFCA, ClusteredNets
 from fedmeta.algorithms.lgfedavg import LGFedAvg
 from fedmeta.algorithms.local import Local
@@ -55,6 +56,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "scaffold": SCAFFOLD,
     "feddyn": FedDyn,
     "fedproto": FedProto,
+    "fedrod": FedRoD,
     "local": Local,
 }
 
