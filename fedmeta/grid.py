@@ -198,6 +198,11 @@ def check_names(
         compose(
             [f"method={name}", *([f"variant={variant}"] if variant else [])]
         )  # unknown: one line with the choices
+        if method not in preset.methods:
+            raise FedmetaError(
+                f"--methods: {method} is not one of the preset's methods ({', '.join(preset.methods)}): "
+                f"add it to the preset's methods: list (configs/preset/<preset>.yaml) to run it in its table"
+            )
 
 
 def setting_dataset(setting: DictConfig) -> str:

@@ -382,6 +382,10 @@ def test_one_name_is_a_list_of_one(capsys):
         (["bench", "--datasets", "fabric.accelerator=cpu"], "--datasets needs at least one name"),
         (["table", "--no-run", "--methods", "bogus"], "unknown method 'bogus'"),
         (["table", "--no-run", "--methods", "fedrep-nope"], "method 'fedrep' has no variant 'nope'"),
+        (
+            ["table", "--preset", "paper", "--no-run", "--methods", "fedproto"],
+            "--methods: fedproto is not one of the preset's methods",
+        ),
         (["table", "--no-run", "--executor", "bogus"], "--executor must be one of pool, local, slurm"),
         (
             ["table", "--no-run", "--datasets", "rmnsit", "federation.rounds=2"],
