@@ -281,6 +281,10 @@ def procedure(folders: list[Path]) -> str:
         said.append("on the mix α·v + (1−α)·w, which moves at about 0.75 of the step at α = 0.5")
     if method.get("algorithm") == "pfedme":
         said.append("on pFedMe's Moreau-envelope problem (λ keeps them near the global model)")
+    if method.get("algorithm") == "fedproto":
+        said.append("from the initial model, on FedProto's loss with the global prototypes")
+    if method.get("algorithm") == "fedrod":
+        said.append("on a personalized head alone, from zero, over the trained generic model")
     return "; ".join(said)
 
 

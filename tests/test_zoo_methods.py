@@ -749,3 +749,20 @@ def test_the_federation_itself_learned(method, trained):
     after = pooled_loss(algorithm, federation)
     print(f"{method}: pooled held-out loss of the global model {before:.3f} → {after:.3f}")
     assert after < before - 0.2  # measured drops: 0.31 (FedProx) to 0.41 (SCAFFOLD)
+
+
+@pytest.mark.parametrize(
+    "method,said",
+    [
+        ("fedproto", "50 steps at lr 0.001; from the initial model, on FedProto's loss"),
+        ("fedrod", "50 steps at lr 0.001; on a personalized head alone, from zero"),
+        ("feddyn", "50 steps at lr 0.001"),
+    ],
+)
+def test_the_table_says_how_a_methods_new_clients_are_scored(method, said, tmp_path):
+    from omegaconf import OmegaConf
+
+    from fedmeta import report
+
+    OmegaConf.save(compose([f"method={method}"]), tmp_path / "config.yaml")
+    assert report.procedure([tmp_path]).startswith(said)
