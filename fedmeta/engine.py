@@ -104,9 +104,10 @@ def stack(items: list):
     if isinstance(first, dict):
         return {key: stack([item[key] for item in items]) for key in first}
     if isinstance(first, list):
-        length = max(len(item) for item in items)
+        longest = max(items, key=len)  # a lane with no steps idles through copies of another's
         return [
-            stack([item[i] if i < len(item) else _idle(item[-1]) for item in items]) for i in range(length)
+            stack([item[i] if i < len(item) else _idle(item[-1] if item else longest[i]) for item in items])
+            for i in range(len(longest))
         ]
     return torch.stack(items)
 

@@ -72,6 +72,7 @@ def test_a_node_never_gets_two_training_messages_at_once():
         "feddyn",
         "fedproto",
         "fedrod",
+        "fedala",
         "fedper",
         "lgfedavg",
         "fedbn",
@@ -81,7 +82,7 @@ def test_a_node_never_gets_two_training_messages_at_once():
     ],
 )  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
 # FedDyn: each ∇L_k on its node, h the server's alone; FedProto: each model on its node, prototypes sent
-# FedRoD: each personalized head on its node
+# FedRoD: each personalized head on its node; FedALA: each client's top layers and weights on its node
 # FedPer, LG-FedAvg, FedBN: their kept layers (the head, the body, the BN affines) on their node
 # APFL: each client's personal model v and weight α on its node
 # pFedMe: the server's β step; FedMeta (Meta-SGD): the server's Adam step on θ and the learned rates

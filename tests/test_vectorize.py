@@ -51,6 +51,11 @@ FAST = {
     "feddyn": ["method.local_epochs=1", "method.local_lr=0.05", "method.alpha=0.1"],  # h and each ∇L_k
     "fedproto": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's model, the prototypes
     "fedrod": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's personalized head
+    "fedala": [
+        "method.local_epochs=1",
+        "method.local_lr=0.05",
+        "method.first_epochs=2",
+    ],  # windows of 0, 1, 2 epochs
     "local": [],
     "cafeme": [],
     "cafeme variant=authors": [],
@@ -150,6 +155,8 @@ def test_stacking_pads_batches_with_a_mask_and_idles_short_lanes():
     assert (
         stack([{"b": batch(3)}, {"b": batch(3)}])["b"].mask is None
     )  # equal sizes: no mask, no masked kernels
+    (idle,) = stack([{"e": []}, {"e": [batch(3)]}])["e"]  # a lane with no steps at all (FedALA's first round)
+    assert idle.active.tolist() == [False, True]
 
 
 def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch, caplog):

@@ -543,6 +543,68 @@ def test_fedrod_local_steps_are_the_balanced_softmax_and_the_personal_heads_by_h
         torch.testing.assert_close(update.state[k], theta[k])
 
 
+# ---- FedALA ----------------------------------------------------------------------------------------
+FEDALA = ["method.local_lr=0.05", "method.local_epochs=1", "method.first_epochs=2"]
+
+
+def test_fedala_learns_and_each_client_keeps_its_top_layers_and_weights(trained):
+    algorithm, federation, _, curves = trained("fedala", *FEDALA)
+    print(f"FedALA: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    states = list(algorithm.client_states.values())
+    assert all(set(s["local"]) == {"head.weight", "head.bias"} for s in states)
+    assert any(s["weights_trained"] for s in states)  # some clients came back and learned their weights
+    learned = [s["weights"]["head.weight"] for s in states if s["weights_trained"]]
+    assert all(((w >= 0) & (w <= 1)).all() for w in learned) and any((w < 1).any() for w in learned)
+
+
+def test_fedala_blends_with_learned_weights_then_trains_as_fedavg_by_hand(zoo_data):
+    """With a kept local head θ_i and weights W (random here), two window batches step
+    W ← clip(W − η·∇L(θ_t) ⊙ (θ − θ_i), 0, 1) at θ_t = θ_i + (θ − θ_i) ⊙ W (the body: θ's); the
+    client then takes FedAvg's SGD steps from the blended model and keeps its new head and W."""
+    from fedmeta.algorithms import FedAvg
+
+    cfg = compose(["method=fedala", *TINY, "method.local_lr=0.1", "method.ala_lr=5.0"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    theta = {k: p.clone() for k, p in algorithm.global_params().items()}
+    top = ["head.weight", "head.bias"]
+    torch.manual_seed(1)
+    local = {k: theta[k] + 0.3 * torch.randn_like(theta[k]) for k in top}
+    weights = {k: torch.rand_like(theta[k]) for k in top}
+    algorithm.client_states = {client.id: {"local": dict(local), "weights": dict(weights)}}
+    w = dict(weights)
+    for batch in batches:
+        blended = {k: local[k] + (theta[k] - local[k]) * w[k] for k in top}
+        g = gradient(algorithm, {**theta, **blended}, batch)
+        w = {k: torch.clamp(w[k] - 5.0 * g[k] * (theta[k] - local[k]), 0, 1) for k in top}
+    assert any(((v > 0) & (v < 1)).any() for v in w.values())  # the weights moved, and not all to a bound
+    start = {**theta, **{k: local[k] + (theta[k] - local[k]) * w[k] for k in top}}
+    trained = FedAvg.local_update(algorithm, start, {}, {"epochs": batches}).params
+    result = algorithm.local_update(
+        theta, algorithm.client_state(client.id, theta), {"epochs": batches, "ala": batches}
+    )
+    for k in theta:
+        torch.testing.assert_close(result.params[k], trained[k])
+    for k in top:
+        torch.testing.assert_close(result.state["weights"][k], w[k])
+        torch.testing.assert_close(result.state["local"][k], trained[k])
+
+
+def test_fedala_learns_its_weights_from_its_second_round_longer_the_first_time(zoo_data):
+    cfg = compose(["method=fedala", *TINY, "method.first_epochs=3"])
+    algorithm = build_algorithm(cfg, 10)
+    client = federation_of(zoo_data).train_clients[0]
+    window = len(client.window("all", 0.8, cfg.method.batch_size, client.generator(1)))
+    assert window > 0
+    assert algorithm.draw(client, 1)["ala"] == []  # no model of its own yet: nothing to blend
+    algorithm.client_states[client.id] = {"local": {}, "weights": {}, "weights_trained": False}
+    assert len(algorithm.draw(client, 2)["ala"]) == 3 * window
+    algorithm.client_states[client.id]["weights_trained"] = True
+    assert len(algorithm.draw(client, 3)["ala"]) == window
+
+
 # ---- FedPer, LG-FedAvg, FedBN: some layers stay with each client; FedBABU: a head never trained ------
 PARTIAL = ["method.local_lr=0.05", "method.local_epochs=1"]
 
@@ -735,6 +797,7 @@ LEARNED = {
     "fedbabu": PARTIAL,
     "fedbn": KEPT["fedbn"][0],
     "feddyn": FEDDYN,
+    "fedala": FEDALA,
     "fedper": KEPT["fedper"][0],
     "fedprox": FEDPROX,
     "pfedme": PFEDME,

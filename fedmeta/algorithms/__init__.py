@@ -19,6 +19,7 @@ from fedmeta.algorithms.apfl import APFL
 from fedmeta.algorithms.base import Algorithm, ClientUpdate
 from fedmeta.algorithms.cafeme import CAFeMe
 from fedmeta.algorithms.ditto import Ditto
+from fedmeta.algorithms.fedala import FedALA
 from fedmeta.algorithms.fedavg import FedAvg
 from fedmeta.algorithms.fedbabu import FedBABU
 from fedmeta.algorithms.fedbn import FedBN
@@ -57,6 +58,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "feddyn": FedDyn,
     "fedproto": FedProto,
     "fedrod": FedRoD,
+    "fedala": FedALA,
     "local": Local,
 }
 

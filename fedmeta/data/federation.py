@@ -31,6 +31,7 @@ TRAIN_PURPOSE, PERSONALIZE_PURPOSE, FAILURE_PURPOSE, TRAIN_STREAM_PURPOSE, PERSO
     3,
     4,
 )
+AGGREGATION_PURPOSE = 5  # a client's own draws for weighing what it receives (FedALA's window)
 
 
 class Batch(NamedTuple):
@@ -104,6 +105,19 @@ class Client:
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             chunks[-2:] = [torch.cat(chunks[-2:])]
         return [Batch(*self.data.take(chunk)) for chunk in chunks]
+
+    def window(self, split: str, fraction: float, batch_size: int, generator: torch.Generator) -> list[Batch]:
+        """A contiguous run of ``fraction`` of ``split`` in its stored order, starting at a random
+        place, in batches of ``batch_size`` (a last partial one left out): FedALA's sample for
+        learning its aggregation weights."""
+        indices = self.indices(split)
+        size = int(fraction * len(indices))
+        start = int(torch.randint(len(indices) - size + 1, (), generator=generator))
+        chunk = indices[start : start + size]
+        return [
+            Batch(*self.data.take(chunk[i : i + batch_size]))
+            for i in range(0, len(chunk) - batch_size + 1, batch_size)
+        ]
 
     def epochs(
         self,
