@@ -261,16 +261,22 @@ def test_scaffold_learns_and_c_is_the_mean_of_every_clients_c_i(trained):
     algorithm, federation, _, curves = trained("scaffold", *SCAFFOLD)
     print(f"SCAFFOLD: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
     assert final_accuracy(curves) > 0.5  # chance: 0.1
-    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
-    assert set(algorithm.client_states) == took_part  # a c_i only for clients that took part…
-    assert len(took_part) < len(federation.train_clients)  # …and some never did (their c_i is 0)
-    c_i = [s["control"] for s in algorithm.client_states.values()]
-    assert not torch.equal(c_i[0]["head.weight"], c_i[1]["head.weight"])  # each client its own
     # c ← c + (1/N) Σ Δc_i from c = c_i = 0 keeps c = (1/N) Σ_i c_i over all N training clients
+    assert_the_mean_of_every_clients(algorithm.control, "control", algorithm, federation)
+
+
+def assert_the_mean_of_every_clients(server: dict, key: str, algorithm, federation) -> None:
+    """Each client that took part, and only those, keeps its own ``key``; ``server`` is their sum
+    over all N training clients / N (those that never took part count as 0)."""
+    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    assert set(algorithm.client_states) == took_part  # state only for clients that took part…
+    assert len(took_part) < len(federation.train_clients)  # …and some never did (theirs is 0)
+    kept = [s[key] for s in algorithm.client_states.values()]
+    assert not torch.equal(kept[0]["head.weight"], kept[1]["head.weight"])  # each client its own
     n = len(federation.train_clients)
-    for name, c in algorithm.control.items():
-        torch.testing.assert_close(c, sum(s[name] for s in c_i) / n, rtol=1e-5, atol=1e-7)
-        assert c.abs().max() > 0
+    for name, value in server.items():
+        torch.testing.assert_close(value, sum(k[name] for k in kept) / n, rtol=1e-5, atol=1e-7)
+        assert value.abs().max() > 0
 
 
 def test_scaffold_local_steps_control_variates_and_server_update(zoo_data):
@@ -345,14 +351,7 @@ def test_feddyn_learns_and_h_is_the_mean_of_every_clients_gradient_state(trained
     algorithm, federation, _, curves = trained("feddyn", *FEDDYN)
     print(f"FedDyn: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
     assert final_accuracy(curves) > 0.5  # chance: 0.1
-    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
-    assert set(algorithm.client_states) == took_part and len(took_part) < len(federation.train_clients)
-    kept = [s["gradient"] for s in algorithm.client_states.values()]
-    assert not torch.equal(kept[0]["head.weight"], kept[1]["head.weight"])  # each client its own
-    m = len(federation.train_clients)
-    for name, h in algorithm.h.items():
-        torch.testing.assert_close(h, sum(g[name] for g in kept) / m, rtol=1e-5, atol=1e-7)
-        assert h.abs().max() > 0
+    assert_the_mean_of_every_clients(algorithm.h, "gradient", algorithm, federation)
 
 
 def test_feddyn_local_steps_gradient_state_and_server_update(zoo_data):
