@@ -65,6 +65,19 @@ def final_accuracy(curves: torch.Tensor) -> float:
     return curves[:, -1].mean().item()
 
 
+def learned(trained, method: str, *overrides: str):
+    """``trained(method, *overrides)``, its new clients well above chance (10 classes) after the
+    shared personalization procedure."""
+    algorithm, federation, cfg, curves = trained(method, *overrides)
+    print(f"{method}: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
+    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    return algorithm, federation, cfg, curves
+
+
+def clients_that_took_part(federation) -> set[int]:
+    return {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+
+
 # ---- pFedMe ----------------------------------------------------------------------------------------
 # a few short rounds: 5 local rounds, and a larger step on the Moreau envelope than the paper's 0.005
 PFEDME = ["method.local_lr=0.05", "method.local_rounds=5"]
@@ -144,10 +157,8 @@ APFL = ["method.local_lr=0.05", "method.local_epochs=1"]
 
 
 def test_apfl_learns_and_keeps_v_and_alpha_per_client(trained):
-    algorithm, federation, cfg, curves = trained("apfl", *APFL)
-    print(f"APFL: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
-    assert final_accuracy(curves) > 0.5  # chance: 0.1
-    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    algorithm, federation, cfg, curves = learned(trained, "apfl", *APFL)
+    took_part = clients_that_took_part(federation)
     assert set(algorithm.client_states) == took_part  # only clients that took part keep anything
     assert len(took_part) < len(federation.train_clients)  # …and some never did: memory flat in them
     w = algorithm.global_params()
@@ -258,9 +269,7 @@ SCAFFOLD = [
 
 
 def test_scaffold_learns_and_c_is_the_mean_of_every_clients_c_i(trained):
-    algorithm, federation, _, curves = trained("scaffold", *SCAFFOLD)
-    print(f"SCAFFOLD: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
-    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    algorithm, federation, _, curves = learned(trained, "scaffold", *SCAFFOLD)
     # c ← c + (1/N) Σ Δc_i from c = c_i = 0 keeps c = (1/N) Σ_i c_i over all N training clients
     assert_the_mean_of_every_clients(algorithm.control, "control", algorithm, federation)
 
@@ -268,7 +277,7 @@ def test_scaffold_learns_and_c_is_the_mean_of_every_clients_c_i(trained):
 def assert_the_mean_of_every_clients(server: dict, key: str, algorithm, federation) -> None:
     """Each client that took part, and only those, keeps its own ``key``; ``server`` is their sum
     over all N training clients / N (those that never took part count as 0)."""
-    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    took_part = clients_that_took_part(federation)
     assert set(algorithm.client_states) == took_part  # state only for clients that took part…
     assert len(took_part) < len(federation.train_clients)  # …and some never did (theirs is 0)
     kept = [s[key] for s in algorithm.client_states.values()]
@@ -348,9 +357,7 @@ FEDDYN = [
 def test_feddyn_learns_and_h_is_the_mean_of_every_clients_gradient_state(trained):
     """From h = 0 and ∇L_k = 0, h ← h − α/m·Σ(θ_k − θ) and ∇L_k ← ∇L_k − α(θ_k − θ) keep
     h = (1/m)·Σ_k ∇L_k over all m training clients, those that never took part at 0."""
-    algorithm, federation, _, curves = trained("feddyn", *FEDDYN)
-    print(f"FedDyn: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
-    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    algorithm, federation, _, curves = learned(trained, "feddyn", *FEDDYN)
     assert_the_mean_of_every_clients(algorithm.h, "gradient", algorithm, federation)
 
 
@@ -407,14 +414,12 @@ FEDPROTO = ["method.local_lr=0.05", "method.local_epochs=1"]
 def test_fedproto_learns_sends_only_prototypes_and_each_client_keeps_its_model(trained):
     from fedmeta.algorithms.fedproto import HELD, PROTOTYPE
 
-    algorithm, federation, _, curves = trained("fedproto", *FEDPROTO)
-    print(f"FedProto: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
-    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    algorithm, federation, _, curves = learned(trained, "fedproto", *FEDPROTO)
     initial = starting_params("fedproto", *FEDPROTO)
     assert all(
         torch.equal(p, initial[n]) for n, p in algorithm.global_params().items()
     )  # no parameter is sent
-    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    took_part = clients_that_took_part(federation)
     assert set(algorithm.client_states) == took_part
     models = [algorithm.client_states[c]["head.weight"] for c in sorted(took_part)]
     assert not torch.equal(models[0], models[1]) and not torch.equal(models[0], initial["head.weight"])
@@ -490,10 +495,8 @@ FEDROD = ["method.local_lr=0.05", "method.local_epochs=1"]
 
 
 def test_fedrod_learns_a_generic_model_and_a_personalized_head_per_client(trained):
-    algorithm, federation, _, curves = trained("fedrod", *FEDROD)
-    print(f"FedRoD: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
-    assert final_accuracy(curves) > 0.5  # chance: 0.1
-    took_part = {c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)}
+    algorithm, federation, _, curves = learned(trained, "fedrod", *FEDROD)
+    took_part = clients_that_took_part(federation)
     assert set(algorithm.client_states) == took_part
     heads = [algorithm.client_states[c]["personal_head.weight"] for c in sorted(took_part)]
     assert not torch.equal(heads[0], heads[1])
@@ -547,14 +550,12 @@ FEDALA = ["method.local_lr=0.05", "method.local_epochs=1", "method.first_epochs=
 
 
 def test_fedala_learns_and_each_client_keeps_its_top_layers_and_weights(trained):
-    algorithm, federation, _, curves = trained("fedala", *FEDALA)
-    print(f"FedALA: new-client accuracy {final_accuracy(curves):.4f} (step 0: {curves[:, 0].mean():.4f})")
-    assert final_accuracy(curves) > 0.5  # chance: 0.1
+    algorithm, federation, _, curves = learned(trained, "fedala", *FEDALA)
     states = list(algorithm.client_states.values())
     assert all(set(s["local"]) == {"head.weight", "head.bias"} for s in states)
     assert any(s["weights_trained"] for s in states)  # some clients came back and learned their weights
-    learned = [s["weights"]["head.weight"] for s in states if s["weights_trained"]]
-    assert all(((w >= 0) & (w <= 1)).all() for w in learned) and any((w < 1).any() for w in learned)
+    weights = [s["weights"]["head.weight"] for s in states if s["weights_trained"]]
+    assert all(((w >= 0) & (w <= 1)).all() for w in weights) and any((w < 1).any() for w in weights)
 
 
 def test_fedala_blends_with_learned_weights_then_trains_as_fedavg_by_hand(zoo_data):
