@@ -73,8 +73,6 @@ def test_a_node_never_gets_two_training_messages_at_once():
         "fedproto",
         "fedrod",
         "fedala",
-        "fedper",
-        "lgfedavg",
         "fedbn",
         "apfl",
         "pfedme",
@@ -83,7 +81,7 @@ def test_a_node_never_gets_two_training_messages_at_once():
 )  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
 # FedDyn: each ∇L_k on its node, h the server's alone; FedProto: each model on its node, prototypes sent
 # FedRoD: each personalized head on its node; FedALA: each client's top layers and weights on its node
-# FedPer, LG-FedAvg, FedBN: their kept layers (the head, the body, the BN affines) on their node
+# FedBN: its kept layers (the BN affines) on their node — FedPer's code, which LG-FedAvg's runs too
 # APFL: each client's personal model v and weight α on its node
 # pFedMe: the server's β step; FedMeta (Meta-SGD): the server's Adam step on θ and the learned rates
 def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_path, mnist_dir):
