@@ -50,7 +50,7 @@ class FedRoD(FedAvg):
     @classmethod
     def build_model(cls, cfg, num_classes: int, sources: tuple[str, ...] = ()) -> nn.Module:
         """The base CNN, its ``head`` the generic one, and ``personal_head``: a copy of it."""
-        model = super(FedAvg, cls).build_model(cfg, num_classes, sources)
+        model = super().build_model(cfg, num_classes, sources)
         model.personal_head = copy.deepcopy(model.head)
         return model
 
