@@ -86,8 +86,8 @@ def _client(msg: Message, context: Context, overrides: str | None) -> tuple:
     algorithm.model.load_state_dict(msg.content["model"].to_torch_state_dict())
     shared = msg.content["shared"].to_torch_state_dict() if "shared" in msg.content else {}
     algorithm.load_broadcast_state(
-        {k: v.to(next(algorithm.model.parameters()).device) for k, v in shared.items()}
-    )  # SCAFFOLD's server control variate
+        {k: v.to(next(algorithm.model.parameters()).device) for k, v in shared.items()}, client_id
+    )  # SCAFFOLD's server control variate, FedPAC's head for this client
     return cfg, algorithm, client
 
 
@@ -230,7 +230,7 @@ class FlowerEngine:
             content = RecordDict(
                 {"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})}
             )
-            shared = algorithm.broadcast_state()
+            shared = algorithm.broadcast_state(client.id)
             if (
                 shared
             ):  # the server's state a client reads besides the model (SCAFFOLD's c, FedProto's prototypes)

@@ -283,6 +283,8 @@ def procedure(folders: list[Path]) -> str:
         said.append("on pFedMe's Moreau-envelope problem (λ keeps them near the global model)")
     if method.get("algorithm") == "fedproto":
         said.append("from the initial model, on FedProto's loss with the global prototypes")
+    if method.get("algorithm") == "fedpac":
+        said.append("on FedPAC's loss with the global centroids, from the averaged extractor and head")
     if method.get("algorithm") == "fedrod":
         said.append("on a personalized head alone, from zero, over the trained generic model")
     return "; ".join(said)

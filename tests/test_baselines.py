@@ -190,6 +190,7 @@ FAST = {
     "feddyn": ["method.local_epochs=1"],
     "fedproto": ["method.local_epochs=1"],
     "fedrod": ["method.local_epochs=1"],
+    "fedpac": ["method.local_epochs=1"],
     "fedala": ["method.local_epochs=1", "method.first_epochs=2"],
     "local": [],
 }

@@ -70,7 +70,7 @@ def test_a_node_never_gets_two_training_messages_at_once():
         "fedrep",
         "scaffold",
         "feddyn",
-        "fedproto",
+        "fedpac",
         "fedrod",
         "fedala",
         "fedbn",
@@ -79,7 +79,8 @@ def test_a_node_never_gets_two_training_messages_at_once():
         "fedmeta_metasgd",
     ],
 )  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
-# FedDyn: each ∇L_k on its node, h the server's alone; FedProto: each model on its node, prototypes sent
+# FedDyn: each ∇L_k on its node, h the server's alone; FedPAC: the centroids, and each client's combined
+# head sent to its node with the model (FedProto's prototypes travel the same way)
 # FedRoD: each personalized head on its node; FedALA: each client's top layers and weights on its node
 # FedBN: its kept layers (the BN affines) on their node — FedPer's code, which LG-FedAvg's runs too
 # APFL: each client's personal model v and weight α on its node

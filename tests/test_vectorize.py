@@ -51,6 +51,7 @@ FAST = {
     "feddyn": ["method.local_epochs=1", "method.local_lr=0.05", "method.alpha=0.1"],  # h and each ∇L_k
     "fedproto": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's model, the prototypes
     "fedrod": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's personalized head
+    "fedpac": ["method.local_epochs=1", "method.local_lr=0.05"],  # the server's heads, the centroids
     "fedala": [
         "method.local_epochs=1",
         "method.local_lr=0.05",

@@ -490,6 +490,132 @@ def test_fedproto_local_loss_prototypes_and_their_aggregation_by_hand(zoo_data):
     assert torch.equal(algorithm.client_states[client.id]["head.weight"], result.state["own"]["head.weight"])
 
 
+# ---- FedPAC ----------------------------------------------------------------------------------------
+FEDPAC = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedpac_learns_an_extractor_and_combines_a_head_per_client(trained):
+    from fedmeta.algorithms.fedproto import HELD
+
+    algorithm, federation, _, curves = learned(trained, "fedpac", *FEDPAC)
+    initial = starting_params("fedpac", *FEDPAC)
+    params = algorithm.global_params()
+    assert not torch.equal(
+        params["features.blocks.0.0.weight"], initial["features.blocks.0.0.weight"]
+    )  # the extractor is averaged
+    took_part = clients_that_took_part(federation)
+    assert set(algorithm.heads) == took_part and algorithm.client_states == {}  # the server holds the heads
+    heads = [algorithm.heads[c]["head.weight"] for c in sorted(took_part)]
+    assert not torch.equal(heads[0], heads[1])
+    assert algorithm.prototypes[HELD].sum() == 10
+
+
+def test_fedpac_statistics_local_phases_centroids_and_head_combination_by_hand(zoo_data):
+    """The statistics with the received model; one SGD step on the head alone (CE), one on the
+    extractor alone (CE + λ·MSE to the global centroid, or to the client's own where there is
+    none); the server's count-weighted centroids; and for two clients the head combination whose
+    quadratic program has a closed form: α₀ = (V₁ + d) / (V₀ + V₁ + d), d = ‖H₀ − H₁‖²."""
+    from fedmeta.algorithms.fedpac import BIAS, COUNT, VARIANCE
+    from fedmeta.algorithms.fedproto import HELD, PROTOTYPE
+
+    cfg = compose(["method=fedpac", *TINY, "method.local_lr=0.1", "method.head_lr=0.2", "method.lam=0.5"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, (head_batch, body_batch) = two_batches(algorithm, zoo_data)
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    torch.manual_seed(1)
+    combined = {k: w[k] + 0.1 * torch.randn_like(w[k]) for k in ("head.weight", "head.bias")}
+    global_protos = torch.randn(10, 32, dtype=torch.float64)
+    held = torch.tensor([1.0] * 9 + [0.0], dtype=torch.float64)  # class 9 has no global centroid yet
+    algorithm.prototypes = {PROTOTYPE: global_protos, HELD: held}
+    algorithm.heads = {client.id: combined}
+    everything = client.batch("all", None)
+    everything = everything._replace(x=everything.x.double())
+
+    def embed(params, x):
+        return torch.func.functional_call(algorithm.model, params, (x,), {"embedding": True})
+
+    def step(params, names, loss):
+        leaves = {k: params[k].clone().requires_grad_() for k in names}
+        grads = dict(zip(leaves, torch.autograd.grad(loss({**params, **leaves}), list(leaves.values()))))
+        return {
+            **params,
+            **{k: params[k] - (0.2 if k.startswith("head.") else 0.1) * grads[k] for k in names},
+        }
+
+    start = {**w, **combined}
+    with torch.no_grad():
+        z = embed(start, everything.x)
+    n, classes = len(everything.y), everything.y.unique()
+    own = torch.zeros(10, 32, dtype=torch.float64)
+    variance, bias = 0.0, torch.zeros(10, 32, dtype=torch.float64)
+    for j in classes:
+        zj, p = z[everything.y == j], (everything.y == j).double().mean()
+        own[j], bias[j] = zj.mean(0), p * zj.mean(0)
+        variance += p * (zj**2).sum(1).mean() - p**2 * (zj.mean(0) ** 2).sum()
+    variance /= n
+    heads, body = ["head.weight", "head.bias"], [k for k in w if not k.startswith("head.")]
+    theta = step(
+        start, heads, lambda q: torch.nn.functional.cross_entropy(algorithm(q, head_batch.x), head_batch.y)
+    )
+    target = torch.where(held.unsqueeze(-1) > 0, global_protos, own)
+
+    def aligned(q):
+        zb = embed(q, body_batch.x)
+        mse = torch.stack([((zb[i] - target[y]) ** 2).mean() for i, y in enumerate(body_batch.y)])
+        return torch.nn.functional.cross_entropy(algorithm(q, body_batch.x), body_batch.y) + 0.5 * mse.mean()
+
+    theta = step(theta, body, aligned)
+    result = algorithm.local_update(
+        w,
+        algorithm.client_state(client.id, w),
+        {"head": [head_batch], "epochs": [body_batch], "all": everything},
+    )
+    for k in theta:
+        torch.testing.assert_close(result.params[k], theta[k])
+    torch.testing.assert_close(result.params[VARIANCE], variance)
+    torch.testing.assert_close(result.params[BIAS], bias)
+    with torch.no_grad():
+        z = embed(theta, everything.x)
+    centroids = torch.zeros(10, 32, dtype=torch.float64)
+    for j in classes:
+        centroids[j] = z[everything.y == j].mean(0)
+    torch.testing.assert_close(result.params[PROTOTYPE], centroids)
+
+    update = algorithm.to_update(client, result)
+    other = {k: v + 0.3 * torch.randn_like(v) for k, v in result.params.items() if k in w}
+    other_counts = torch.zeros(10, dtype=torch.float64)
+    other_counts[[int(everything.y[0]), 3]] = 7  # shares a class with the client, and holds class 3
+    other |= {
+        PROTOTYPE: torch.randn(10, 32, dtype=torch.float64),
+        COUNT: other_counts,
+        # statistics near the client's, so that neither weight is under the 10⁻³ that is dropped
+        VARIANCE: 2 * variance,
+        BIAS: bias + (variance / bias.numel()).sqrt() * torch.randn(10, 32, dtype=torch.float64),
+    }
+    second = type(update)(client.id + 1, other, 50.0, 0.0, None)
+    algorithm.aggregate([update, second])
+    counts = result.params[COUNT] + other_counts
+    for j in range(10):
+        if counts[j] == 0:  # no client of the round holds it: the last one stays
+            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], global_protos[j])
+        else:
+            expected = (
+                result.params[COUNT][j] * centroids[j] + other_counts[j] * other[PROTOTYPE][j]
+            ) / counts[j]
+            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], expected)
+    d = ((bias - other[BIAS]) ** 2).sum()
+    alpha = (other[VARIANCE] + d) / (variance + other[VARIANCE] + d)  # client 0's weight on its own head
+    assert 0.5 < alpha < 0.9
+    for k in heads:
+        torch.testing.assert_close(algorithm.heads[client.id][k], alpha * theta[k] + (1 - alpha) * other[k])
+    share = client.num_samples / (client.num_samples + 50.0)
+    name = "features.blocks.0.0.weight"  # the extractor: FedAvg's weighted mean
+    torch.testing.assert_close(
+        algorithm.global_params()[name], share * theta[name] + (1 - share) * other[name]
+    )
+
+
 # ---- FedRoD ----------------------------------------------------------------------------------------
 FEDROD = ["method.local_lr=0.05", "method.local_epochs=1"]
 
@@ -794,6 +920,7 @@ def test_perfedavg_with_the_exact_hessian_vector_product_learns(trained):
 # LG-FedAvg's global model is the initial representation under an averaged head: it is left out.
 LEARNED = {
     "apfl": APFL,
+    "fedpac": FEDPAC,
     "fedbabu": PARTIAL,
     "fedbn": KEPT["fedbn"][0],
     "feddyn": FEDDYN,
@@ -819,6 +946,7 @@ def test_the_federation_itself_learned(method, trained):
     [
         ("fedproto", "50 steps at lr 0.001; from the initial model, on FedProto's loss"),
         ("fedrod", "50 steps at lr 0.001; on a personalized head alone, from zero"),
+        ("fedpac", "50 steps at lr 0.001; on FedPAC's loss with the global centroids"),
         ("feddyn", "50 steps at lr 0.001"),
     ],
 )

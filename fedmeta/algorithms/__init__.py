@@ -25,6 +25,7 @@ from fedmeta.algorithms.fedbabu import FedBABU
 from fedmeta.algorithms.fedbn import FedBN
 from fedmeta.algorithms.feddyn import FedDyn
 from fedmeta.algorithms.fedmeta import FedMeta
+from fedmeta.algorithms.fedpac import FedPAC
 from fedmeta.algorithms.fedper import FedPer
 from fedmeta.algorithms.fedproto import FedProto
 from fedmeta.algorithms.fedprox import FedProx
@@ -59,6 +60,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "fedproto": FedProto,
     "fedrod": FedRoD,
     "fedala": FedALA,
+    "fedpac": FedPAC,
     "local": Local,
 }
 

@@ -345,15 +345,15 @@ class Algorithm(nn.Module):
         return None
 
     # ---- what the server sends a sampled client besides the global model --------------------
-    def broadcast_state(self) -> Params:
-        """Tensors of the server's state, besides the model, that a client's local update or a new
-        client's personalization reads (SCAFFOLD's server control variate, FedProto's prototypes);
-        none by default. In one process they are read from the algorithm itself; on a Flower node
-        they arrive with the model (fedmeta.flower)."""
+    def broadcast_state(self, client_id: int) -> Params:
+        """Tensors of the server's state, besides the model, that client ``client_id``'s local update
+        or personalization reads (SCAFFOLD's server control variate, FedProto's prototypes, the head
+        FedPAC's server combined for that client); none by default. In one process they are read
+        from the algorithm itself; on a Flower node they arrive with the model (fedmeta.flower)."""
         return {}
 
-    def load_broadcast_state(self, tensors: Params) -> None:
-        """Takes the server's ``broadcast_state`` where a node trains or personalizes a client."""
+    def load_broadcast_state(self, tensors: Params, client_id: int) -> None:
+        """Takes the server's ``broadcast_state`` where a node trains or personalizes client ``client_id``."""
 
     # ---- the whole federation state, for checkpoints ----------------------------------------
     def federation_state(self) -> dict:

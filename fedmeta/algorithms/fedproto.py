@@ -91,17 +91,20 @@ class FedProto(FedAvg):
             self.cfg.momentum,
             objective=lambda w, batch: self.prototype_loss(w, batch, prototypes),
         )
-        everything = data["all"]
-        z = self.embed(own, everything).detach()
-        weights = one_hot(everything.y, len(prototypes[HELD]), z.dtype)  # N × C
-        if everything.mask is not None:
-            weights = weights * everything.mask.unsqueeze(-1).to(z.dtype)
-        counts = weights.sum(0)
-        mine = {
-            PROTOTYPE: (weights.T @ z) / counts.clamp(min=1).unsqueeze(-1),
-            HELD: (counts > 0).to(z.dtype),
-        }
+        means, counts, _ = self.class_means(own, data["all"])
+        mine = {PROTOTYPE: means, HELD: (counts > 0).to(means.dtype)}
         return LocalResult(mine, loss, {"own": own}, {})
+
+    def class_means(self, params: Params, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The mean embedding of each class over ``batch`` (C × units; zeros for a class it lacks),
+        each class's sample count (C), and the mean squared norm of each class's embeddings (C)."""
+        z = self.embed(params, batch).detach()
+        weights = one_hot(batch.y, self.model.head.weight.shape[0], z.dtype)  # N × C
+        if batch.mask is not None:
+            weights = weights * batch.mask.unsqueeze(-1).to(z.dtype)
+        counts = weights.sum(0)
+        per_sample = counts.clamp(min=1)
+        return (weights.T @ z) / per_sample.unsqueeze(-1), counts, (weights.T @ (z**2).sum(-1)) / per_sample
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
         update = super().to_update(client, result._replace(state={}))  # prototypes, weight, loss
@@ -131,10 +134,10 @@ class FedProto(FedAvg):
         prototypes = {k: v.to(params[CLASSIFIER + "weight"]) for k, v in self.prototypes.items()}
         return self.prototype_loss(params, batch, prototypes)
 
-    def broadcast_state(self) -> Params:
+    def broadcast_state(self, client_id: int) -> Params:
         return dict(self.prototypes)
 
-    def load_broadcast_state(self, tensors: Params) -> None:
+    def load_broadcast_state(self, tensors: Params, client_id: int) -> None:
         self.prototypes = dict(tensors)
 
     def federation_state(self) -> dict:

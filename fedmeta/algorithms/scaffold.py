@@ -111,10 +111,10 @@ class SCAFFOLD(FedAvg):
                     old = self.control.get(name, torch.zeros((), dtype=dtype)).to(p.device, dtype)
                     self.control[name] = old + torch.stack(deltas).to(dtype).sum(0) / self.training_clients()
 
-    def broadcast_state(self) -> Params:
+    def broadcast_state(self, client_id: int) -> Params:
         return dict(self.control)
 
-    def load_broadcast_state(self, tensors: Params) -> None:
+    def load_broadcast_state(self, tensors: Params, client_id: int) -> None:
         self.control = dict(tensors)
 
     def federation_state(self) -> dict:
