@@ -58,12 +58,22 @@ def fashion_like(path: Path, seed: int = 0) -> None:
     np.savez(path, x=x, y=y.astype(np.int64))
 
 
+def without_feddyn(root: Path) -> None:
+    """A copy of fedmeta as it would be before FedDyn: its file, config and registry lines gone."""
+    (root / "fedmeta" / "algorithms" / "feddyn.py").unlink()
+    (root / "configs" / "method" / "feddyn.yaml").unlink()
+    registry = root / "fedmeta" / "algorithms" / "__init__.py"
+    lines = registry.read_text().splitlines(keepends=True)
+    registry.write_text("".join(line for line in lines if "feddyn" not in line.lower()))
+
+
 @pytest.fixture(scope="module")
 def extended(tmp_path_factory):
     """A copy of the package and its configs with the guide's blocks written in."""
     root = tmp_path_factory.mktemp("extended")
     shutil.copytree(ROOT / "fedmeta", root / "fedmeta", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "configs", root / "configs")
+    without_feddyn(root)  # the guide adds it back
     blocks = guide_blocks()
     assert {path for path, _, _ in blocks} >= {
         "fedmeta/algorithms/fedavgm.py",
@@ -73,6 +83,8 @@ def extended(tmp_path_factory):
         "configs/dataset/fashion_mnist.yaml",
         "fedmeta/data/partition.py",
         "configs/partition/quantity.yaml",
+        "fedmeta/algorithms/feddyn.py",
+        "configs/method/feddyn.yaml",
     }
     for path, plus, code in blocks:
         target = root / path
@@ -114,8 +126,8 @@ def fedmeta(root: Path, words: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-def guide_commands() -> list[list[str]]:
-    (block,) = re.findall(r"```bash extending\n(.*?)```", GUIDE.read_text(), re.S)
+def guide_commands(tag: str = "extending") -> list[list[str]]:
+    (block,) = re.findall(rf"```bash {tag}\n(.*?)```", GUIDE.read_text(), re.S)
     return [line.split()[1:] for line in block.splitlines() if line.startswith("fedmeta ")]
 
 
@@ -193,3 +205,28 @@ def test_the_method_class_can_live_in_a_package_of_ones_own(extended, tmp_path):
         sys.path.remove(str(tmp_path))
         sys.modules.pop("mypackage.fedavgm", None)
         sys.modules.pop("mypackage", None)
+
+
+def test_the_guides_feddyn_is_the_librarys():
+    """The worked case of server and per-client state is fedmeta's own FedDyn, so the two cannot drift."""
+    for path in ("fedmeta/algorithms/feddyn.py", "configs/method/feddyn.yaml"):
+        (code,) = [code for at, _, code in guide_blocks() if at == path]
+        assert code == (ROOT / path).read_text(), f"docs/extending.md's {path} is not the library's"
+
+
+@pytest.mark.slow
+def test_a_method_with_server_and_per_client_state_added_by_the_guide_trains_and_checkpoints_both(extended):
+    """FedDyn, added to a copy of fedmeta without it: it trains, each client that took part keeps
+    its ∇L_k, and the server's h (nonzero) is in the checkpoint."""
+    (train,) = guide_commands("extending-state")
+    run = fedmeta(extended, [*train, "output.root=feddyn-runs"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    folder = extended / "work" / "feddyn-runs" / "fashion_mnist-quantity" / "feddyn" / "seed0"
+    losses = [float(row.split(",")[1]) for row in (folder / "metrics.csv").read_text().splitlines()[1:]]
+    assert len(losses) == 6 and losses[-1] < 0.7 * losses[0]
+    assert json.loads((folder / "summary.json").read_text())["accuracy"] > 0.5  # chance: 0.1
+    federation = torch.load(folder / "checkpoint.ckpt", weights_only=True)["federation"]
+    assert federation["h"].keys() == federation["model"].keys()
+    assert any(h.abs().sum() > 0 for h in federation["h"].values())
+    kept = federation["client_states"]
+    assert kept and all(state["gradient"].keys() == federation["model"].keys() for state in kept.values())
