@@ -101,6 +101,82 @@ def _evaluate(
         return evaluate_on_ranks(fabric, runs, cfg.personalization, engine, bar.update)
 
 
+def _row(round_: int, loss, seconds: float, dropped: int) -> dict:
+    """A round's metrics.csv row, its evaluation's columns empty until there is one."""
+    return {
+        "round": round_,
+        "train_loss": loss,
+        "round_seconds": seconds,
+        "clients_dropped": dropped,
+        "eval_accuracy": "",
+        "eval_accuracy_std": "",
+        "eval_step0_accuracy": "",
+    }
+
+
+def _record(run: Run, row: dict, result, on_evaluation: Callable[[int, float], None] | None) -> None:
+    """Log a trained round's row, and its evaluation (``result``) where it had one."""
+    if result is not None:
+        run.result = result
+        row.update(
+            eval_accuracy=result.accuracy,
+            eval_accuracy_std=result.accuracy_std,
+            eval_step0_accuracy=result.curve[0],
+        )
+        run.recorder.log_curve(row["round"], result.curve)
+    run.recorder.log_round(row)
+    if on_evaluation and result is not None:
+        on_evaluation(row["round"], result.accuracy)
+
+
+def _evaluate_or_stop(
+    fabric: Fabric,
+    evaluating: list[Run],
+    cfg: DictConfig,
+    engine: Engine,
+    show_progress: bool,
+    round_: int,
+    stopper: Stopper,
+    trained: list[tuple[Run, dict]],
+    runs: list[Run],
+) -> list:
+    """The round's evaluation of ``evaluating`` — unless SIGTERM came during the round or comes
+    during the evaluation: then each trained run is checkpointed at this round with its row held
+    back (``pending_row``), the evaluation is left to the resume, and the run stops."""
+    if not evaluating:
+        return []
+    tick = time.perf_counter()
+    try:
+        if stopper.signalled:
+            raise RunStopped("SIGTERM")
+        stopper.evaluating = True
+        results = _evaluate(fabric, [run.federated for run in evaluating], cfg, engine, show_progress, round_)
+    except RunStopped:
+        stopper.evaluating = False
+        for run, row in trained:
+            run.pending_row = row
+            run.save_checkpoint(round_)
+        _stop(runs, round_, cfg.federation.rounds, "SIGTERM, before its evaluation", stopper)
+    stopper.evaluating = False
+    stopper.evaluation_seconds = time.perf_counter() - tick
+    return results
+
+
+def _evaluate_pending(
+    fabric: Fabric, runs: list[Run], cfg: DictConfig, engine: Engine, show_progress: bool, on_evaluation
+) -> None:
+    """A resumed run that stopped before its round's evaluation does that evaluation first (a
+    SIGTERM now stops at once: its checkpoint still holds the row)."""
+    pending = [run for run in runs if run.pending_row is not None]
+    for round_ in sorted({run.first_round - 1 for run in pending}):
+        due = [run for run in pending if run.first_round - 1 == round_]
+        results = _evaluate(fabric, [run.federated for run in due], cfg, engine, show_progress, round_)
+        for run, result in zip(due, results):
+            row, run.pending_row = run.pending_row, None
+            _record(run, row, result, on_evaluation if len(runs) == 1 else None)
+            run.save_checkpoint(round_)
+
+
 def _train(
     fabric: Fabric,
     cfg: DictConfig,
@@ -128,6 +204,7 @@ def _train(
         initial=first - 1,
         total=fed.rounds,
     )
+    _evaluate_pending(fabric, runs, cfg, engine, show_progress, on_evaluation)
     for round_ in bar:
         active = [run for run in runs if run.error is None and run.first_round <= round_]
         if not active:
@@ -148,20 +225,7 @@ def _train(
         )
         stopper.round_seconds.append(time.perf_counter() - tick)
         seconds = (time.perf_counter() - tick) / len(active)  # a stacked seed's share of the lockstep round
-        evaluating = [
-            run
-            for run, outcome in zip(active, outcomes)
-            if outcome.error is None and (round_ % fed.eval_every == 0 or round_ == fed.rounds)
-        ]
-        tick = time.perf_counter()
-        results = (
-            _evaluate(fabric, [run.federated for run in evaluating], cfg, engine, show_progress, round_)
-            if evaluating
-            else []
-        )
-        if evaluating:
-            stopper.evaluation_seconds = time.perf_counter() - tick
-        evaluations = dict(zip(map(id, evaluating), results))
+        trained = []
         for run, outcome in zip(active, outcomes):
             if outcome.error:  # divergence: this run stops, its last good checkpoint stays as it is
                 run.fail(outcome.error)
@@ -170,26 +234,13 @@ def _train(
             if fabric.is_global_zero:
                 for line in outcome.dropped:
                     log.warning(f"round {round_}: {line}; dropped from the aggregate")
-            row = {
-                "round": round_,
-                "train_loss": outcome.loss,
-                "round_seconds": seconds,
-                "clients_dropped": len(outcome.dropped),
-                "eval_accuracy": "",
-                "eval_accuracy_std": "",
-                "eval_step0_accuracy": "",
-            }
-            if id(run) in evaluations:
-                run.result = evaluations[id(run)]
-                row.update(
-                    eval_accuracy=run.result.accuracy,
-                    eval_accuracy_std=run.result.accuracy_std,
-                    eval_step0_accuracy=run.result.curve[0],
-                )
-                run.recorder.log_curve(round_, run.result.curve)
-            run.recorder.log_round(row)
-            if on_evaluation and id(run) in evaluations and len(runs) == 1:
-                on_evaluation(round_, run.result.accuracy)
+            trained.append((run, _row(round_, outcome.loss, seconds, len(outcome.dropped))))
+        evaluating = [run for run, _ in trained] if due else []
+        results = _evaluate_or_stop(
+            fabric, evaluating, cfg, engine, show_progress, round_, stopper, trained, runs
+        )
+        for (run, row), result in zip(trained, results or [None] * len(trained)):
+            _record(run, row, result, on_evaluation if len(runs) == 1 else None)
             if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
                 tick = time.perf_counter()
                 run.save_checkpoint(round_)
@@ -260,13 +311,16 @@ class Stopper:
     on SIGTERM (what SLURM, ``timeout``, ``docker stop`` and a preempted job's host send) and before
     a round that would end past ``output.stop_at`` (a wall-clock Unix time: a job's deadline),
     judged from the last rounds', evaluation's and checkpoint's durations in this process.
-    Outside the rounds (setting up, the final evaluation) SIGTERM stops at once, as Ctrl-C does:
-    every checkpoint on disk is complete, so nothing is lost."""
+    A SIGTERM during a round's evaluation, or during a round whose evaluation is due, stops before
+    that evaluation, the trained round checkpointed: the resume evaluates it first. Outside the
+    rounds (setting up) SIGTERM stops at once, as Ctrl-C does: every checkpoint on disk is
+    complete, so nothing is lost."""
 
     MARGIN = 1.5  # a round may take longer than the median of the last ones
 
     def __init__(self, stop_at: float | None):
         self.stop_at, self.signalled, self.rounds_started = stop_at, False, False
+        self.evaluating = False  # a round's evaluation is under way: SIGTERM ends it, the round is kept
         self.round_seconds: list[float] = []
         self.evaluation_seconds = self.checkpoint_seconds = 0.0
         self._previous = None
@@ -285,7 +339,8 @@ class Stopper:
             self._previous = None
 
     def _on_sigterm(self, signum, frame) -> None:
-        if not self.rounds_started or self.signalled:
+        if not self.rounds_started or self.signalled or self.evaluating:
+            self.signalled = True
             raise RunStopped(
                 "stopped by SIGTERM; the last checkpoint is kept: continue with output.resume=true"
             )
@@ -363,6 +418,8 @@ class Run:
         self.resumed_at = state["round"] if state else None
         self.first_round = (state["round"] + 1) if state else 1
         self.saved_round = state["round"] if state else None
+        # the row of a round checkpointed before its evaluation, which the resume evaluates first
+        self.pending_row: dict | None = self.history.get("pending_row")
         self.error: str | None = None
 
     @property
@@ -381,6 +438,7 @@ class Run:
                 "curves": self.recorder.curves,
                 "round_seconds": self.round_seconds,
                 "last_curves": None if self.result is None else self.result.curves,
+                "pending_row": self.pending_row,
                 "wandb_id": self.recorder.wandb_id,
                 "warm_start": self.warm_start,
                 "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,

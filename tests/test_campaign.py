@@ -77,6 +77,58 @@ def test_sigterm_stops_a_run_at_the_next_round_boundary_in_one_line(tmp_path, mn
     assert not (metrics.parent.parent / "seed0.lock").exists()
 
 
+@pytest.fixture(scope="module")
+def two_evaluated_rounds(tmp_path_factory, mnist_dir):
+    """A 2-round run evaluated after each round, uninterrupted: (its arguments, summary, folder)."""
+    args = [
+        "method=fedavg",
+        *TINY,
+        "federation.rounds=2",
+        "federation.eval_every=1",
+        f"dataset.dir={mnist_dir}",
+    ]
+    root = tmp_path_factory.mktemp("whole")
+    whole = train(compose([*args, f"output.root={root}"]), show_progress=False)
+    return args, whole, root / "rmnist-shards" / "fedavg" / "seed0"
+
+
+@pytest.mark.parametrize(
+    "stopped_at", [pytest.param(1, marks=pytest.mark.slow), 2]
+)  # an evaluation on the way, and the last round's
+def test_sigterm_during_an_evaluation_stops_before_it_and_the_resume_evaluates_that_round_first(
+    tmp_path, two_evaluated_rounds, monkeypatch, stopped_at
+):
+    from fedmeta import loop
+
+    args, whole, whole_run = two_evaluated_rounds
+    real = loop._evaluate
+
+    def sigterm_at_the_evaluation(fabric, runs, cfg, engine, show_progress, round_):
+        if round_ == stopped_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(fabric, runs, cfg, engine, show_progress, round_)
+
+    monkeypatch.setattr(loop, "_evaluate", sigterm_at_the_evaluation)
+    cut = [*args, f"output.root={tmp_path}"]
+    said = rf"stopped after round {stopped_at} of 2 \(SIGTERM, before its evaluation\); checkpointed in"
+    with pytest.raises(RunStopped, match=said):
+        train(compose(cut), show_progress=False)
+    run = tmp_path / "rmnist-shards" / "fedavg" / "seed0"
+    assert not (run / "summary.json").exists()
+    assert torch.load(run / "checkpoint.ckpt", weights_only=True)["round"] == stopped_at
+    monkeypatch.undo()
+    resumed = train(compose([*cut, "output.resume=true"]), show_progress=False)
+    assert resumed["resumed_at_round"] == stopped_at
+    assert (resumed["accuracy"], resumed["curve"]) == (whole["accuracy"], whole["curve"])
+    assert (run / "curves.csv").read_text() == (whole_run / "curves.csv").read_text()
+    rows = [line.split(",") for line in (run / "metrics.csv").read_text().splitlines()]
+    expected = [line.split(",") for line in (whole_run / "metrics.csv").read_text().splitlines()]
+    seconds = rows[0].index("round_seconds")  # the one column that differs between two runs
+    assert [r[:seconds] + r[seconds + 1 :] for r in rows] == [
+        r[:seconds] + r[seconds + 1 :] for r in expected
+    ]
+
+
 def test_the_campaign_runs_the_table_first_in_the_papers_order():
     plan = campaign.load()
     units = campaign.units(plan, Path("runs/paper"))
