@@ -188,7 +188,7 @@ def _table_parser(commands, grid_args: Parser) -> None:
         help="stop every run this many seconds from now at a round boundary, checkpointed "
         "(run the same command again to continue); for a job that is cut off, see fedmeta campaign",
     )
-    table_cmd.add_argument("--out", default="results/TABLES.md")
+    table_cmd.add_argument("--out", help="the tables' file (default: TABLES.md in the preset's results folder)")
 
 
 def _campaign_parser(commands) -> None:
@@ -229,12 +229,14 @@ def _campaign_parser(commands) -> None:
 
 def _figures_parser(commands, grid_args: Parser) -> None:
     figures_cmd = commands.add_parser(
-        "figures", parents=[grid_args], help="draw the paper's figures into results/"
+        "figures", parents=[grid_args], help="draw the paper's figures into results/figures/<preset>/"
     )
     figures_cmd.add_argument(
         "--run", action="store_true", help="first run the figure grids (heterogeneity, images per client)"
     )
-    figures_cmd.add_argument("--out-dir", default="results")
+    figures_cmd.add_argument(
+        "--out-dir", help="where the figures go (default: figures/<preset>/ in the preset's results folder)"
+    )
 
 
 def _sweep_parser(commands, grid_args: Parser) -> None:
@@ -597,7 +599,8 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.executor not in grid.EXECUTORS:
         raise FedmetaError(f"--executor must be one of {', '.join(grid.EXECUTORS)}, got {args.executor!r}")
     grid.check_names(preset, args.datasets, args.methods)
-    kept = Path("results") / "runs" / folder  # the runs' small files, committed: what the report reads
+    results = Path(preset.get("results", "results"))  # the tiny preset's: runs/tiny-results, never committed
+    kept = results / "runs" / folder  # the runs' small files, committed: what the report reads
     grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
     jobs, fresh = [], []
@@ -628,10 +631,12 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     report.archive(root, kept)
     runs = report.collect(kept)
     if args.command == "table":
-        print(report.write_tables(args.preset, preset, kept, Path(args.out), runs))
-        written = [Path(args.out)]
+        out = Path(args.out or results / "TABLES.md")
+        print(report.write_tables(args.preset, preset, kept, out, runs))
+        written = [out]
     else:
-        written = report.draw_figures(preset, runs, Path(args.out_dir))
+        out_dir = Path(args.out_dir or results / "figures" / args.preset)
+        written = report.draw_figures(args.preset, preset, runs, out_dir, kept)
         for path in written:
             print(f"wrote {path}")
     # a W&B report run where asked, or after runs that logged to W&B: rewriting the table or the

@@ -406,53 +406,103 @@ def log_report(
         run.log_artifact(files)
 
 
-def draw_figures(preset: DictConfig, runs: dict, out_dir: Path) -> list[Path]:
-    """The paper's figures from whichever of the preset's ``runs`` (:func:`collect`) exist: returns
-    the PNG files written."""
+MIN_EVALUATIONS = 3  # a convergence curve needs this many evaluated rounds to be drawn
+MARKERS = "osD^vP*Xh<>p"
+LINE_AND_BAND = (
+    "Line: the mean over seeds; band: ± 1 standard deviation over seeds (none where a method has one seed)."
+)
+
+
+def style(index: int) -> dict:
+    """Method ``index``'s colour, marker and line: 20 colours (tab20) × 12 markers, then dashes —
+    no two of a preset's methods alike, and curves that coincide still show both markers."""
+    return {
+        "color": matplotlib_colors()[index % 20],
+        "marker": MARKERS[index % len(MARKERS)],
+        "linestyle": ("-", "--", ":")[index // 20 % 3],
+    }
+
+
+def matplotlib_colors() -> list:
+    import matplotlib
+
+    return list(matplotlib.colormaps["tab20"].colors)
+
+
+def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path, kept: Path) -> list[Path]:
+    """The paper's figures from whichever of the preset's ``runs`` (:func:`collect` of ``kept``)
+    exist, and README.md beside them: each figure's caption (setting, budget, seeds, what the line
+    and the band are, the runs that drew it). Returns the files written. A figure whose runs are
+    gone is not drawn, and an old copy of it in ``out_dir`` is deleted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(preset.methods)
+    methods = [m for m in preset.methods if any(m == method for _, method in runs)]
     table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
-    written = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    captions, written = [], []
 
-    def save(fig, name: str, axes) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
-        legend(fig, axes)
-        fig.savefig(out_dir / name, dpi=120, bbox_inches="tight")
-        plt.close(fig)
-        written.append(out_dir / name)
+    def drawn(settings: list[str], among=None) -> list[tuple[str, str, list[dict]]]:
+        return [
+            (setting, method, runs[(setting, method)])
+            for setting in settings
+            for method in methods
+            if runs.get((setting, method)) and (among is None or among(runs[(setting, method)]))
+        ]
 
-    def band(ax, xs, samples_per_x, method, note: str = "") -> None:
-        """Mean over seeds with a ±1 std band (none where one seed is all there is); one colour per
-        method in every panel."""
-        means = np.array([100 * np.mean(v) for v in samples_per_x])
-        stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
-        # ten colours, then the same ten dashed, dotted…: every one of 20+ methods told apart
-        index = methods.index(method)
-        color = f"C{index % 10}"
-        ax.plot(
-            xs,
-            means,
-            marker="o" if len(xs) < 12 else None,
-            ms=4,
-            color=color,
-            linestyle=("-", "--", ":", "-.")[index // 10 % 4],
-            label=method_label(
-                method, [s["folder"] for (_, m), done in runs.items() if m == method for s in done]
+    def caption(name: str, what: str, cells: list[tuple[str, str, list[dict]]], shown: str) -> str:
+        rounds = sorted({s["rounds"] for _, _, summaries in cells for s in summaries})
+        clients = sorted({s.get("new_clients") for _, _, summaries in cells for s in summaries} - {None})
+        seeds = "; ".join(
+            f"{setting}: "
+            + ", ".join(
+                f"{method_label(m, [s['folder'] for s in done])} {len(done)}"
+                for st, m, done in cells
+                if st == setting
             )
-            + note,
+            for setting in dict.fromkeys(st for st, _, _ in cells)
         )
-        ax.fill_between(xs, means - stds, means + stds, color=color, alpha=0.15)
+        total = sum(len(done) for _, _, done in cells)
+        return (
+            f"## {name}\n\n{what} Budget: {', '.join(map(str, rounds))} rounds"
+            f"{'' if len(rounds) == 1 else ' (as each run states)'}; each run's accuracy is the mean over its "
+            f"{'/'.join(map(str, clients))} new clients. {shown} Seeds per method — "
+            f"{seeds}.\n\nDrawn from {total} runs in `{kept}/<setting>/<method>/seed*/` by "
+            f"`fedmeta figures --preset {preset_name}`.\n"
+        )
 
-    def legend(fig, axes) -> None:
-        """One legend for the figure, with every method drawn in any panel."""
+    def save(fig, name: str, axes, title: str, what: str, cells, shown: str = LINE_AND_BAND) -> None:
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
         handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
         # beside the panels, never over the data; the saved image widens to hold it
         fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+        fig.savefig(out_dir / name, dpi=120, bbox_inches="tight", metadata={"Software": None})
+        plt.close(fig)
+        written.append(out_dir / name)
+        captions.append(caption(name, what, cells, shown))
+
+    def label(method: str, note: str = "") -> str:
+        return (
+            method_label(method, [s["folder"] for (_, m), done in runs.items() if m == method for s in done])
+            + note
+        )
+
+    def band(ax, xs, samples_per_x, method, note: str = "") -> None:
+        """Mean over seeds with a ±1 std band (none where one seed is all there is)."""
+        means = np.array([100 * np.mean(v) for v in samples_per_x])
+        stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
+        index = methods.index(method)
+        look = style(index)
+        every = max(1, len(xs) // 8)  # markers staggered: methods whose curves coincide stay visible
+        ax.plot(xs, means, ms=4, markevery=(index % every, every), label=label(method, note), **look)
+        ax.fill_between(xs, means - stds, means + stds, color=look["color"], alpha=0.12)
+
+    def budget_of(cells) -> str:
+        rounds = sorted({s["rounds"] for _, _, done in cells for s in done})
+        return f"{'/'.join(map(str, rounds))} rounds"
 
     for figure, xlabel in (
         ("heterogeneity", "heterogeneity of the partition (RMNIST)"),
@@ -460,27 +510,55 @@ def draw_figures(preset: DictConfig, runs: dict, out_dir: Path) -> list[Path]:
     ):
         axis = {k: v for k, v in preset[figure].items() if any((k, m) in runs for m in methods)}
         if len(axis) < 2:
+            (out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for method in methods:
+        cells = drawn(list(axis))
+        for index, method in enumerate(methods):
             points = [
-                (i if figure == "heterogeneity" else value, [s["accuracy"] for s in runs[(setting, method)]])
+                (i, value, runs[(setting, method)])
                 for i, (setting, value) in enumerate(axis.items())
                 if (setting, method) in runs
             ]
-            if points:
-                band(ax, [x for x, _ in points], [v for _, v in points], method)
-        if figure == "heterogeneity":
-            ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
+            if not points:
+                continue
+            # categories (or a few sizes): points with their spread, side by side, never joined by lines
+            dodge = (index - (len(methods) - 1) / 2) * 0.6 / max(len(methods), 1)
+            xs = [i + dodge for i, _, _ in points]
+            accuracies = [[100 * s["accuracy"] for s in done] for _, _, done in points]
+            look = style(index)
+            ax.errorbar(
+                xs,
+                [np.mean(a) for a in accuracies],
+                yerr=[np.std(a, ddof=1) if len(a) > 1 else 0.0 for a in accuracies],
+                fmt=look["marker"],
+                color=look["color"],
+                ms=5,
+                capsize=2,
+                label=label(method),
+            )
+        ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
         ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
-        ax.grid(alpha=0.3)
-        save(fig, f"fig_{figure}.png", [ax])
+        ax.grid(alpha=0.3, axis="y")
+        save(
+            fig,
+            f"fig_{figure}.png",
+            [ax],
+            f"{preset_name}: {budget_of(cells)}, mean ± 1 std over seeds",
+            f"New-client accuracy (%) after the shared personalization, against the {xlabel}: one point per "
+            "method and setting, set side by side.",
+            cells,
+            "Point: the mean over seeds; bar: ± 1 standard deviation over seeds (none where a method has one seed).",
+        )
 
-    series = {  # figure → (x label, y label, a run's (x, y) sequence)
+    series = {  # figure → (x label, y label, a run's (x, y) sequence, which runs can draw it, what it shows)
         "personalization": (
             "personalization step",
             "accuracy after k personalization steps (%)",
             lambda s: (list(range(len(s["curve"]))), s["curve"]),
+            None,
+            "New-client accuracy (%) after k steps of the shared personalization (k = 0: before any), "
+            "at the end of training, one panel per setting.",
         ),
         "convergence": (
             "communication round",
@@ -489,26 +567,44 @@ def draw_figures(preset: DictConfig, runs: dict, out_dir: Path) -> list[Path]:
                 [int(r["round"]) for r in s["metrics"]],
                 [float(r["eval_accuracy"]) for r in s["metrics"]],
             ),
+            lambda done: min(len(s["metrics"]) for s in done) >= MIN_EVALUATIONS,
+            "New-client accuracy (%) after the shared personalization, at each evaluated round, one panel per "
+            f"setting (methods whose runs were evaluated at fewer than {MIN_EVALUATIONS} rounds are left out).",
         ),
     }
-    present = [name for name in table_settings if any((name, m) in runs for m in methods)]
-    for figure, (xlabel, ylabel, xy) in series.items():
+    for figure, (xlabel, ylabel, xy, among, what) in series.items():
+        cells = drawn(table_settings, among)
+        present = list(dict.fromkeys(setting for setting, _, _ in cells))
         if not present:
+            (out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4), squeeze=False)
         for ax, setting in zip(axes[0], present):
-            for method in methods:
-                curves = [xy(s) for s in runs.get((setting, method), [])]
-                length = min((len(x) for x, _ in curves), default=0)
-                if length:
-                    folders = [s["folder"] for s in runs.get((setting, method), [])]
-                    note = (
-                        " (step 0 after its own adaptation)"
-                        if figure == "personalization" and _adapts_first(folders)
-                        else ""
-                    )
-                    band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method, note)
+            for _, method, done in (c for c in cells if c[0] == setting):
+                curves = [xy(s) for s in done]
+                length = min(len(x) for x, _ in curves)
+                note = (
+                    " (step 0 after its own adaptation)"
+                    if figure == "personalization" and _adapts_first([s["folder"] for s in done])
+                    else ""
+                )
+                band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method, note)
             ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
             ax.grid(alpha=0.3)
-        save(fig, f"fig_{figure}.png", axes[0])
+        save(
+            fig,
+            f"fig_{figure}.png",
+            axes[0],
+            f"{preset_name}: {budget_of(cells)}, mean ± 1 std over seeds",
+            what,
+            cells,
+        )
+    (out_dir / "README.md").unlink(missing_ok=True)
+    if written:
+        (out_dir / "README.md").write_text(
+            f"# Figures of the preset `{preset_name}`\n\nWritten by `fedmeta figures --preset {preset_name}` from "
+            f"the kept runs in `{kept}/`; `tests/test_figures.py` redraws them and checks they are the same.\n\n"
+            + "\n".join(captions)
+        )
+        written.append(out_dir / "README.md")
     return written

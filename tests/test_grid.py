@@ -77,9 +77,10 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     assert "7 of 8 runs already finished" in capsys.readouterr().out and runs[0].exists()
 
     assert main(["figures", "--datasets", "rmnist"]) == 0
-    written = {p.name for p in (tmp_path / "results").glob("*.png")}
-    # Heterogeneity from the two table settings on its axis; no Meta-Dataset runs, so no images-per-client figure.
-    assert written == {"fig_personalization.png", "fig_convergence.png", "fig_heterogeneity.png"}
+    written = {p.name for p in (tmp_path / "results" / "figures" / "quick").iterdir()}
+    # Heterogeneity from the two table settings on its axis; no Meta-Dataset runs, so no images-per-client
+    # figure; 2-round runs have too few evaluations for a convergence figure; each figure's caption beside them
+    assert written == {"fig_personalization.png", "fig_heterogeneity.png", "README.md"}
 
     # A fresh clone has results/runs/ (committed, small files only) and no runs/: --no-run rebuilds the same table.
     kept = sorted(tmp_path.glob("results/runs/quick/*/*/seed*/*"))
@@ -430,7 +431,14 @@ def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, 
     assert main(["figures"]) == 0
     assert caplog.text.count("skipping ") == 1
     new = {str(p.relative_to(tmp_path)) for p in set(tmp_path.rglob("*")) - before}
-    assert new == {"results/TABLES.md", "results/fig_personalization.png", "results/fig_convergence.png"}
+    figures = "results/figures/quick"
+    assert new == {
+        "results/TABLES.md",
+        "results/figures",
+        figures,
+        f"{figures}/fig_personalization.png",
+        f"{figures}/README.md",
+    }
 
     table = (tmp_path / "results" / "TABLES.md").read_text()
     rows = {
@@ -540,7 +548,7 @@ def test_a_wandb_report_run_only_where_asked_or_after_runs_that_log_to_wandb(
     assert main(one_run) == 0 and logged == [("quick", ["TABLES.md"], "fedmeta")]  # wandb: a default logger
     assert main(["table", "--no-run", "--wandb"]) == 0 and len(logged) == 2
     assert main(["figures", "--wandb", "wandb.project=elsewhere"]) == 0
-    assert logged[-1] == ("quick", ["fig_personalization.png", "fig_convergence.png"], "elsewhere")
+    assert logged[-1] == ("quick", ["fig_personalization.png", "README.md"], "elsewhere")
 
 
 def test_one_run_commands_that_differ_only_in_method_and_seed_are_one_item():

@@ -116,7 +116,10 @@ def test_wandb_and_tensorboard_hold_every_item(tmp_path, mnist_dir, monkeypatch)
     preset.methods = ["fedavg_ft-tuned"]
     runs = report.collect(kept)
     report.write_tables("quick", preset, kept, tmp_path / "TABLES.md", runs)
-    written = [tmp_path / "TABLES.md", *report.draw_figures(preset, runs, tmp_path)]
+    written = [
+        tmp_path / "TABLES.md",
+        *report.draw_figures("quick", preset, runs, tmp_path / "figures", kept),
+    ]
     report.log_report("quick", preset, runs, written, cfg.wandb)
     (report_dir,) = (tmp_path / "runs" / "wandb").glob("offline-run-*")
     logged = read_run(next(report_dir.glob("run-*.wandb")))
