@@ -188,7 +188,9 @@ def _table_parser(commands, grid_args: Parser) -> None:
         help="stop every run this many seconds from now at a round boundary, checkpointed "
         "(run the same command again to continue); for a job that is cut off, see fedmeta campaign",
     )
-    table_cmd.add_argument("--out", help="the tables' file (default: TABLES.md in the preset's results folder)")
+    table_cmd.add_argument(
+        "--out", help="the tables' file (default: TABLES.md in the preset's results folder)"
+    )
 
 
 def _campaign_parser(commands) -> None:
