@@ -33,7 +33,8 @@ def test_a_presets_figures_are_redrawn_from_its_committed_runs(folder, tmp_path,
             assert np.array_equal(
                 matplotlib.image.imread(path), matplotlib.image.imread(folder / path.name)
             ), (
-                f"results/figures/{folder.name}/{path.name} differs from what its runs draw: make figures PRESET={folder.name}"
+                f"results/figures/{folder.name}/{path.name} differs from what its runs draw: "
+                f"make figures PRESET={folder.name}"
             )
         else:
             assert path.read_text() == (folder / path.name).read_text()
