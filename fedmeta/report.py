@@ -149,76 +149,134 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
     return runs
 
 
+RECORDED_AFTERWARDS = "# recorded afterwards"  # a command.txt's second line: not the command that ran it
+
+
 def _command(path: Path) -> str | None:
-    """The recorded command of a run, on one line; None where none was recorded or it does not read."""
+    """The recorded command of a run (its file's first line), on one line, with `` (recorded
+    afterwards)`` where the file says the command was matched to the run later; None where none
+    was recorded or it does not read."""
     if not path.is_file():  # absent, or a pipe whose read would block
         return None
     try:
-        return " ".join(path.read_text().split()) or None
+        first, _, rest = path.read_text().partition("\n")
     except (OSError, ValueError):  # unreadable, or not text
         return None
+    command = " ".join(first.split())
+    if command and rest.startswith(RECORDED_AFTERWARDS):
+        return command + AFTERWARDS
+    return command or None
+
+
+AFTERWARDS = " (recorded afterwards)"
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _paper_rounds(setting: DictConfig) -> int | None:
+    """The paper's round budget for a setting: its data set's ``protocol.rounds``."""
+    name = next((o.split("=", 1)[1] for o in setting.overrides if o.startswith("dataset=")), None)
+    path = CONFIG_DIR / "dataset" / f"{name}.yaml"
+    return OmegaConf.load(path).protocol.rounds if name and path.is_file() else None
+
+
+def _tuned(method: str) -> bool:
+    return method.partition("-")[2] == "tuned"
+
+
 def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, runs: dict) -> str:
-    """The preset's section of TABLES.md from ``runs`` (:func:`collect` of ``root``) — accuracy
-    mean ± std over seeds (paper's number and our difference beside it), then the budget, hardware
-    and wall time of every cell — in place of that preset's earlier section; the other presets'
-    sections stay as they are."""
+    """The preset's section of TABLES.md from ``runs`` (:func:`collect` of ``root``), in place of
+    that preset's earlier section (the other presets' stay as they are): accuracy mean ± std over
+    seeds, the budget in each column's header, the paper's number and the difference only where
+    the runs had the paper's budget, the tuned methods in a block of their own; then the budget,
+    hardware and wall time of every cell."""
     paper = OmegaConf.load(CONFIG_DIR / "paper_results.yaml")
     settings = [name for name, s in preset.settings.items() if s.grid == "table"]
     methods = list(preset.methods)
     shown = [s for setting in settings for method in methods for s in runs.get((setting, method), [])]
+    paper_rounds = {setting: _paper_rounds(preset.settings[setting]) for setting in settings}
+
+    def budget(setting: str) -> str:
+        rounds = sorted({s["rounds"] for m in methods for s in runs.get((setting, m), [])})
+        return f"{'/'.join(map(str, rounds))} rounds" if rounds else "no runs"
+
+    def at_paper_budget(summaries: list[dict], setting: str) -> bool:
+        return bool(summaries) and all(s["rounds"] == paper_rounds[setting] for s in summaries)
+
+    compared = any(at_paper_budget(runs.get((st, m), []), st) for st in settings for m in methods)
     lines = [
         f"## Preset `{preset_name}`",
         "",
-        f"The plan: {preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps, "
-        "mean ± std over the seeds each cell states (n): those of its runs that have finished, which may be "
-        "fewer than planned; one seed has no spread. In bold: the best mean of each column. Beside each "
-        "cell: the paper's number (5 seeds, full protocol) and ours minus the paper's.",
+        f"The plan: {preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps: "
+        "the mean ± the standard deviation over seeds (n: the seeds of the cell that have finished, which may be "
+        "fewer than planned; one seed has no spread) — what ± means in every table of this file. Each column's "
+        "header gives the rounds its runs trained. "
+        + (
+            "Beside a cell whose runs trained the paper's rounds: the paper's number (5 seeds) and ours minus it (Δ), "
+            "where the paper reports one. "
+            if compared
+            else "No cell here trained the paper's rounds (1000 for RMNIST and CIFAR-10, 2000 for FEMNIST and "
+            "Meta-Dataset), so the paper's numbers are not set beside them: the difference would mostly measure "
+            "the budget. "
+        )
+        + "In bold: the best mean of each column within its block; tuned methods are a block of their own.",
         "",
         f"Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{root}/`. The commands that ran its cells:",
         "",
         *_commands(shown),
         "",
-        "| method | " + " | ".join(settings) + " | new clients' test-time procedure |",
-        "|---|" + "---|" * len(settings) + "---|",
     ]
-    # each column's best mean as printed: means that print the same are tied, all bold
-    best = {
-        setting: max(
-            (
-                round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
-                for m in methods
-                if runs.get((setting, m))
-            ),
-            default=None,
-        )
-        for setting in settings
-    }
-    for method in methods:
-        cells = []
-        for setting in settings:
-            summaries = runs.get((setting, method), [])
-            if not summaries:
-                cells.append("–")
-                continue
-            mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
-            value = f"**{mean:.2f}**" if round(mean, 2) == best[setting] else f"{mean:.2f}"
-            cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
-            if method in paper.get(setting, {}):
-                paper_mean, paper_std = paper[setting][method]
-                cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
-            cells.append(cell)
-        folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
-        lines.append(
-            f"| {method_label(method, folders)} | " + " | ".join(cells) + f" | {procedure(folders[:1])} |"
-        )
+    blocks = [("", [m for m in methods if not _tuned(m)]), ("tuned", [m for m in methods if _tuned(m)])]
+    for block, members in blocks:
+        if not members:
+            continue
+        if block:
+            lines += [
+                "Tuned: each method with the settings `fedmeta tune` found (configs/variant/<method>/tuned.yaml, "
+                "the study's best trial; searched on a seed these cells do not use). Compare them with each other, "
+                "and with the block above only as far as their n allows.",
+                "",
+            ]
+        lines += [
+            "| method | "
+            + " | ".join(f"{setting} ({budget(setting)})" for setting in settings)
+            + " | new clients' test-time procedure |",
+            "|---|" + "---|" * len(settings) + "---|",
+        ]
+        # each column's best mean as printed, within the block: means that print the same are tied, all bold
+        best = {
+            setting: max(
+                (
+                    round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
+                    for m in members
+                    if runs.get((setting, m))
+                ),
+                default=None,
+            )
+            for setting in settings
+        }
+        for method in members:
+            cells = []
+            for setting in settings:
+                summaries = runs.get((setting, method), [])
+                if not summaries:
+                    cells.append("–")
+                    continue
+                mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
+                value = f"**{mean:.2f}**" if round(mean, 2) == best[setting] else f"{mean:.2f}"
+                cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
+                if method in paper.get(setting, {}) and at_paper_budget(summaries, setting):
+                    paper_mean, paper_std = paper[setting][method]
+                    cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
+                cells.append(cell)
+            folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
+            lines.append(
+                f"| {method_label(method, folders)} | " + " | ".join(cells) + f" | {procedure(folders[:1])} |"
+            )
+        lines.append("")
     lines += [
-        "",
         f"### Every cell of `{preset_name}`: budget, hardware, wall time",
         "",
         "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |",
@@ -298,28 +356,39 @@ def _commands(summaries: list[dict]) -> list[str]:
     """One list item per distinct recorded command of ``summaries``, with how many runs it ran,
     sorted (a rewrite from the same runs gives the same lines); the runs without one counted last.
     Commands that each ran one method's one seed and differ in nothing else are one item that
-    names the method and seed of each (a queue of one-run commands would otherwise fill the list)."""
+    names the method and seed of each (a queue of one-run commands would otherwise fill the list);
+    commands recorded afterwards are items of their own that say so."""
     counts = Counter(s["command"] for s in summaries)
     unrecorded = counts.pop(None, 0)
     items = {}
-    singles = defaultdict(list)  # the command with M and N in place of its method and seed → its runs
+    singles = defaultdict(list)  # (the command with M and N for its method and seed, afterwards) → its runs
     for command, n in counts.items():
+        afterwards = command.endswith(AFTERWARDS)
+        command = command.removesuffix(AFTERWARDS)
         if n == 1 and (named := ONE_RUN.search(command)):
-            singles[ONE_RUN.sub("--methods M --seeds N", command, count=1)].append(
-                (named[1], int(named[2]), command)
-            )
+            template = ONE_RUN.sub("--methods M --seeds N", command, count=1)
+            singles[(template, afterwards)].append((named[1], int(named[2]), command))
         else:
-            items[command] = f"- `{command}` ({_runs(n)})"
-    for template, runs in singles.items():
+            items[(command, afterwards)] = f"`{command}` ({_runs(n)}"
+    for (template, afterwards), runs in singles.items():
         if len(runs) == 1:
-            items[runs[0][2]] = f"- `{runs[0][2]}` (1 run)"
+            items[(runs[0][2], afterwards)] = f"`{runs[0][2]}` (1 run"
             continue
         seeds = defaultdict(list)
         for method, seed, _ in sorted(runs):
             seeds[method].append(str(seed))
         each = "; ".join(f"{method} {', '.join(s)}" for method, s in seeds.items())
-        items[template] = f"- `{template}` ({_runs(len(runs))}, a command each; M N: {each})"
-    recorded = [items[command] for command in sorted(items)]
+        items[(template, afterwards)] = f"`{template}` ({_runs(len(runs))}, a command each; M N: {each}"
+    recorded = [
+        f"- {items[key]}"
+        + (
+            "; recorded afterwards: the command that ran them was not kept, and each run's config.yaml is the "
+            "one this command composes, so it reproduces them)"
+            if key[1]
+            else ")"
+        )
+        for key in sorted(items)
+    ]
     return [*recorded, *([f"- command not recorded ({_runs(unrecorded)})"] if unrecorded else [])] or [
         "- none yet"
     ]

@@ -65,7 +65,7 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
         json.loads(p.read_text())["accuracy"] for p in runs if "perfedavg" in str(p) and "shards" in str(p)
     ]
     mean = 100 * sum(accuracies) / 2
-    assert f"{mean:.2f}" in perfedavg and "paper 83.86 ± 1.74" in perfedavg and "(n=2)" in perfedavg
+    assert f"{mean:.2f}" in perfedavg and "paper" not in perfedavg and "(n=2)" in perfedavg  # not its budget
     assert f"- `fedmeta {' '.join(args)}` (8 runs)" in table
     assert "| rmnist-dirichlet | local | 0,1 | 2 |" in table
 
@@ -392,13 +392,13 @@ def test_a_kept_run_counts_as_finished_only_if_it_ran_the_jobs_settings(tmp_path
     assert not finished(job, tmp_path / "kept")
 
 
-def finished_run(folder: Path, accuracy: float, seed: int = 0, steps: int = 3) -> None:
-    """The files the reports read of a finished run (``steps`` personalization steps)."""
+def finished_run(folder: Path, accuracy: float, seed: int = 0, steps: int = 3, rounds: int = 2) -> None:
+    """The files the reports read of a finished run (``rounds`` rounds, ``steps`` personalization steps)."""
     folder.mkdir(parents=True, exist_ok=True)
     summary = {
         "accuracy": accuracy,
         "seed": seed,
-        "rounds": 2,
+        "rounds": rounds,
         "seconds": 60.0,
         "seconds_per_round": 1.0,
         "device": "cpu",
@@ -449,6 +449,36 @@ def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, 
     assert "| 50.00 (n=1) |" in rows["Local"] and "**" not in rows["Local"]
     assert "± 0.00" not in table and "\n- command not recorded (5 runs)\n" in table
     assert "after 3 personalization steps" in table
+    assert (
+        "| rmnist-shards (2 rounds) |" in table and "paper " not in table
+    )  # no Δ at another budget than the paper's
+
+
+def test_the_table_sets_tuned_methods_apart_and_the_paper_beside_only_its_budget(tmp_path, monkeypatch):
+    """Tuned rows are a block of their own with their own bold; the paper's number and Δ appear only
+    beside a cell whose runs trained the paper's rounds; a command recorded afterwards says so."""
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "results" / "runs" / "quick"
+    finished_run(kept / "rmnist-shards" / "fedavg_ft" / "seed0", 0.80)
+    finished_run(
+        kept / "rmnist-shards" / "fedavg_ft-tuned" / "seed0", 0.95
+    )  # n=1, better: bold only in its block
+    finished_run(kept / "rmnist-dirichlet" / "perfedavg" / "seed0", 0.70, rounds=1000)  # the paper's budget
+    (kept / "rmnist-shards" / "fedavg_ft" / "seed0" / "command.txt").write_text(
+        "fedmeta table --preset quick --datasets rmnist-shards --methods fedavg_ft --seeds 0\n"
+        "# recorded afterwards: this command composes the run's config.yaml\n"
+    )
+    assert main(["table", "--no-run"]) == 0
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    untuned, tuned = table.split("Tuned: ")[0], table.split("Tuned: ")[1].split("### Every cell")[0]
+    assert "**80.00** (n=1)" in untuned and "95.00" not in untuned
+    assert "**95.00** (n=1)" in tuned and "FedAvg-FT (tuned" in tuned
+    assert "| rmnist-shards (2 rounds) | rmnist-dirichlet (1000 rounds) |" in untuned
+    perfedavg = next(line for line in untuned.splitlines() if line.startswith("| Per-FedAvg"))
+    assert "**70.00** (n=1)<br>paper 74.57 ± 3.12, Δ -4.57" in perfedavg
+    fedavg_ft = next(line for line in untuned.splitlines() if line.startswith("| FedAvg-FT"))
+    assert "paper" not in fedavg_ft  # 2 rounds: not the paper's budget
+    assert "--methods fedavg_ft --seeds 0` (1 run; recorded afterwards:" in table
 
 
 @pytest.fixture
