@@ -47,6 +47,12 @@ def load_preset(name: str) -> DictConfig:
             f"preset {name!r} has no {', '.join(wrong)} (settings: a mapping; methods, seeds: lists): "
             "write them into its file, or inherit them (inherits: quick)"
         )
+    results = preset.get("results", "results")
+    if not isinstance(results, str) or not results.strip():
+        raise FedmetaError(
+            f"preset {name!r}: results must be a folder (where its TABLES.md, kept runs and figures go), "
+            f"got {results!r}"
+        )
     return preset
 
 

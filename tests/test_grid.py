@@ -598,3 +598,27 @@ def test_one_run_commands_that_differ_only_in_method_and_seed_are_one_item():
         f"- `{zoo.format('M', 'N')}` (3 runs, a command each; M N: apfl 0, 1; fedbn 2)",
         "- command not recorded (1 run)",
     ]
+
+
+def test_the_tiny_preset_runs_only_what_its_table_shows_and_writes_outside_results():
+    """The pipeline check of the README: every run it starts is a cell of its own table, and its
+    table, kept runs and figures go under runs/ (ignored), never into the committed results/."""
+    from fedmeta import grid
+
+    preset = grid.load_preset("tiny")
+    jobs = grid.plan(preset, Path("runs/tiny"), ["table"])
+    table_settings = {name for name, s in preset.settings.items() if s.grid == "table"}
+    assert {(job.setting, job.method) for job in jobs} == {
+        (s, m) for s in table_settings for m in preset.methods
+    }
+    assert len(jobs) == 12 and Path(preset.results).parts[0] == "runs"
+
+
+def test_a_presets_results_folder_must_be_a_folder(tmp_path, monkeypatch):
+    from fedmeta import grid
+
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "mine.yaml").write_text("inherits: tiny\nresults: [a, b]\n")
+    with pytest.raises(FedmetaError, match="preset 'mine': results must be a folder"):
+        grid.load_preset("mine")
