@@ -427,6 +427,17 @@ def test_fedproto_learns_sends_only_prototypes_and_each_client_keeps_its_model(t
     assert algorithm.prototypes[PROTOTYPE].norm(dim=1).min() > 0
 
 
+def assert_prototypes(algorithm, old: torch.Tensor, sent: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each class's global prototype is the mean of the ``sent`` (weights per class, prototypes),
+    weighed so; a class no client sent keeps its ``old`` one."""
+    from fedmeta.algorithms.fedproto import PROTOTYPE
+
+    totals = sum(weights for weights, _ in sent)
+    for j in range(len(old)):
+        expected = old[j] if totals[j] == 0 else sum(w[j] * means[j] for w, means in sent) / totals[j]
+        torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], expected)
+
+
 def test_fedproto_local_loss_prototypes_and_their_aggregation_by_hand(zoo_data):
     """Two SGD steps on CE + λ·MSE(z, C̄_y) from the client's own model; its prototypes are its
     embeddings' class means over all its data; the server's C̄_j is the mean over the clients that
@@ -480,13 +491,7 @@ def test_fedproto_local_loss_prototypes_and_their_aggregation_by_hand(zoo_data):
     other_held[[int(everything.y[0]), 3]] = 1  # shares one class with the client, and holds class 3
     other = type(update)(client.id + 1, {PROTOTYPE: other_protos, HELD: other_held}, 1.0, 0.0, None)
     algorithm.aggregate([update, other])
-    holders = result.params[HELD] + other_held
-    for j in range(10):
-        if holders[j] == 0:  # no client of the round holds it: the last one stays
-            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], global_protos[j])
-        else:
-            expected = (result.params[HELD][j] * mine[j] + other_held[j] * other_protos[j]) / holders[j]
-            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], expected)
+    assert_prototypes(algorithm, global_protos, [(result.params[HELD], mine), (other_held, other_protos)])
     assert torch.equal(algorithm.client_states[client.id]["head.weight"], result.state["own"]["head.weight"])
 
 
@@ -595,15 +600,9 @@ def test_fedpac_statistics_local_phases_centroids_and_head_combination_by_hand(z
     }
     second = type(update)(client.id + 1, other, 50.0, 0.0, None)
     algorithm.aggregate([update, second])
-    counts = result.params[COUNT] + other_counts
-    for j in range(10):
-        if counts[j] == 0:  # no client of the round holds it: the last one stays
-            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], global_protos[j])
-        else:
-            expected = (
-                result.params[COUNT][j] * centroids[j] + other_counts[j] * other[PROTOTYPE][j]
-            ) / counts[j]
-            torch.testing.assert_close(algorithm.prototypes[PROTOTYPE][j], expected)
+    assert_prototypes(
+        algorithm, global_protos, [(result.params[COUNT], centroids), (other_counts, other[PROTOTYPE])]
+    )
     d = ((bias - other[BIAS]) ** 2).sum()
     alpha = (other[VARIANCE] + d) / (variance + other[VARIANCE] + d)  # client 0's weight on its own head
     assert 0.5 < alpha < 0.9

@@ -145,15 +145,8 @@ class FedPAC(FedProto):
         FedAvg.aggregate(self, updates)
         if not updates:
             return
+        self.update_prototypes(updates, COUNT)
         dtype = torch.promote_types(updates[0].params[PROTOTYPE].dtype, torch.float32)
-        counts = torch.stack([u.params[COUNT].to(dtype) for u in updates])  # clients × C
-        centroids = torch.stack([u.params[PROTOTYPE].to(dtype) for u in updates])  # clients × C × units
-        totals = counts.sum(0)
-        fresh = (counts.unsqueeze(-1) * centroids).sum(0) / totals.clamp(min=1).unsqueeze(-1)
-        self.prototypes = {
-            PROTOTYPE: torch.where((totals > 0).unsqueeze(-1), fresh, self.prototypes[PROTOTYPE].to(fresh)),
-            HELD: torch.maximum(self.prototypes[HELD].to(totals), (totals > 0).to(dtype)),
-        }
         variances = np.array([float(u.params[VARIANCE]) for u in updates])
         means = torch.stack([u.params[BIAS].double().flatten().cpu() for u in updates]).numpy()
         for i, update in enumerate(updates):

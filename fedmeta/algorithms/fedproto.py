@@ -118,15 +118,20 @@ class FedProto(FedAvg):
         sent = [u for u in updates if PROTOTYPE in u.params]
         if not sent:
             return
+        self.update_prototypes(sent, HELD)
+
+    def update_prototypes(self, sent: list[ClientUpdate], weight: str) -> None:
+        """Each class's global prototype: the mean of the ``sent`` prototypes, each client's weighed
+        by its ``weight`` tensor's entry for the class (FedProto: whether it holds it; FedPAC: its
+        count); a class none of them holds keeps its last one."""
         dtype = torch.promote_types(sent[0].params[PROTOTYPE].dtype, torch.float32)
-        held = torch.stack([u.params[HELD].to(dtype) for u in sent])  # clients × C
+        weights = torch.stack([u.params[weight].to(dtype) for u in sent])  # clients × C
         means = torch.stack([u.params[PROTOTYPE].to(dtype) for u in sent])  # clients × C × units
-        holders = held.sum(0)
-        fresh = (held.unsqueeze(-1) * means).sum(0) / holders.clamp(min=1).unsqueeze(-1)
-        old = self.prototypes[PROTOTYPE].to(fresh)
+        totals = weights.sum(0)
+        fresh = (weights.unsqueeze(-1) * means).sum(0) / totals.clamp(min=1e-12).unsqueeze(-1)
         self.prototypes = {
-            PROTOTYPE: torch.where((holders > 0).unsqueeze(-1), fresh, old),
-            HELD: torch.maximum(self.prototypes[HELD].to(holders), (holders > 0).to(dtype)),
+            PROTOTYPE: torch.where((totals > 0).unsqueeze(-1), fresh, self.prototypes[PROTOTYPE].to(fresh)),
+            HELD: torch.maximum(self.prototypes[HELD].to(totals), (totals > 0).to(dtype)),
         }
 
     # ---- new clients: the initial model, FedProto's loss with the global prototypes ----------
