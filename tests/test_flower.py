@@ -71,7 +71,6 @@ def test_a_node_never_gets_two_training_messages_at_once():
         "scaffold",
         "feddyn",
         "fedpac",
-        "fedrod",
         "fedala",
         "fedbn",
         "apfl",
@@ -81,7 +80,7 @@ def test_a_node_never_gets_two_training_messages_at_once():
 )  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
 # FedDyn: each ∇L_k on its node, h the server's alone; FedPAC: the centroids, and each client's combined
 # head sent to its node with the model (FedProto's prototypes travel the same way)
-# FedRoD: each personalized head on its node; FedALA: each client's top layers and weights on its node
+# FedALA: each client's top layers and weights on its node (FedRoD's personalized head travels as FedRep's)
 # FedBN: its kept layers (the BN affines) on their node — FedPer's code, which LG-FedAvg's runs too
 # APFL: each client's personal model v and weight α on its node
 # pFedMe: the server's β step; FedMeta (Meta-SGD): the server's Adam step on θ and the learned rates
