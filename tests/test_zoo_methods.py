@@ -515,6 +515,28 @@ def test_fedpac_learns_an_extractor_and_combines_a_head_per_client(trained):
     assert algorithm.prototypes[HELD].sum() == 10
 
 
+def test_fedpac_server_state_is_checkpointed_and_each_client_gets_its_head(trained, tmp_path):
+    """The combined heads and the centroids round-trip a checkpoint; what a Flower node is sent for
+    a client (``broadcast_state``) gives it that client's head and nobody else's."""
+    algorithm, _, cfg, _ = trained("fedpac", *FEDPAC)
+    torch.save(algorithm.federation_state(), tmp_path / "state.pt")
+    fresh = build_algorithm(cfg, 10)
+    fresh.load_federation_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    client_id = min(algorithm.heads)
+    params = algorithm.global_params()
+    for key in ("head", "prototypes"):
+        kept, loaded = (
+            algorithm.client_state(client_id, params)[key],
+            fresh.client_state(client_id, params)[key],
+        )
+        assert kept.keys() == loaded.keys() and all(torch.equal(kept[k], loaded[k]) for k in kept)
+    node = build_algorithm(cfg, 10)
+    node.load_broadcast_state(algorithm.broadcast_state(client_id), client_id)
+    assert set(node.heads) == {client_id}
+    sent = node.client_state(client_id, params)["head"]
+    assert all(torch.equal(sent[k], algorithm.heads[client_id][k]) for k in sent)
+
+
 def test_fedpac_statistics_local_phases_centroids_and_head_combination_by_hand(zoo_data):
     """The statistics with the received model; one SGD step on the head alone (CE), one on the
     extractor alone (CE + λ·MSE to the global centroid, or to the client's own where there is
