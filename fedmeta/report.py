@@ -672,8 +672,7 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
     if written:
         (out_dir / "README.md").write_text(
             f"# Figures of the preset `{preset_name}`\n\nWritten by `fedmeta figures --preset {preset_name}` from "
-            f"the kept runs in `{kept}/`; `tests/test_figures.py` redraws them and checks they are the same.\n\n"
-            + "\n".join(captions)
+            f"the kept runs in `{kept}/`.\n\n" + "\n".join(captions)
         )
         written.append(out_dir / "README.md")
     return written
