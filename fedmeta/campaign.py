@@ -276,18 +276,22 @@ def run(
     parallel: int | None = None,
     out: Path | None = None,
     carry_mib: float | None = None,
+    ahead: int | None = None,
 ) -> dict:
     """One job of the campaign within ``budget`` seconds from now (see the module's docstring);
     returns its record (also appended to ``kept/jobs.jsonl``). ``out``: a folder that holds, from
     the first checkpoint on, a whole archive of what the job has gained (:mod:`fedmeta.lease`),
-    its unfinished runs within ``carry_mib`` (default: configs/campaign.yaml's)."""
+    its unfinished runs within ``carry_mib`` (default: configs/campaign.yaml's). ``parallel`` and
+    ``ahead`` (units that set up while others train) default to configs/campaign.yaml's for this
+    machine's device."""
     started = time.time()
     stop_at = started + budget - campaign.reserve_seconds
     carry = campaign.carry_mib if carry_mib is None else carry_mib
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if parallel is None:
         parallel = campaign.parallel[device]
-    ahead = campaign.get("start_ahead", {}).get(device, 0)
+    if ahead is None:
+        ahead = campaign.get("start_ahead", {}).get(device, 0)
     unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
     missing = {}  # per setting: its methods read the same data
     for unit in unfinished:

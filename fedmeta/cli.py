@@ -206,6 +206,12 @@ def _campaign_parser(commands) -> None:
         "--budget", type=float, metavar="SECONDS", help="the job's time, from now to the last file written"
     )
     campaign_cmd.add_argument("--parallel", type=int, help="units at once (default: configs/campaign.yaml's)")
+    campaign_cmd.add_argument(
+        "--start-ahead",
+        type=int,
+        metavar="N",
+        help="units that set up while others train, then wait for a turn (default: configs/campaign.yaml's)",
+    )
     campaign_cmd.add_argument("--out", default="results/campaign.md", help="the state of every unit")
     campaign_cmd.add_argument(
         "--pack",
@@ -673,6 +679,10 @@ def _campaign_command(args: argparse.Namespace) -> int:
             )
         if args.parallel is not None and args.parallel < 1:
             raise FedmetaError(f"--parallel must be ≥ 1 (units at once), got {args.parallel}")
+        if args.start_ahead is not None and not 0 <= args.start_ahead <= 8:
+            raise FedmetaError(
+                f"--start-ahead must be 0 to 8 (units setting up ahead), got {args.start_ahead}"
+            )
         plan.overrides = [*plan.overrides, *args.overrides]
         compose(list(plan.overrides))  # a bad override: one line before anything runs
         record = campaign.run(
@@ -683,6 +693,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
             args.parallel,
             out=None if args.pack is None else Path(args.pack),
             carry_mib=args.carry_mib,
+            ahead=args.start_ahead,
         )
         advanced = "; ".join(f"{unit}: {b} → {a}" for unit, (b, a) in record["units"].items())
         print(f"campaign: {record['seconds']:.0f} s; advanced: {advanced or 'nothing'}")

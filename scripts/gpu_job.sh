@@ -23,7 +23,8 @@
 #      configs/campaign.yaml first, then the next ones, every run stopped at the deadline at a round
 #      boundary, checkpointed; units whose data is not here are skipped in one line.
 # Exit 0 and "done" only when $OUT's last archive is the campaign's final one. Environment: OUT
-# (default .cache/gpu-out), PY, PARALLEL (units at once), CAMPAIGN_ARGS (key=value for every run).
+# (default .cache/gpu-out), PY, PARALLEL (units at once), AHEAD (units that set up while others train),
+# CAMPAIGN_ARGS (key=value for every run); PARALLEL and AHEAD default to configs/campaign.yaml's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTPUTS="job.log lease.json runs-[ab].[0-9][0-9]"
@@ -159,7 +160,8 @@ fi
 RESERVE=6  # after the campaign: reading its manifest
 at "campaign, $(( $(left) - RESERVE )) s"
 timeout --kill-after=2 $(( $(left) - RESERVE )) "$PY" -m fedmeta.cli campaign --budget $(( $(left) - RESERVE - 2 )) \
-  --pack "$OUT" --carry-mib "$CARRY" ${PARALLEL:+--parallel "$PARALLEL"} ${RUN_ARGS[@]+"${RUN_ARGS[@]}"}
+  --pack "$OUT" --carry-mib "$CARRY" ${PARALLEL:+--parallel "$PARALLEL"} ${AHEAD:+--start-ahead "$AHEAD"} \
+  ${RUN_ARGS[@]+"${RUN_ARGS[@]}"}
 code=$?
 at "campaign ended (exit $code)"
 summary=$("$PY" -m fedmeta.lease "$OUT")

@@ -41,8 +41,8 @@ CARD_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_
 }
 
 # What the job (fedmeta.cli train/table/bench with W&B disabled, and pytest tests/test_capture.py) imports,
-# found with grep '^import|^from' and the imports inside functions: (package, why, carried even when the
-# image lists it).
+# found with grep '^import|^from' and the imports inside functions (tests/test_gpu_kit.py checks the
+# module-level ones): (package, why, carried even when the image lists it).
 NEEDED = [
     ("omegaconf", "fedmeta.config imports it at module level: every fedmeta command", False),
     ("pyyaml", "omegaconf reads YAML with it; fedmeta.grid imports it at module level", False),

@@ -12,10 +12,10 @@
 #      again, then a copy of out2 with a part cut short (refused, exit 2). After each: no kept run moved
 #      back, every round a collected archive reported is kept, every kept checkpoint loads.
 #   4. The collected tree shipped again: a third job (out3) continues the units under way ("resuming").
-# The units run as on a card: vmapped, each unit's seeds stacked, PARALLEL at once (default: the
-# campaign's, one on a card: several processes are time-sliced there); on 2 cores that is slow, so CAMPAIGN_ARGS (default: 2 clients a round, 2 new clients, 2 steps each, a
+# The units run as on a card: vmapped, each unit's seeds stacked, PARALLEL at once and AHEAD more setting
+# up beside them, waiting for a turn (defaults: configs/campaign.yaml's for a card, not for a CPU); on 2 cores that is slow, so CAMPAIGN_ARGS (default: 2 clients a round, 2 new clients, 2 steps each, a
 # smaller CNN, a checkpoint every 5 rounds) makes the rounds small, and a loaded machine only means fewer rounds: the deadline holds whatever the load.
-# Environment: SECONDS_GIVEN (default 150), KILL_AT, PARALLEL, CAMPAIGN_ARGS, JOB (a stand-in for
+# Environment: SECONDS_GIVEN (default 150), KILL_AT, PARALLEL, AHEAD, CAMPAIGN_ARGS, JOB (a stand-in for
 # scripts/gpu_job.sh, copied into the copies in its place), CARRY (default .gpu), PY312. The log: stdout
 # and .cache/rehearse/rehearsal.log. Exits 1 if any check fails.
 set -uo pipefail
@@ -24,7 +24,6 @@ ROOT=$PWD
 JOB=${JOB:-scripts/gpu_job.sh}
 SECONDS_GIVEN=${SECONDS_GIVEN:-150}
 KILL_AT=${KILL_AT:-$(( SECONDS_GIVEN * 2 / 3 ))}
-PARALLEL=${PARALLEL:-}
 SMALL="federation.clients_per_round=2 federation.num_new_clients=2 personalization.steps=2 model.conv_channels=[8,16] model.dense_units=[32] federation.checkpoint_every=5"
 CARRY=${CARRY:-.gpu}
 PY312=${PY312:-}
@@ -72,6 +71,11 @@ fi
 VPY=$VENV/bin/python
 DEV_PY=$ROOT/.venv/bin/python
 [ -x "$DEV_PY" ] || DEV_PY=python3
+CARD=$("$DEV_PY" -c "import yaml; c = yaml.safe_load(open('configs/campaign.yaml'))
+print(c['parallel']['cuda'], (c.get('start_ahead') or {}).get('cuda', 0))")
+PARALLEL=${PARALLEL:-${CARD% *}}
+AHEAD=${AHEAD:-${CARD#* }}
+say "as on a card: $PARALLEL unit(s) at once, $AHEAD setting up ahead"
 say "venv: $("$VPY" -c 'import sys, torch, lightning, numpy; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, lightning {lightning.__version__}, numpy {numpy.__version__}")'), $(mib "$VENV") MiB"
 if "$VPY" -c "import omegaconf" 2>/dev/null; then
   fail "the venv has omegaconf: it would hide a kit without it"
@@ -95,7 +99,7 @@ run_job() {  # run_job NAME TREE LIMIT
   rm -rf /tmp/fedmeta-site /tmp/fedmeta-cache
   mkdir -p "$out"
   start=$(date +%s.%N)
-  (cd "$copy" && CUDA_VISIBLE_DEVICES= PY=$VPY OUT=$out CAMPAIGN_ARGS=${CAMPAIGN_ARGS-$SMALL} PARALLEL=$PARALLEL \
+  (cd "$copy" && CUDA_VISIBLE_DEVICES= PY=$VPY OUT=$out CAMPAIGN_ARGS=${CAMPAIGN_ARGS-$SMALL} PARALLEL=$PARALLEL AHEAD=$AHEAD \
     timeout -s KILL "$3" scripts/gpu_job.sh "$SECONDS_GIVEN") > "$WORK/job-$name.txt" 2>&1
   rc=$?
   # As the device ends a command: everything it started goes with it (the campaign's own timeout

@@ -173,7 +173,10 @@ COMMANDS = {
         },
         [],
     ),
-    ("campaign",): ({"--budget": NUMBERS, "--parallel": NUMBERS, "--out": JUNK}, [OVERRIDES]),
+    ("campaign",): (
+        {"--budget": NUMBERS, "--parallel": NUMBERS, "--start-ahead": NUMBERS, "--out": JUNK},
+        [OVERRIDES],
+    ),
     ("figures",): ({**GRID_OPTIONS, "--run": None, "--out-dir": JUNK}, []),
     ("sweep",): (
         {"--root": JUNK, "--parallel": NUMBERS, "--executor": GRID_OPTIONS["--executor"]},

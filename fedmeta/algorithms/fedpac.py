@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.optimize import minimize
 
 from fedmeta.algorithms.base import ClientData, ClientUpdate, LocalResult
 from fedmeta.algorithms.fedavg import FedAvg
@@ -64,6 +63,9 @@ SMALLEST_WEIGHT = 1e-3  # combination weights below it are dropped (the authors'
 
 def simplex_qp(matrix: np.ndarray) -> np.ndarray | None:
     """argmin αᵀ·matrix·α over the probability simplex (SLSQP); None when the solver fails."""
+    # imported here: no other method needs scipy, and the GPU job's kit carries only what it imports
+    from scipy.optimize import minimize
+
     m = len(matrix)
     scale = max(np.abs(matrix).max(), np.finfo(np.float64).tiny)  # the solver's tolerances are absolute
     matrix = matrix / scale
