@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -426,7 +427,9 @@ def run(
         if ahead and len(todo) > parallel:
             turns = DeviceTurn.make(root / "turns", parallel).resolve()
             todo = [replace(job, overrides=(*job.overrides, f"output.turns={turns}")) for job in todo]
-            parallel += ahead
+            return _run_pool(
+                todo, logs, parallel + ahead, threads, stop_at, turn_gate(turns, parallel, ahead)
+            )
         return _run_pool(todo, logs, parallel, threads, stop_at)
     if executor == "local":
         return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
@@ -456,10 +459,12 @@ def dispatch(
     outcome,
     poll_s: float = 0.2,
     stop_at: float | None = None,
+    may_start: Callable[[int], bool] = lambda running: True,
 ) -> list[str]:
     """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
     finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
-    source failed, none within ``LAST_START`` seconds of ``stop_at``.
+    source failed, none within ``LAST_START`` seconds of ``stop_at``, and each only when
+    ``may_start(runs running)`` allows it.
     ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a failure line or
     None. Returns the failure lines."""
     needs = {job: sources(job, todo) for job in todo}
@@ -479,6 +484,8 @@ def dispatch(
                 waiting.clear()
             ready = [j for j in waiting if all(s in succeeded for s in needs[j])]
             for job in ready[: max(0, parallel - len(running))]:
+                if not may_start(len(running)):
+                    break
                 waiting.remove(job)
                 running.append((job, start(job)))
             time.sleep(poll_s)  # a chain has no circles (chain_stages): something is always running here
@@ -522,12 +529,21 @@ def _failure(job: Job, code, log: Path) -> str | None:
     return f"{job.label}: exit {code}: {said} (log: {log})"
 
 
+def turn_gate(turns: Path, parallel: int, ahead: int) -> Callable[[int], bool]:
+    """Whether another process may start beside ``running`` ones sharing ``parallel`` turns: the first
+    ``parallel`` at once, then one more only while fewer than ``ahead`` are setting up or waiting. So
+    turns go in the queue's order — a unit started ahead never takes the turn from the unit before it
+    (the one under way, whose checkpoint travels) while that one is still setting up."""
+    return lambda running: running < parallel or running - DeviceTurn.held(turns) < ahead
+
+
 def _run_pool(
     todo: list[Job],
     logs: Path,
     parallel: int,
     threads: int,
     stop_at: float | None = None,
+    may_start: Callable[[int], bool] = lambda running: True,
 ) -> list[str]:
     env = dict(os.environ) | (
         {"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {}
@@ -552,6 +568,7 @@ def _run_pool(
             lambda job: pool.submit(execute, job),
             lambda job, future: future.result(),
             stop_at=stop_at,
+            may_start=may_start,
         )
 
 

@@ -218,6 +218,18 @@ class DeviceTurn:
             (folder / f"turn-{k}").touch()
         return folder
 
+    @staticmethod
+    def held(folder: Path) -> int:
+        """How many of ``folder``'s turns are held now (each one tried, and let go at once if free)."""
+        count = 0
+        for path in Path(folder).glob("turn-*"):
+            with open(path, "a") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    count += 1
+        return count
+
     def wait(self, stop_at: float | None) -> bool:
         """Block until a turn is held (True) or ``stop_at`` has passed (False: the run then stops
         before its first round, at its deadline)."""

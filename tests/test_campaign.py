@@ -390,6 +390,25 @@ def test_a_turn_is_held_by_one_run_at_a_time_and_let_go_when_its_process_dies(tm
     assert first.wait(time.time() + 5)
 
 
+def test_a_unit_started_ahead_starts_only_once_the_unit_before_it_holds_its_turn(tmp_path):
+    """Turns go in the queue's order: the unit under way (whose checkpoint travels) is never overtaken
+    by a later one that set up faster."""
+    from fedmeta.runs import DeviceTurn
+
+    turns = DeviceTurn.make(tmp_path / "turns", 1)
+    may_start = grid.turn_gate(turns, parallel=1, ahead=1)
+    assert may_start(0)  # the first unit starts at once
+    assert not may_start(1)  # the next waits while the first sets up
+    first = DeviceTurn(turns)
+    assert first.wait(None) and DeviceTurn.held(turns) == 1
+    assert may_start(1)  # the first trains: the next sets up beside it
+    assert not may_start(2)  # and one setting up ahead is enough
+    first.release()  # the first ended; the one set up ahead has not taken the turn yet
+    assert DeviceTurn.held(turns) == 0 and not may_start(1)
+    assert first.wait(None)  # the turn is free after each check: the waiting unit takes it
+    first.release()
+
+
 def test_a_run_sets_up_then_waits_for_its_turn_and_stops_in_one_line_at_its_deadline(tmp_path, mnist_dir):
     from fedmeta.runs import DeviceTurn
 
@@ -430,9 +449,11 @@ def test_units_started_ahead_train_one_at_a_time_and_all_finish(tmp_path, mnist_
         job.method: (tmp_path / "logs" / f"{job.label.replace('/', '-')}.log").read_text() for job in jobs
     }
     assert all("waiting for a turn on the device" in log for log in logs.values())
-    waited = sorted(
-        float(re.search(r"took a turn on the device after ([\d.]+) s", log)[1]) for log in logs.values()
-    )
-    assert waited[1] > 1.0  # one set up while the other trained, and waited for it to end
+    waited = {
+        method: float(re.search(r"took a turn on the device after ([\d.]+) s", log)[1])
+        for method, log in logs.items()
+    }
+    # the queue's order: the first unit's turn at once; the second set up while it trained, then waited
+    assert waited["fedavg"] < 1.0 < waited["fedavg_ft"]
     for job in jobs:
         assert (tmp_path / job.setting / job.method / "seed0" / "summary.json").is_file()
