@@ -33,6 +33,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow  # training processes: minutes on 2 cores
 def test_a_run_past_its_deadline_stops_checkpointed_and_resumes_to_the_same_result(
     tmp_path, mnist_dir, monkeypatch
 ):
@@ -51,6 +52,7 @@ def test_a_run_past_its_deadline_stops_checkpointed_and_resumes_to_the_same_resu
     assert (resumed["accuracy"], resumed["curve"]) == (whole["accuracy"], whole["curve"])
 
 
+@pytest.mark.slow  # training processes: minutes on 2 cores
 def test_sigterm_stops_a_run_at_the_next_round_boundary_in_one_line(tmp_path, mnist_dir):
     """With the loggers a user gets (TensorBoard, W&B offline): SLURM, timeout and docker stop send SIGTERM."""
     tiny = [o for o in TINY if not o.startswith("logger=")]
@@ -92,9 +94,8 @@ def two_evaluated_rounds(tmp_path_factory, mnist_dir):
     return args, whole, root / "rmnist-shards" / "fedavg" / "seed0"
 
 
-@pytest.mark.parametrize(
-    "stopped_at", [pytest.param(1, marks=pytest.mark.slow), 2]
-)  # an evaluation on the way, and the last round's
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped_at", [1, 2])  # an evaluation on the way, and the last round's
 def test_sigterm_during_an_evaluation_stops_before_it_and_the_resume_evaluates_that_round_first(
     tmp_path, two_evaluated_rounds, monkeypatch, stopped_at
 ):
@@ -409,6 +410,7 @@ def test_a_unit_started_ahead_starts_only_once_the_unit_before_it_holds_its_turn
     first.release()
 
 
+@pytest.mark.slow  # training processes: minutes on 2 cores
 def test_a_run_sets_up_then_waits_for_its_turn_and_stops_in_one_line_at_its_deadline(tmp_path, mnist_dir):
     from fedmeta.runs import DeviceTurn
 

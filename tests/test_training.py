@@ -11,6 +11,8 @@ from fedmeta.cli import main
 from fedmeta.config import compose, run_name
 from fedmeta.loop import train
 
+SMALL_CNN = ("model.conv_channels=[8,16]", "model.dense_units=[64]")
+
 
 def config(tmp_path, mnist_dir, *overrides):
     return compose([f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "wandb.mode=disabled", *overrides])
@@ -178,6 +180,7 @@ def test_true_precisions_convert_the_model_and_train(tmp_path, mnist_dir, precis
         f"fabric.precision={precision}",
         "personalization.lr=0.05",
         "personalization.steps=10",
+        *SMALL_CNN,  # a CPU's bfloat16 and float64 are slow: the full CNN took 4 minutes here
     )
     _, federation, algorithm = setup(cfg)
     assert {p.dtype for p in algorithm.model.parameters()} == {dtype}
