@@ -25,6 +25,7 @@ The next job — on any machine, from a fresh clone holding those files — cont
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import shutil
@@ -151,6 +152,17 @@ def _campaign_problem(raw) -> str | None:
         (
             isinstance(not_in_leases, dict) and all(isinstance(v, str) for v in not_in_leases.values()),
             "not_in_leases must map a data set to why no lease can run it",
+        )
+    )
+    for key in ("order", "methods"):
+        values = raw.get(key) if isinstance(raw.get(key), list) else []
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        checks.append((not twice, f"{key} lists {', '.join(twice)} twice: list each once"))
+    checks.append(
+        (
+            not isinstance(raw["overrides"], list)
+            or not any(isinstance(o, str) and o.split("=", 1)[0] == "output.root" for o in raw["overrides"]),
+            "overrides may not set output.root: a campaign's runs go under runs/<preset>, where its jobs resume them",
         )
     )
     return next((why for ok, why in checks if not ok), None)
@@ -369,17 +381,16 @@ def missing_data(unit: Unit) -> str | None:
     return missing_files(cfg.dataset)
 
 
-def collect(campaign: DictConfig, source: Path, kept: Path) -> list[str]:
-    """A job's output folder (:mod:`fedmeta.lease`) into the kept runs: each run taken only where it
-    is further along than the kept one, its checkpoint loaded and checked against the run it
-    continues first; the job's record into ``kept/jobs.jsonl``. Returns a line per run."""
+def collect(campaign: DictConfig, source: Path, kept: Path, logs: Path | None = None) -> list[str]:
+    """A job's output folder (:mod:`fedmeta.lease`) into the kept runs, one collect at a time. Each
+    run is judged against the campaign's own settings for its folder (never the job's word): its
+    config, its metrics, a finished run's files and summary, an unfinished one's checkpoint, and that
+    it continues the kept run; it is taken only where all of that holds and it is further along.
+    The job's record goes to ``kept/jobs.jsonl``; with ``logs``, its log to ``logs/jobs/<id>.log``.
+    Returns a line per run."""
     manifest, runs = lease.read_output(source)
-    ran = manifest["job"].get("overrides", list(campaign.overrides))
-    if not (isinstance(ran, list) and all(isinstance(o, str) for o in ran)):
-        raise FedmetaError(
-            f"{source / lease.MANIFEST} names overrides that are not key=value strings: nothing collected"
-        )
-    campaign = OmegaConf.merge(campaign, {"overrides": ran})  # the settings the job ran with
+    log = lease.read_log(source)
+    job_id = manifest["job"]["id"]
     known = {
         folder.relative_to(kept).as_posix(): (unit, job)
         for unit in units(campaign, kept)
@@ -391,48 +402,150 @@ def collect(campaign: DictConfig, source: Path, kept: Path) -> list[str]:
             f"{source}'s archive holds {unknown[0]}, not a run of this campaign: nothing collected"
         )
     said, taken = [], []
-    with tempfile.TemporaryDirectory(prefix="fedmeta-collect-") as scratch:
-        for folder, files in sorted(runs.items()):
-            unit, job = known[folder]
-            have = lease.run_state(kept / folder, unit.rounds)
-            if "summary.json" in files:
-                try:
-                    problem = summary_problem(json.loads(files["summary.json"].decode("utf-8")), unit.rounds)
-                except ValueError:
-                    problem = "cannot be read"
-                if problem:
-                    said.append(f"{folder}: its summary.json {problem}: not taken")
-                elif have < unit.rounds:
+    with lease.collecting(kept):
+        for path in [
+            kept / "jobs.jsonl",
+            *(kept / folder / name for folder in runs for name in lease.ALLOWED),
+        ]:
+            lease.no_links(path, kept)
+        with tempfile.TemporaryDirectory(prefix="fedmeta-collect-") as scratch:
+            for folder, files in sorted(runs.items()):
+                unit, job = known[folder]
+                line, take = _judge(files, unit, compose(list(job.overrides)), kept / folder, Path(scratch))
+                if line:
+                    said.append(f"{folder}: {line}")
+                if take:
                     taken.append((folder, files))
-                    said.append(f"{folder}: finished")
-                else:
-                    said.append(f"{folder}: finished (already kept)")
-                continue
-            if lease.CHECKPOINT not in files:  # not carried: its rounds' seconds, where nothing is kept
-                if not any(
-                    (kept / folder / name).exists()
-                    for name in ("summary.json", lease.CHECKPOINT, "metrics.csv")
-                ):
-                    taken.append((folder, files))
-                    said.append(f"{folder}: not carried; its measured rounds kept")
-                continue
-            path = lease.unpack_checkpoint(files[lease.CHECKPOINT], Path(scratch))
-            problem = _foreign(path, compose(list(job.overrides)))
-            if problem:
-                said.append(f"{folder}: its checkpoint {problem}: not taken")
-                continue
-            round_ = lease.checkpoint_round(path)
-            if round_ > have:
-                taken.append((folder, files))
-                said.append(f"{folder}: round {have} → {round_}")
-            else:
-                said.append(f"{folder}: round {round_}, not beyond the kept {have}: kept as it was")
         for folder, files in taken:
             lease.install(files, kept / folder)
-    said.append(
-        f"job {manifest['job']['id']}: record {lease.append_record(kept / 'jobs.jsonl', manifest['job'])}"
-    )
+        said.append(f"job {job_id}: record {lease.append_record(kept / 'jobs.jsonl', manifest['job'])}")
+        if logs is not None and log is not None:
+            said += lease.keep_log(log, job_id, logs)
     return said
+
+
+def _judge(
+    files: dict[str, bytes], unit: Unit, cfg: DictConfig, kept: Path, scratch: Path
+) -> tuple[str, bool]:
+    """What to say of a run the job brought back for the kept folder ``kept`` (of ``cfg``'s run),
+    and whether to take it."""
+    have = lease.run_state(kept, unit.rounds)
+    finished = "summary.json" in files
+    if finished:
+        missing = [name for name in lease.FINISHED_REQUIRED if name not in files]
+        if missing:
+            return (
+                f"finished, but without its {', '.join(missing)} (a finished run has them all): not taken",
+                False,
+            )
+    elif lease.CHECKPOINT not in files and any(
+        (kept / name).exists() for name in ("summary.json", lease.CHECKPOINT, "metrics.csv")
+    ):
+        return "", False  # not carried: only its measured rounds came, and more is kept
+    problem = _config_problem(files.get("config.yaml"), cfg)
+    if problem:
+        return f"its config.yaml {problem}: not taken", False
+    rows, problem = _metrics(files.get("metrics.csv"), unit.rounds if finished else None)
+    if problem:
+        return f"its metrics.csv {problem}: not taken", False
+    if finished:
+        try:
+            problem = summary_problem(json.loads(files["summary.json"].decode("utf-8")), unit.rounds)
+        except ValueError:
+            problem = "cannot be read"
+        if problem:
+            return f"its summary.json {problem}: not taken", False
+        if have >= unit.rounds:
+            return "finished (already kept)", False
+        problem = _continues(kept, have, rows)
+        return ("finished", True) if not problem else (f"finished, but {problem}: not taken", False)
+    if lease.CHECKPOINT not in files:
+        return "not carried; its measured rounds kept", True
+    path = lease.unpack_checkpoint(files[lease.CHECKPOINT], scratch)
+    problem = _foreign(path, cfg)
+    if problem:
+        return f"its checkpoint {problem}: not taken", False
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    round_ = int(saved["round"])
+    if round_ <= have:
+        return f"round {round_}, not beyond the kept {have}: kept as it was", False
+    try:
+        history = [(int(row["round"]), float(row["train_loss"])) for row in saved["history"]["metrics"]]
+    except (KeyError, TypeError, ValueError):
+        return "its checkpoint holds no history of its rounds: not taken", False
+    problem = _continues(kept, have, history)
+    return (
+        (f"round {have} → {round_}", True) if not problem else (f"its checkpoint {problem}: not taken", False)
+    )
+
+
+def _config_problem(data: bytes | None, cfg: DictConfig) -> str | None:
+    """Why a run's config.yaml is not ``cfg``'s run (the campaign's for that folder), or None."""
+    import yaml
+
+    if data is None:
+        return "is missing"
+    try:
+        raw = yaml.safe_load(data.decode("utf-8"))
+        theirs, rounds = identity(OmegaConf.create(raw)), raw["federation"]["rounds"]
+    except Exception:  # noqa: BLE001 — whatever a cut-off, edited or foreign file raises
+        return "cannot be read"
+    different = differences(theirs, identity(cfg))
+    if different:
+        return f"is of other settings than the campaign's for this folder ({different[0]})"
+    if rounds != cfg.federation.rounds:
+        return f"is of {rounds!r} rounds, the campaign's {cfg.federation.rounds}"
+    return None
+
+
+ROUND_SECONDS = 24 * 3600  # a round's seconds beyond a day are not a measurement
+
+
+def _metrics(data: bytes | None, rounds: int | None) -> tuple[list[tuple[int, float]], str | None]:
+    """A run's metrics.csv → its (round, train_loss) rows and None, or why it is not one fedmeta
+    writes (``rounds``: a finished run's, which its last row must reach)."""
+    from fedmeta.runs import METRIC_FIELDS
+
+    if data is None:
+        return [], "is missing"
+    try:
+        table = list(csv.reader(io.StringIO(data.decode("utf-8"))))
+    except (UnicodeDecodeError, csv.Error):
+        return [], "cannot be read"
+    if not table or table[0] != METRIC_FIELDS:
+        return [], f"does not begin with fedmeta's columns ({','.join(METRIC_FIELDS)})"
+    rows = []
+    for row in table[1:]:
+        values = dict(zip(METRIC_FIELDS, row))
+        try:
+            round_, loss = int(values["round"]), float(values["train_loss"])
+            numbers = {key: float(values[key]) for key in METRIC_FIELDS[2:] if values.get(key)}
+        except (KeyError, ValueError):
+            return [], f"has a row that is not numbers ({','.join(row)[:60]})"
+        if len(row) != len(METRIC_FIELDS) or round_ != len(rows) + 1:
+            return [], f"has a row {round_} where row {len(rows) + 1} belongs"
+        if not 0 <= numbers.get("round_seconds", 0) <= ROUND_SECONDS or not all(
+            0 <= numbers[key] <= 1 for key in numbers if key.startswith("eval_")
+        ):
+            return [], f"has a row {round_} with a duration or accuracy no run has"
+        rows.append((round_, loss))
+    if rounds is not None and len(rows) != rounds:
+        return [], f"holds {len(rows)} rounds, not the run's {rounds}"
+    return rows, None
+
+
+def _continues(kept: Path, have: int, rows: list[tuple[int, float]]) -> str | None:
+    """Why ``rows`` (a run's rounds and losses) do not continue the kept run, whose checkpoint is at
+    round ``have`` (0: nothing to continue), or None: a run resumed from it repeats its rounds exactly."""
+    try:
+        saved = torch.load(kept / lease.CHECKPOINT, map_location="cpu", weights_only=True)
+        ours = [(int(row["round"]), float(row["train_loss"])) for row in saved["history"]["metrics"]]
+    except Exception:  # noqa: BLE001 — nothing kept (have 0), or a kept checkpoint without its history
+        return None
+    theirs = [(r, loss) for r, loss in rows if r <= have]
+    if [(r, repr(x)) for r, x in theirs] != [(r, repr(x)) for r, x in ours[:have]]:
+        return f"does not continue the kept run (its first {have} rounds differ from the kept checkpoint's)"
+    return None
 
 
 def carry_out(todo: list[Unit], root: Path, kept: Path) -> float:
@@ -586,17 +699,14 @@ def _jobs(kept: Path) -> list[dict]:
             record = json.loads(line)
             units_moved = record["units"]
             valid = (
-                isinstance(record["started"], str)
-                and isinstance(record["hardware"], str)
-                and _number(record["budget_seconds"])
-                and _number(record["seconds"])
+                isinstance(record, dict)
+                and lease.record_problem(record | {"parallel": record.get("parallel", 1)}) is None
                 and isinstance(units_moved, dict)
-                and all(isinstance(v, list) and len(v) == 2 for v in units_moved.values())
             )
         except (ValueError, KeyError, TypeError):
             valid = False
         if valid:
-            records.append(record)
+            records.append(record | {"parallel": record.get("parallel", 1)})
         else:
             print(f"warning: {path}:{number} is not a job's record: skipped")
     return records
@@ -612,7 +722,7 @@ def _seconds_per_seed_round(unit: Unit, kept: Path) -> float | None:
                         value = float(row.get("round_seconds") or "nan")
                     except ValueError:
                         continue
-                    if math.isfinite(value) and value > 0:
+                    if 0 < value <= ROUND_SECONDS:  # 1e308 would overflow what is left, nan compare false
                         seconds.append(value)
         except (OSError, UnicodeDecodeError, csv.Error):
             continue

@@ -667,7 +667,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
     if args.collect is not None:
         if args.budget is not None:
             raise FedmetaError("--collect takes back a job's files: run it without --budget")
-        for line in campaign.collect(plan, Path(args.collect), kept):
+        for line in campaign.collect(plan, Path(args.collect), kept, logs=Path("results") / "gpu"):
             print(line)
     if args.carry_mib is not None and not (math.isfinite(args.carry_mib) and args.carry_mib >= 0):
         raise FedmetaError(f"--carry-mib must be a size in MiB ≥ 0, got {args.carry_mib}")
@@ -682,6 +682,10 @@ def _campaign_command(args: argparse.Namespace) -> int:
         if args.start_ahead is not None and not 0 <= args.start_ahead <= 8:
             raise FedmetaError(
                 f"--start-ahead must be 0 to 8 (units setting up ahead), got {args.start_ahead}"
+            )
+        if any(o.split("=", 1)[0] == "output.root" for o in args.overrides):
+            raise FedmetaError(
+                "fedmeta campaign runs under runs/<preset>, where its kept runs resume: drop output.root="
             )
         plan.overrides = [*plan.overrides, *args.overrides]
         compose(list(plan.overrides))  # a bad override: one line before anything runs

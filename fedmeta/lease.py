@@ -9,28 +9,35 @@ a whole archive of what the job has gained so far, in one of two slots (``runs-a
 atomically, naming the new slot's parts, their sizes and hashes, each run's round and the job's
 record so far. A SIGKILL at any moment leaves the previous manifest and its parts whole.
 
-:func:`collect` reads such a folder back into the kept runs (``results/runs/<preset>/``): the
-manifest and every part checked before anything is touched, the archive read whole and every name
-in it checked against the campaign's run folders (no path elsewhere, no link), unpacked aside,
-every checkpoint loaded and checked against the run it continues, and a run taken only where it is
-further along than the kept one. The job's record is appended to ``jobs.jsonl`` (or replaces the
-earlier collect of the same job, when further along). An older output collected after a newer one,
-the same output twice, a truncated or tampered one: nothing kept is lost or moved back.
+``fedmeta.campaign.collect`` reads such a folder back into the kept runs (``results/runs/<preset>/``)
+with what is here: everything that came back is data to check, never a path to follow. The
+manifest, every part and the log are read only as regular files of bounded size (a link or a FIFO
+is refused unopened), the job's record field by field (its id names a file: a plain name only),
+the archive whole, every name in it checked against the campaign's run folders (no path elsewhere,
+no link, a size limit per kind of file), unpacked aside; a run is then judged against the
+campaign's own settings for its folder and taken only where it continues the kept one and is
+further along. One collect at a time (:func:`collecting`), never writing through a link
+(:func:`no_links`). The job's record is appended to ``jobs.jsonl`` (or replaces the earlier
+collect of the same job, when further along). An older output collected after a newer one, the
+same output twice, a truncated or tampered one: nothing kept is lost or moved back.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
 import math
 import os
 import re
+import stat
 import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from fedmeta.errors import FedmetaError
@@ -44,6 +51,13 @@ ARCHIVE_BYTES = PART_BYTES * PARTS_PER_SLOT
 CHECKPOINT = "checkpoint.ckpt"
 PART_NAME = re.compile(r"runs-([ab])\.(\d\d)")
 RUN_FOLDER = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/seed\d+")
+# A job's id names its log's file: a plain name, never a path (the campaign writes 12 hex digits).
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+MANIFEST_BYTES = 2**20
+LOG_BYTES = 16 * 2**20  # a file bigger than this cannot come back from a lent machine
+MAX_PARTS = 8  # the files a lent machine brings back
+MAX_SECONDS = 10**7  # a job's seconds beyond this (four months) are not a measurement
+LOCK = ".collect.lock"
 
 
 def checkpoint_round(path: Path) -> int | None:
@@ -225,13 +239,42 @@ FINISHED_FILES = (
 )
 UNFINISHED_FILES = ("config.yaml", "metrics.csv", "curves.csv", "evaluations.jsonl", CHECKPOINT)
 ALLOWED = set(FINISHED_FILES) | set(UNFINISHED_FILES)
+# What every finished run has written (evaluations.jsonl and command.txt come later, if at all).
+FINISHED_REQUIRED = ("config.yaml", "metrics.csv", "curves.csv", "summary.json")
+# The most a run's file may hold when collected: a 1,000-round metrics.csv is about 100 KB.
+SMALL_FILE_BYTES = 2**20
+FILE_BYTES = {
+    CHECKPOINT: ARCHIVE_BYTES,
+    "metrics.csv": 16 * 2**20,
+    "curves.csv": 16 * 2**20,
+    "evaluations.jsonl": 16 * 2**20,
+}
 
 
 def _read_json(path: Path):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return json.loads(read_regular(path, MANIFEST_BYTES).decode("utf-8"))
+    except (OSError, ValueError, FedmetaError):
         return None
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file at ``path``. A link (it could lead anywhere), a FIFO (a read
+    would wait for ever), a device or a file over ``limit`` bytes raises FedmetaError naming it;
+    nothing but a regular file is opened for reading. A missing file raises FileNotFoundError."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise FedmetaError(f"{path} is a symbolic link")
+    if not stat.S_ISREG(mode):
+        raise FedmetaError(f"{path} is not a regular file (a FIFO, a device or a folder)")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the two looks
+            raise FedmetaError(f"{path} is not a regular file (a FIFO, a device or a folder)")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise FedmetaError(f"{path} holds more than {limit} bytes")
+    return data
 
 
 def read_output(source: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
@@ -239,7 +282,12 @@ def read_output(source: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
     first; any fault is one line naming it, and nothing is returned."""
     if not source.is_dir():
         raise FedmetaError(f"{source} is not a folder: give the folder the job's files came back to")
-    manifest = _read_json(source / MANIFEST)
+    try:
+        manifest = json.loads(read_regular(source / MANIFEST, MANIFEST_BYTES).decode("utf-8"))
+    except FedmetaError as exc:
+        raise FedmetaError(f"{exc}, not the manifest a job writes: nothing collected") from None
+    except (OSError, ValueError):
+        manifest = None
     if manifest is None:
         older = (
             " (it holds runs.tar.gz: a job of the older format, collect it with that version)"
@@ -256,7 +304,9 @@ def read_output(source: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
     for part in manifest["parts"]:
         path = source / part["name"]
         try:
-            chunk = path.read_bytes()
+            chunk = read_regular(path, PART_BYTES)
+        except FedmetaError as exc:
+            raise FedmetaError(f"{exc}, not a part a job writes: nothing collected") from None
         except OSError:
             raise FedmetaError(
                 f"{path} is missing: the job's output did not all come back; nothing collected"
@@ -272,9 +322,21 @@ def read_output(source: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
         with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r:") as archive:
             for member in archive:
                 folder, _, name = member.name.rpartition("/")
-                if not member.isfile() or not RUN_FOLDER.fullmatch(folder) or name not in ALLOWED:
+                if (
+                    not member.isfile()
+                    or member.issparse()
+                    or not RUN_FOLDER.fullmatch(folder)
+                    or name not in ALLOWED
+                ):
                     raise FedmetaError(
                         f"{source}'s archive holds {member.name!r}, which is not a run's file: nothing collected"
+                    )
+                if name in runs.get(folder, {}):
+                    raise FedmetaError(f"{source}'s archive holds {member.name} twice: nothing collected")
+                if member.size > FILE_BYTES.get(name, SMALL_FILE_BYTES):
+                    raise FedmetaError(
+                        f"{source}'s archive holds {member.name} of {member.size} bytes, more than a run "
+                        f"writes ({FILE_BYTES.get(name, SMALL_FILE_BYTES)}): nothing collected"
                     )
                 runs.setdefault(folder, {})[name] = archive.extractfile(member).read()
     except tarfile.TarError as exc:
@@ -288,6 +350,8 @@ def _manifest_problem(manifest) -> str | None:
     parts = manifest.get("parts")
     if manifest.get("slot") not in SLOTS or not isinstance(parts, list) or not parts:
         return "names no slot or no parts"
+    if len(parts) > MAX_PARTS:
+        return f"names {len(parts)} parts, more than the {MAX_PARTS} files a lent machine brings back"
     for i, part in enumerate(parts):
         if not isinstance(part, dict):
             return "names a part that is not a mapping"
@@ -295,32 +359,180 @@ def _manifest_problem(manifest) -> str | None:
         match = PART_NAME.fullmatch(name) if isinstance(name, str) else None
         if not match or match[1] != manifest["slot"] or int(match[2]) != i:
             return f"names a part {name!r} that is not part {i} of slot {manifest['slot']}"
-        if not isinstance(part.get("bytes"), int) or not isinstance(part.get("sha256"), str):
-            return f"gives part {name} no size or hash"
+        size = part.get("bytes")
+        if not _count(size) or size > PART_BYTES or not isinstance(part.get("sha256"), str):
+            return f"gives part {name} no size (at most {PART_BYTES} bytes) or no hash"
     job = manifest.get("job")
-    if (
-        not isinstance(job, dict)
-        or not isinstance(job.get("id"), str)
-        or not isinstance(job.get("units"), dict)
-    ):
+    if not isinstance(job, dict):
         return "holds no job record"
-    seconds = job.get("seconds")
-    if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds < 0:
-        return "holds a job record without its seconds"
+    return record_problem(job)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seconds(value) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_SECONDS
+    )
+
+
+def record_problem(job: dict) -> str | None:
+    """What makes ``job`` (a manifest's job record) not one a campaign writes, or None: it is read
+    by every later ``fedmeta campaign``, so each field is checked, not just carried."""
+    if not isinstance(job.get("id"), str) or not JOB_ID.fullmatch(job["id"]):
+        return (
+            f"holds a job id {job.get('id')!r} that is not a plain name (letters, digits, _ and -, "
+            "at most 64): it would name a file elsewhere"
+        )
+    for key in ("seconds", "budget_seconds"):
+        if not _seconds(job.get(key)):
+            return f"holds a job record whose {key} {job.get(key)!r} is not a number of seconds (0 to {MAX_SECONDS})"
+    for key in ("started", "hardware"):
+        if not isinstance(job.get(key), str) or len(job[key]) > 200 or "\n" in job[key]:
+            return f"holds a job record whose {key} is not a line of text"
+    if "parallel" in job and not (_count(job["parallel"]) and job["parallel"] >= 1):
+        return f"holds a job record whose parallel {job['parallel']!r} is not a count of units ≥ 1"
+    units = job.get("units")
+    if not isinstance(units, dict) or not all(
+        isinstance(label, str)
+        and isinstance(moved, list)
+        and len(moved) == 2
+        and all(isinstance(side, list) and all(_count(r) for r in side) for side in moved)
+        for label, moved in units.items()
+    ):
+        return "holds a job record whose units are not {unit: [rounds before, rounds after]}"
+    overrides = job.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+        return "holds a job record whose overrides are not key=value strings"
     return None
 
 
 def install(files: dict[str, bytes], target: Path) -> None:
-    """Make ``target`` hold exactly ``files`` (a run's state), each file written beside and renamed;
-    the checkpoint last, so that a stop in between leaves the kept round's checkpoint."""
+    """Make ``target`` hold exactly ``files`` (a run's state, checked), each file written beside and
+    renamed; summary.json, then the checkpoint, last, and what they replace removed only after, so
+    that a stop in between leaves the kept run as far along as it was."""
     target.mkdir(parents=True, exist_ok=True)
-    order = sorted(files, key=lambda name: name == CHECKPOINT)
+    order = sorted(files, key=lambda name: (name == "summary.json", name == CHECKPOINT))
     for name in order:
-        tmp = target / (name + ".collecting")
-        tmp.write_bytes(files[name])
-        os.replace(tmp, target / name)
+        write_file(target / name, files[name])
     for stale in ALLOWED - set(files):
         (target / stale).unlink(missing_ok=True)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` whole, or what it held before: written beside it (never through a link
+    planted there), synced, then renamed over it. A failure (a full disk) removes what it wrote and
+    is one line naming the file."""
+    tmp = path.with_name(path.name + ".collecting")
+    try:
+        tmp.unlink(missing_ok=True)  # a write cut off earlier; a link there is removed, not followed
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise FedmetaError(
+            f"cannot write {path} ({exc.strerror or type(exc).__name__}): free space or make it writable, "
+            "then collect again (what was kept there is as it was)"
+        ) from None
+
+
+def no_links(path: Path, base: Path) -> None:
+    """Refuse, in one line, a symbolic link on the way from ``base`` to ``path`` (``base`` itself
+    included, and every folder of a relative ``base``): a collect writes only into real folders of
+    the project, never through a link that may lead anywhere."""
+    parts = base.parts
+    chain = [base] if base.is_absolute() else [Path(*parts[: i + 1]) for i in range(len(parts))]
+    rest = path.relative_to(base).parts
+    chain += [base.joinpath(*rest[: i + 1]) for i in range(len(rest))]
+    for step in chain:
+        if step.is_symlink():
+            raise FedmetaError(
+                f"{step} is a symbolic link: collect writes only into real folders of the project; "
+                "replace it with a folder (or remove it) and collect again"
+            )
+
+
+@contextmanager
+def collecting(kept: Path) -> Iterator[None]:
+    """One collect at a time into ``kept``: two at once could each take a run the other replaced,
+    and the slower one would rewind it. A second collect is refused in one line."""
+    no_links(kept / LOCK, kept)
+    kept.mkdir(parents=True, exist_ok=True)
+    fd = os.open(kept / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FedmetaError(f"{kept / LOCK} is not a regular file: remove it and collect again")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FedmetaError(
+                f"another collect into {kept} is under way: run this one once it has ended"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+LOG = "job.log"
+EQUIVALENCE = re.compile(r"equivalence: passed ([A-Za-z0-9][A-Za-z0-9 ._()-]{0,79}) sources ([0-9a-f]{16})")
+MACHINE = re.compile(r"machine: ([^;]{1,80});.*")
+
+
+def read_log(source: Path) -> bytes | None:
+    """The job's log, if it came back (a link, a FIFO or one over 16 MiB: one line, nothing collected)."""
+    try:
+        return read_regular(source / LOG, LOG_BYTES)
+    except FileNotFoundError:
+        return None
+    except FedmetaError as exc:
+        raise FedmetaError(f"{exc}, not the log a job writes: nothing collected") from None
+
+
+def keep_log(log: bytes, job_id: str, logs: Path) -> list[str]:
+    """The job's log kept as ``logs/jobs/<id>.log``, and its line saying that the card passed the
+    recorded rounds' GPU tests with these sources added to ``logs/equivalence.txt`` (later jobs on
+    that card model then skip them): only where the log holds one such line, of the form the job
+    writes, for the card its first line names. Returns what was done, a line each."""
+    target = logs / "jobs" / f"{job_id}.log"
+    no_links(target, logs)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_file(target, log)
+    said = [f"job {job_id}: its log kept in {target}"]
+    lines = log.decode("utf-8", errors="replace").splitlines()
+    claims = [line for line in lines if line.startswith("equivalence: passed")]
+    if not claims:
+        return said
+    machine = MACHINE.fullmatch(lines[0]) if lines else None
+    passed = EQUIVALENCE.fullmatch(claims[0])
+    if len(claims) > 1 or not passed or not machine or passed[1] != machine[1]:
+        return [
+            *said,
+            f"job {job_id}: its log's 'equivalence: passed' lines are not the one a job writes for its "
+            "card: not recorded",
+        ]
+    record = logs / "equivalence.txt"
+    no_links(record, logs)
+    try:
+        known = read_regular(record, LOG_BYTES).decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        known = []
+    entry = f"{passed[1]} sources {passed[2]}"
+    if entry not in known:
+        write_file(record, "".join(line + "\n" for line in [*known, entry]).encode("utf-8"))
+        said.append(f"job {job_id}: {entry} recorded in {record}")
+    return said
 
 
 def unpack_checkpoint(data: bytes, workdir: Path) -> Path:
@@ -335,12 +547,16 @@ def unpack_checkpoint(data: bytes, workdir: Path) -> Path:
 def append_record(jobs: Path, record: dict) -> str:
     """Add the job's record to ``jobs`` (a JSON line each); a record of the same job already there
     is replaced only by one further along. Returns what was done, in a word."""
-    lines = jobs.read_text(encoding="utf-8", errors="replace").splitlines() if jobs.is_file() else []
+    try:
+        lines = read_regular(jobs, LOG_BYTES).decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        lines = []
     kept, replaced, outcome = [], False, "appended"
     for line in lines:
         earlier = _parse(line)
         if isinstance(earlier, dict) and earlier.get("id") == record["id"]:
-            if replaced or float(earlier.get("seconds") or 0) >= float(record["seconds"]):
+            earlier_seconds = earlier.get("seconds")
+            if replaced or (_seconds(earlier_seconds) and earlier_seconds >= record["seconds"]):
                 outcome = "already kept"
                 kept.append(line)
             else:
@@ -351,10 +567,8 @@ def append_record(jobs: Path, record: dict) -> str:
             kept.append(line)
     if not replaced:
         kept.append(json.dumps(record))
-    tmp = jobs.with_name(jobs.name + ".collecting")
     jobs.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, jobs)
+    write_file(jobs, "".join(line + "\n" for line in kept).encode("utf-8"))
     return outcome
 
 

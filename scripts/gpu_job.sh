@@ -4,7 +4,7 @@
 #                                     refused if SECONDS could pass the lease's per-command limit
 #                                     (COMMAND_LIMIT, default 600, less a 10 s margin)
 #   scripts/gpu_job.sh --outputs      the files a job writes to $OUT, one pattern a line
-#   scripts/gpu_job.sh --collect DIR  after a job, here: what it packed into DIR taken into
+#   scripts/gpu_job.sh --collect DIR  after a job, here: what it packed into DIR checked and taken into
 #                                     results/runs/paper/ (never losing or rewinding a kept run), its log
 #                                     into results/gpu/jobs/, then results/campaign.md and TABLES.md
 # Carry .gpu/ (make gpu-kit: the wheels the card's image lacks, the data files of the settings).
@@ -39,12 +39,8 @@ if [ "${1:-}" = "--outputs" ]; then
 fi
 if [ "${1:-}" = "--collect" ]; then
   DIR=${2:?usage: scripts/gpu_job.sh --collect DIR, the folder the files of a job came back to}
+  # the runs, the job's record and its log: all read and checked in python (no path here is built from them)
   "$PY" -m fedmeta.cli campaign --collect "$DIR" || exit $?
-  id=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['job']['id'])" "$DIR/lease.json")
-  mkdir -p results/gpu/jobs
-  [ -f "$DIR/job.log" ] && cp "$DIR/job.log" "results/gpu/jobs/$id.log"
-  grep -h '^equivalence: passed' "$DIR/job.log" 2>/dev/null | sed 's/^equivalence: passed //' \
-    | while read -r line; do grep -qxF "$line" results/gpu/equivalence.txt 2>/dev/null || echo "$line" >> results/gpu/equivalence.txt; done
   "$PY" -m fedmeta.cli table --preset "$PRESET" --no-run >/dev/null \
     && echo "collected $DIR into $KEPT; wrote results/campaign.md and results/TABLES.md"
   exit

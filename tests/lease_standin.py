@@ -5,9 +5,11 @@ exactly as ``fedmeta campaign --pack`` does. The simulator kills it with SIGKILL
 
     python tests/lease_standin.py SPEC.json
 
-SPEC: {"root", "out", "rounds", "step_s", "runs": {folder: [identity, start round]}}.
+SPEC: {"root", "out", "rounds", "step_s", "runs": {folder: [identity, start round, config's identity]}};
+a run's config.yaml holds its config's identity, of 3 rounds (the tiny campaign's).
 """
 
+import csv
 import json
 import os
 import sys
@@ -18,27 +20,45 @@ import torch
 
 from fedmeta import lease
 
+# fedmeta.runs.METRIC_FIELDS (importing fedmeta.runs takes seconds: Lightning's loggers)
+METRIC_FIELDS = [
+    "round",
+    "train_loss",
+    "round_seconds",
+    "clients_dropped",
+    "eval_accuracy",
+    "eval_accuracy_std",
+    "eval_step0_accuracy",
+]
 
-def write_round(folder: Path, identity: dict, round_: int, rounds: int) -> None:
+
+def write_round(folder: Path, identity: dict, config: dict, round_: int, rounds: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text("seed: 0\n")
-    (folder / "metrics.csv").write_text(
-        "round,train_loss,round_seconds\n" + "".join(f"{r},0.5,0.01\n" for r in range(1, round_ + 1))
-    )
+    config = config | {"federation": config["federation"] | {"rounds": 3}}
+    (folder / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    rows = [
+        dict.fromkeys(METRIC_FIELDS, "") | {"round": r, "train_loss": 0.5 / r} for r in range(1, round_ + 1)
+    ]
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, METRIC_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
     if round_ == rounds:
+        (folder / "curves.csv").write_text("round,step,accuracy\n")
         summary = {"accuracy": 0.5, "curve": [0.1, 0.5], "rounds": rounds, "seconds": 1.0}
         (folder / "summary.json").write_text(json.dumps(summary))
         return
     tmp = folder / "checkpoint.ckpt.tmp"
     # some weight, so that packing takes a moment in which a kill can land
-    torch.save({"round": round_, "identity": identity, "weights": torch.full((20_000,), float(round_))}, tmp)
+    state = {"round": round_, "identity": identity, "history": {"metrics": rows}}
+    torch.save(state | {"weights": torch.full((20_000,), float(round_))}, tmp)
     os.replace(tmp, folder / "checkpoint.ckpt")
 
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     root, out, rounds = Path(spec["root"]), Path(spec["out"]), spec["rounds"]
-    state = {folder: start for folder, (_, start) in spec["runs"].items()}
+    state = {folder: start for folder, (_, start, _) in spec["runs"].items()}
     started, ended = time.time(), []
 
     def record() -> dict:
@@ -58,10 +78,10 @@ def main(spec_path: str) -> None:
     )
     packer.start()
     while any(r < rounds for r in state.values()):
-        for folder, (identity, _) in spec["runs"].items():
+        for folder, (identity, _, config) in spec["runs"].items():
             if state[folder] < rounds:
                 state[folder] += 1
-                write_round(root / folder, identity, state[folder], rounds)
+                write_round(root / folder, identity, config, state[folder], rounds)
         time.sleep(spec["step_s"])
     ended.append(True)
     packer.stop()

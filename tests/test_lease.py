@@ -57,15 +57,25 @@ def kept_rounds(plan, kept: Path) -> dict[str, int]:
 
 
 def start_job(
-    tmp_path: Path, name: str, identities: dict, starts: dict[str, int], rounds: int = 3, step_s=0.1
+    tmp_path: Path,
+    name: str,
+    identities: dict,
+    starts: dict[str, int],
+    rounds: int = 3,
+    step_s=0.1,
+    configs: dict | None = None,
 ):
+    """A stand-in job; its runs' config.yaml hold ``configs`` (identities, default: theirs) of 3 rounds."""
     spec = {
         "id": name,
         "root": str(tmp_path / name / "runs"),
         "out": str(tmp_path / name / "out"),
         "rounds": rounds,
         "step_s": step_s,
-        "runs": {folder: [identities[folder], starts.get(folder, 0)] for folder in identities},
+        "runs": {
+            folder: [identities[folder], starts.get(folder, 0), (configs or identities)[folder]]
+            for folder in identities
+        },
     }
     (tmp_path / f"{name}.json").write_text(json.dumps(spec))
     process = subprocess.Popen([sys.executable, str(STANDIN), str(tmp_path / f"{name}.json")])
@@ -200,7 +210,7 @@ def test_a_tampered_archive_is_refused_before_anything_is_written(plan, tmp_path
 def test_a_checkpoint_of_other_settings_or_a_wrong_summary_is_not_taken(plan, identities, tmp_path):
     kept = tmp_path / "kept"
     foreign = {folder: dict(ident, seed=99) for folder, ident in identities.items()}
-    out = killed_job(tmp_path, "foreign", foreign, 0.2, rounds=50)
+    out = killed_job(tmp_path, "foreign", foreign, 0.2, rounds=50, configs=identities)
     lines = campaign.collect(plan, out, kept)
     assert any("was written by other settings" in line for line in lines)
     assert not list(kept.rglob("checkpoint.ckpt"))
@@ -236,7 +246,7 @@ def _repack(runs: dict[str, dict[str, bytes]], out: Path) -> None:
     out.mkdir(parents=True)
     (out / "runs-b.00").write_bytes(chunk)
     job = {
-        "id": f"edited-{out.name}",
+        "id": f"edited-{out.name}".replace(".", "_"),
         "started": "x",
         "hardware": "x",
         "budget_seconds": 1,
@@ -262,7 +272,7 @@ def test_an_archive_over_its_limit_keeps_the_finished_runs_and_the_furthest_alon
     (root / "s" / "d" / "seed0").mkdir(parents=True)
     (root / "s" / "d" / "seed0" / "summary.json").write_text('{"accuracy": 0.5}')
     folders.append(Path("s/d/seed0"))
-    job = {"id": "x", "seconds": 0.0, "units": {}}
+    job = {"id": "x", "started": "x", "hardware": "x", "budget_seconds": 1, "seconds": 0.0, "units": {}}
     manifest = lease.Packer(root, out, lambda: folders, lambda: job, limit_bytes=900_000).pack()
     assert manifest["runs"] == {
         "s/d/seed0": "finished",
