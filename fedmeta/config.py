@@ -237,6 +237,12 @@ def _layers(choice: dict, base: DictConfig, config_dir: Path) -> tuple[list[Dict
 
 def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
     """The fully merged configuration for ``overrides`` (``key=value`` strings)."""
+    return compose_with_choices(overrides, config_dir)[0]
+
+
+def compose_with_choices(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> tuple[DictConfig, dict]:
+    """:func:`compose`, and the values its keys accept as its files declare them (``choices`` and
+    ``ranges``): what later overrides of the same config are checked against."""
     bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0]]
     if bad:
         raise FedmetaError(f"overrides must be key=value, e.g. federation.rounds=5; got {bad[0]!r}")
@@ -295,7 +301,7 @@ def compose(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> DictCon
     cfg = apply_overrides(cfg, settings, choices)
     if not chosen_steps and not any(s.split("=", 1)[0] == "personalization.steps" for s in settings):
         _note_inherited_scoring(method_name, cfg, config_dir)
-    return cfg
+    return cfg, choices
 
 
 def _sets_steps(layer: DictConfig) -> bool:
@@ -483,6 +489,9 @@ def _require(ok: bool, message: str) -> None:
         raise FedmetaError(message)
 
 
+# A real value a method file's range admits is still refused beyond these magnitudes: 1e308 times
+# any weight is inf in float32, and 5e-324 is 0 there.
+FINITE_MAGNITUDE = (1e-8, 1e8)
 INTERVAL = re.compile(r"([\[(])\s*(-inf|[-+0-9.e]+)\s*,\s*(inf|[-+0-9.e]+)\s*([\])])")
 
 
@@ -504,6 +513,12 @@ def _check_range(cfg: DictConfig, key: str, value, spec: dict) -> None:
             value < high_value or (high_bracket == "]" and value == high_value)
         )
     _require(ok, f"{key}={value!r}: {means} takes {'integers' if integer else 'values'} in {spec['range']}")
+    _require(
+        integer or value == 0 or FINITE_MAGNITUDE[0] <= abs(value) <= FINITE_MAGNITUDE[1],
+        f"{key}={value!r}: {means} takes values in {spec['range']} of magnitude "
+        f"{FINITE_MAGNITUDE[0]:g} to {FINITE_MAGNITUDE[1]:g} (or 0 where the range holds it): beyond, "
+        "float32 training overflows or underflows",
+    )
 
 
 def validate(cfg: DictConfig, choices: dict[str, list]) -> None:

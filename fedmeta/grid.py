@@ -48,6 +48,9 @@ def load_preset(name: str) -> DictConfig:
             f"preset {name!r} has no {', '.join(wrong)} (settings: a mapping; methods, seeds: lists): "
             "write them into its file, or inherit them (inherits: quick)"
         )
+    problem = _preset_problem(preset)
+    if problem:
+        raise FedmetaError(f"preset {name!r}: {problem}")
     results = preset.get("results", "results")
     if not isinstance(results, str) or not results.strip():
         raise FedmetaError(
@@ -55,6 +58,32 @@ def load_preset(name: str) -> DictConfig:
             f"got {results!r}"
         )
     return preset
+
+
+def _preset_problem(preset: DictConfig) -> str | None:
+    """What in a preset would make its grid run other than it says, or None: a 0 that silently
+    means the default (rounds) or divides by zero (evaluations), a method or seed listed twice
+    (its runs counted twice), an override that moves the runs' folder (its kept runs are not there)."""
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    rounds = preset.get("rounds")
+    if not isinstance(rounds, DictConfig) or not all(count(v) for v in rounds.values()):
+        return f"rounds must map data sets to rounds ≥ 1 (or be {{}}: each data set's own), got {rounds}"
+    evaluations = preset.get("evaluations", 1)
+    per_dataset = evaluations.values() if isinstance(evaluations, DictConfig) else [evaluations]
+    if not all(count(v) for v in per_dataset):
+        return f"evaluations must be a count ≥ 1 (or one per data set), got {evaluations}"
+    for key in ("methods", "seeds"):
+        values = list(preset[key])
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:
+            return f"{key} lists {', '.join(twice)} twice: list each once"
+    moved = [o for o in preset.get("overrides") or [] if str(o).split("=", 1)[0] == "output.root"]
+    if moved:
+        return f"overrides may not set output.root ({moved[0]}): the preset's runs go under runs/<preset>"
+    return None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedmeta import checkpoint
 from fedmeta.assemble import make_engine, setup
-from fedmeta.config import apply_overrides, compose, load_mapping
+from fedmeta.config import apply_overrides, compose_with_choices, load_mapping
 from fedmeta.errors import FedmetaError
 from fedmeta.rounds import Federated, evaluate_on_ranks
 from fedmeta.runs import RunLock, append_text, check_run_folder
@@ -57,7 +57,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
             f"{run_dir / 'config.yaml'} does not name its dataset, partition, method and variant: "
             "it is not the config.yaml fedmeta wrote for this run"
         ) from None
-    base = compose(choices)
+    base, ranges = compose_with_choices(choices)
     named = OmegaConf.select(saved, "method.algorithm", default=None)
     if named is not None and named != base.method.algorithm:
         # A run folder is data: it may come from anyone, and its config must never choose code to import.
@@ -74,7 +74,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
         raise FedmetaError(
             f"{run_dir / 'config.yaml'} cannot be read as a fedmeta config ({exc})".splitlines()[0]
         ) from None
-    cfg = apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides, ranges)  # the method's declared ranges, as train checks them
     lock = RunLock(
         run_dir
     ).acquire()  # not while a training process writes the folder, nor two evaluations at once

@@ -138,6 +138,12 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
                 f"skipping {path.parent}: its metrics.csv or config.yaml cannot be read ({type(exc).__name__})"
             )
             continue
+        if not all(_evaluated_row(row) for row in summary["metrics"]):
+            log.warning(
+                f"skipping {path.parent}: its metrics.csv holds an evaluated round whose round or accuracy "
+                "is not one a run writes; delete that run and run it again"
+            )
+            continue
         if planned is not None and summary.get("rounds") is not None and summary["rounds"] > planned:
             log.warning(
                 f"skipping {path.parent}: its summary has {summary['rounds']} rounds, its config {planned}"
@@ -147,6 +153,14 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
         summary["command"] = _command(path.parent / COMMAND_FILE)
         runs[(path.parts[-4], path.parts[-3])].append(summary)
     return runs
+
+
+def _evaluated_row(row: dict) -> bool:
+    """A metrics.csv row with an evaluation reads as one: a round ≥ 1 and an accuracy in [0, 1]."""
+    try:
+        return int(row["round"]) >= 1 and 0.0 <= float(row["eval_accuracy"]) <= 1.0
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 RECORDED_AFTERWARDS = "# recorded afterwards"  # a command.txt's second line: not the command that ran it

@@ -299,6 +299,7 @@ def test_the_state_speaks_in_leases_and_names_the_units_no_lease_reaches(tmp_pat
         ("orders: [rmnist-shards]", "unknown setting 'orders'"),
         ("lease: {device_seconds: 60, start_seconds: 90, overhead: 0.1}", "lease must be"),
         ("methods: [bogus]", "names methods the preset paper lacks: ['bogus']"),
+        ("methods: [local, local]", "methods lists local twice"),
     ],
 )
 def test_a_campaign_file_that_is_not_one_is_refused_in_one_line(tmp_path, change, said):

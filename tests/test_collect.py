@@ -358,6 +358,18 @@ def test_the_campaigns_state_skips_a_rounds_seconds_no_run_has(plan, tmp_path):
     assert "about **" in campaign.status(plan, kept)  # 1e308 s a round once overflowed the leases' count
 
 
+def test_a_kept_metrics_row_that_is_not_numbers_skips_that_run_in_the_report(tmp_path, caplog):
+    from fedmeta import report
+
+    run = tmp_path / "rmnist-shards" / "local" / "seed0"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"accuracy": 0.8, "curve": [0.5, 0.8], "rounds": 2}))
+    for bad in ("x,1.0,0.5,0,abc,,", "x,1.0,0.5,0,0.5,,", "1,1.0,0.5,0,7.5,,", "1,1.0,0.5,0,nan,,"):
+        (run / "metrics.csv").write_text(",".join(METRIC_FIELDS) + "\n" + bad + "\n")
+        assert report.collect(tmp_path) == {}
+        assert "is not one a run writes" in caplog.text
+
+
 # --- a property: whatever a job's output holds -----------------------------------------------------
 
 HOSTILE = [
@@ -445,6 +457,58 @@ def test_the_lease_stand_in_writes_fedmetas_columns():
 
 
 # --- what presets, campaigns and overrides may say -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ("evaluations: 0", "evaluations must be a count ≥ 1"),
+        ("evaluations: {rmnist: 0}", "evaluations must be a count ≥ 1"),
+        ("rounds: {rmnist: 0}", "rounds must map data sets to rounds ≥ 1"),
+        ("methods: [local, local]", "methods lists local twice"),
+        ("seeds: [0, 0]", "seeds lists 0 twice"),
+        ("overrides: [output.root=/elsewhere]", "overrides may not set output.root"),
+    ],
+)
+def test_a_preset_that_would_run_other_than_it_says_is_refused_in_one_line(
+    tmp_path, monkeypatch, change, said
+):
+    from fedmeta import grid
+
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "mine.yaml").write_text(f"inherits: quick\n{change}\n")
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path))
+    with pytest.raises(FedmetaError, match=re.escape(f"preset 'mine': {said}")) as error:
+        grid.load_preset("mine")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "method=pfedme method.beta=1e308",
+        "method=ditto method.lam=1e308",
+        "method=scaffold method.server_lr=1e308",
+        "method=perfedavg method.delta=5e-324",
+    ],
+)
+def test_a_value_inside_a_declared_range_that_float32_cannot_hold_is_refused_naming_the_key(override):
+    key = override.split()[1].split("=")[0]
+    with pytest.raises(FedmetaError, match=rf"^{re.escape(key)}=.* of magnitude 1e-08 to 1e\+08"):
+        compose(override.split())
+
+
+@pytest.mark.parametrize("override", ["method.lam=-1", "method.lam=1e308"])
+def test_evaluate_checks_a_methods_declared_ranges_as_train_does(tmp_path, override):
+    from fedmeta.reevaluate import evaluate_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(["method=ditto"])))
+    (run / lease.CHECKPOINT).write_bytes(b"")
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(FedmetaError, match=rf"^{re.escape(override.split('=')[0])}="):
+        evaluate_run(run, [override])
 
 
 @pytest.mark.parametrize(
