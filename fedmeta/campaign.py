@@ -366,10 +366,11 @@ def run(
             if manifest["left_out"]:
                 print(f"not carried (over carry_mib={carry}): {'; '.join(manifest['left_out'])}")
     if packer is None:  # here the kept runs are what the next job reads; a packing job's go with its archive
-        report.archive(root, kept)
-        carry_out(todo, root, kept)
-        progress()
-        lease.append_record(kept / "jobs.jsonl", record)
+        with lease.collecting(kept):  # not beside a collect into the same runs
+            report.archive(root, kept)
+            carry_out(todo, root, kept)
+            progress()
+            lease.append_record(kept / "jobs.jsonl", record)
     return record
 
 

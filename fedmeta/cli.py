@@ -735,10 +735,15 @@ def _flower_command(args: argparse.Namespace) -> int:
             raise FedmetaError(
                 f"--dp needs CLIP > 0, SENSITIVITY ≥ 0, EPSILON > 0 and 0 < DELTA < 1, all finite, got {args.dp}"
             )
-    if args.flower_command == "deploy" and not 1024 <= args.port <= 65535 - 3 - args.nodes:
+    highest = 65535 - 3 - args.nodes  # the SuperLink's port, its two of its own, then one per SuperNode
+    if args.flower_command == "deploy" and highest < 1024:
+        raise FedmetaError(
+            f"--nodes {args.nodes} leaves no room for their ports in 1024..65535: at most {65535 - 3 - 1024}"
+        )
+    if args.flower_command == "deploy" and not 1024 <= args.port <= highest:
         raise FedmetaError(
             f"--port must leave room for the SuperLink's and {args.nodes} SuperNodes' ports in "
-            f"1024..65535, got {args.port}; e.g. --port 9091"
+            f"1024..65535, got {args.port}; e.g. --port {min(9091, highest)}"
         )
     compose(args.overrides)  # bad overrides are refused before anything starts
     try:

@@ -466,8 +466,9 @@ def no_links(path: Path, base: Path) -> None:
 
 @contextmanager
 def collecting(kept: Path) -> Iterator[None]:
-    """One collect at a time into ``kept``: two at once could each take a run the other replaced,
-    and the slower one would rewind it. A second collect is refused in one line."""
+    """One writer at a time into ``kept`` (a collect, or a job carrying its runs out): two at once
+    could each take a run the other replaced, and the slower one would rewind it. A second is
+    refused in one line."""
     no_links(kept / LOCK, kept)
     kept.mkdir(parents=True, exist_ok=True)
     fd = os.open(kept / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
@@ -478,7 +479,8 @@ def collecting(kept: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise FedmetaError(
-                f"another collect into {kept} is under way: run this one once it has ended"
+                f"another collect into {kept} (or a job carrying its runs out there) is under way: "
+                "run this one once it has ended"
             ) from None
         yield
     finally:

@@ -125,6 +125,11 @@ def collect(root: Path) -> dict[tuple[str, str], list[dict]]:
     """(setting, method folder) → the summaries of its finished seeds, each with its metrics rows."""
     runs = defaultdict(list)
     for path in sorted(root.glob("*/*/seed*/summary.json")):
+        if any(p.is_symlink() for p in (path, *path.parents[:3], path.parent / "metrics.csv")):
+            log.warning(
+                f"skipping {path.parent}: a symbolic link there may lead anywhere; replace it with the file"
+            )
+            continue
         summary = read_summary(path)
         if summary is None or not (path.parent / "metrics.csv").is_file():
             continue

@@ -302,10 +302,20 @@ def test_one_collect_at_a_time(plan, configs, tmp_path):
     kept, folder = tmp_path / "kept", "rmnist-shards/local/seed2"
     out = output(tmp_path / "out", {folder: checkpointed(configs[folder], 1)})
     with lease.collecting(kept):
-        with pytest.raises(FedmetaError, match=f"another collect into {kept} is under way"):
+        with pytest.raises(FedmetaError, match=f"another collect into {re.escape(str(kept))} .*is under way"):
             campaign.collect(plan, out, kept)
     assert not (kept / folder).exists()
     assert campaign.collect(plan, out, kept)[0] == f"{folder}: round 0 → 1"
+
+
+def test_a_job_does_not_carry_its_runs_out_beside_a_collect(plan, tmp_path, monkeypatch):
+    from fedmeta import grid
+
+    monkeypatch.setattr(grid, "run", lambda *args, **kwargs: [])
+    kept = tmp_path / "kept"
+    with lease.collecting(kept), pytest.raises(FedmetaError, match="is under way"):
+        campaign.run(plan, 600, kept, tmp_path / "runs", parallel=1)
+    assert not (kept / "jobs.jsonl").exists()
 
 
 @pytest.mark.parametrize("where", ["seed folder", "kept", "checkpoint", "jobs.jsonl"])
@@ -531,3 +541,26 @@ def test_a_campaign_job_may_not_move_its_runs(monkeypatch, capsys):
     assert main(["campaign", "--budget", "150", "output.root=/elsewhere"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "drop output.root=" in err
+
+
+def test_a_symlinked_summary_is_not_read_through_the_link(tmp_path, caplog):
+    from fedmeta import report
+
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"accuracy": 0.99, "curve": [0.5, 0.99], "rounds": 2}))
+    run = tmp_path / "kept" / "rmnist-shards" / "local" / "seed0"
+    run.mkdir(parents=True)
+    (run / "summary.json").symlink_to(outside)
+    (run / "metrics.csv").write_text(",".join(METRIC_FIELDS) + "\n1,1.0,0.5,0,0.5,,\n")
+    assert report.collect(tmp_path / "kept") == {}
+    assert "a symbolic link there may lead anywhere" in caplog.text
+
+
+def test_a_deployment_too_large_for_its_ports_blames_the_nodes(capsys):
+    from fedmeta.cli import main
+
+    assert main(["flower", "deploy", "--nodes", "70000", "--port", "9091"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nodes 70000 leaves no room for their ports" in err
+    assert main(["flower", "deploy", "--nodes", "60000", "--port", "9091"]) == 2
+    assert "e.g. --port 5532" in capsys.readouterr().err  # a port that fits, not the one refused
