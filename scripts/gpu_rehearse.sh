@@ -163,6 +163,16 @@ trap 'rm -rf "$SCRATCH"' EXIT
 DEV=$SCRATCH/developer  # the developer's tree, without its .git: the jobs' copies are shipped from it
 ship "$ROOT" "$DEV"
 [ "$JOB" -ef scripts/gpu_job.sh ] || cp "$JOB" "$DEV/scripts/gpu_job.sh"
+# The small rounds are the rehearsal campaign's own settings: collect takes a run only if it is of the
+# campaign's settings for its folder, whatever the job says it ran with.
+# shellcheck disable=SC2086  # the overrides are words
+"$DEV_PY" - "$DEV/configs/campaign.yaml" ${CAMPAIGN_ARGS-$SMALL} <<'PY'
+import sys, yaml
+path, extra = sys.argv[1], sys.argv[2:]
+plan = yaml.safe_load(open(path))
+plan["overrides"] += extra
+open(path, "w").write(yaml.safe_dump(plan, sort_keys=False, allow_unicode=True))
+PY
 
 RECORDS_BEFORE=$(grep -c . "$DEV/results/runs/paper/jobs.jsonl" 2>/dev/null || true)
 run_job out1 "$DEV" "$KILL_AT"
