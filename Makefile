@@ -46,9 +46,9 @@ GRID_ARGS := --preset $(PRESET) $(if $(PARALLEL),--parallel $(PARALLEL)) $(if $(
 table: install
 	$(BIN)/fedmeta table $(GRID_ARGS) $(ARGS)
 
-# make bench [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg"] [PROFILE=1] [PROJECT=paper] [ARGS="fabric.accelerator=cuda"] → results/bench.json
+# make bench [DATASETS="rmnist cifar10"] [METHODS="cafeme fedavg"] [PROFILE=1] [COUNT=1: kernels, bytes → results/census.json] [PROJECT=paper] [ARGS="fabric.accelerator=cuda"] → results/bench.json
 bench: install
-	$(BIN)/fedmeta bench $(if $(DATASETS),--datasets $(DATASETS)) $(if $(METHODS),--methods $(METHODS)) $(if $(PROFILE),--profile) \
+	$(BIN)/fedmeta bench $(if $(DATASETS),--datasets $(DATASETS)) $(if $(METHODS),--methods $(METHODS)) $(if $(PROFILE),--profile) $(if $(COUNT),--count) \
 	$(if $(PROJECT),--project $(PROJECT)) $(ARGS)
 
 figures: install

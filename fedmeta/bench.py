@@ -463,18 +463,10 @@ def memory_plan(bench: DictConfig, extra: list[str]) -> list[list[str]]:
     ]
 
 
-def run(
-    datasets: list[str] | None = None,
-    methods: list[str] | None = None,
-    extra: list[str] = (),
-    memory: bool = True,
-    out: Path = Path("results/bench.json"),
-    config: Path = CONFIG_DIR / "bench.yaml",
-    profile: bool = False,
-    projection: str | None = None,
-) -> dict:
-    from fedmeta.assemble import hardware_name
-    from fedmeta.config import compose, group_choices, load_mapping
+def checked_bench(config: Path, datasets: list[str] | None, methods: list[str] | None) -> DictConfig:
+    """The bench config at ``config``, once ``--datasets`` and ``--methods`` are known to name its
+    data sets and real methods (one line otherwise)."""
+    from fedmeta.config import group_choices, load_mapping
 
     bench = load_mapping(config, "a bench config (see configs/bench.yaml)")
     if "datasets" not in bench:
@@ -491,6 +483,23 @@ def run(
         raise FedmetaError(
             f"--methods {' '.join(unknown)}: no such method; choose from {', '.join(group_choices('method'))}"
         )
+    return bench
+
+
+def run(
+    datasets: list[str] | None = None,
+    methods: list[str] | None = None,
+    extra: list[str] = (),
+    memory: bool = True,
+    out: Path = Path("results/bench.json"),
+    config: Path = CONFIG_DIR / "bench.yaml",
+    profile: bool = False,
+    projection: str | None = None,
+) -> dict:
+    from fedmeta.assemble import hardware_name
+    from fedmeta.config import compose
+
+    bench = checked_bench(config, datasets, methods)
     rows = plan(bench, datasets, methods, list(extra))
     if not rows and not (memory and bench.memory.num_clients):
         raise FedmetaError(f"no row of {config.name} is for these data sets and methods: nothing to measure")

@@ -53,6 +53,9 @@ class Seeds(Names):
     type_of = int
 
 
+BENCH_OUT = "results/bench.json"
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="fedmeta", description="Personalized federated learning with meta-learning.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -334,9 +337,16 @@ def _bench_parser(commands) -> None:
         help="also list each row's most expensive operators (torch.profiler)",
     )
     bench_cmd.add_argument(
+        "--count",
+        action="store_true",
+        help="count one lockstep round's operators, kernels, bytes and FLOPs instead (results/census.json)",
+    )
+    bench_cmd.add_argument(
         "--project", metavar="PRESET", help="also print the projected wall time of make table PRESET=…"
     )
-    bench_cmd.add_argument("--out", default="results/bench.json")
+    bench_cmd.add_argument(
+        "--out", default=BENCH_OUT, help=f"default: {BENCH_OUT} (--count: results/census.json)"
+    )
     bench_cmd.add_argument(
         "--config",
         help="the rows to run (default: configs/bench.yaml; the GPU check's: configs/bench_gpu.yaml)",
@@ -344,6 +354,21 @@ def _bench_parser(commands) -> None:
     bench_cmd.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every row, e.g. fabric.accelerator=cuda"
     )
+
+
+def _census_command(args, config) -> int:
+    """``fedmeta bench --count``: the census rows of the bench config's data sets and methods."""
+    from pathlib import Path
+
+    from fedmeta import census
+    from fedmeta.bench import checked_bench
+
+    bench = checked_bench(config, args.datasets, args.methods)
+    out = Path(args.out) if args.out != BENCH_OUT else Path("results/census.json")
+    census.run(
+        census.plan(bench, args.datasets, args.methods, args.overrides), out, bench.census.warmup_rounds
+    )
+    return 0
 
 
 def _tune_parser(commands) -> None:
@@ -504,6 +529,8 @@ def _main(argv: list[str] | None) -> int:
             from fedmeta import bench
 
             config = Path(args.config) if args.config else bench.CONFIG_DIR / "bench.yaml"
+            if args.count:
+                return _census_command(args, config)
             bench.run(
                 args.datasets,
                 args.methods,

@@ -1,0 +1,198 @@
+"""``fedmeta bench --count``: what one lockstep round of stacked seeds runs, counted on the CPU.
+
+On a GPU a round's time follows the number of kernels it launches and the bytes they move far more
+than its FLOPs (thousands of small kernels, each a few microseconds). Those are properties of the
+computation, not of the device, so they are counted here, on the CPU, in seconds, and compared
+from change to change: a round of the campaign's configuration (clients vmapped, seeds stacked,
+inputs padded to the fixed layout a recording replays) runs under a dispatch mode that sees every
+operator below vmap and autograd — the operators that really run. For each it records:
+
+- ``ops``: every dispatched operator, and ``kernels``: those that launch work (not views,
+  aliases, shape queries or bare allocations);
+- where it ran: ``recorded`` (inside the computation a CUDA graph records and replays as one
+  launch) or ``eager`` (the host's work around it: sampling, stacking, screening, aggregation);
+- ``gbytes``: bytes read and written, the tensors each kernel takes and returns (an upper bound of
+  what the device moves: an operator that reads a tensor twice counts it once, a fused one once);
+- ``host_reads``: reads of a computed value by the host (each a device sync on a GPU);
+- ``gflop``: the same round's FLOPs, counted one client at a time (vmap's counter over-counts
+  grouped convolutions' backward).
+
+The counts do not depend on the layers' widths (the same operators run on wider tensors); bytes
+and FLOPs do. ``results/census.json`` holds the paper's methods at their real widths;
+tests/test_census.py holds every method's kernel count to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fedmeta.bench import QUIET, HostReads, flop_counter, run_isolated
+
+PLACES = ("recorded", "eager")
+TOP_OPS = 12  # the most frequent kernels listed per row: where the next cut is
+# Operators that launch no work of their own: allocations (filled by the kernel that writes them),
+# shape and metadata queries, and aliases the view check does not catch.
+NO_KERNEL = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "is_same_size",
+    "_local_scalar_dense",
+    "set_",
+    "resize_",
+    "_has_compatible_shallow_copy_type",
+    "_unsafe_view",
+    "promote_types",
+}
+
+
+def launches_kernel(func) -> bool:
+    return not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL
+
+
+def _bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+class Census(TorchDispatchMode):
+    """Counts operators, kernels and bytes, split by whether they run inside the recorded computation."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside = False
+        self.ops = Counter()
+        self.kernels = Counter()
+        self.bytes = Counter()
+        self.names: Counter = Counter()  # recorded kernels by operator name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        place = PLACES[0] if self.inside else PLACES[1]
+        self.ops[place] += 1
+        if launches_kernel(func):
+            self.kernels[place] += 1
+            self.bytes[place] += _bytes((args, kwargs)) + _bytes(out)
+            self.names[func.overloadpacket.__name__] += 1
+        return out
+
+    @contextmanager
+    def recorded(self):
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True) -> dict:
+    """One row: the counts of one lockstep round (all seeds together) after ``warmup`` rounds, in
+    the calling process (``fedmeta.bench.run_isolated`` gives it a fresh one)."""
+    from fedmeta.assemble import build, make_engine, make_fabric, seed_configs
+    from fedmeta.config import compose
+    from fedmeta.engine import Engine
+    from fedmeta.rounds import Federated, federated_rounds
+
+    cfg = compose([*overrides, *QUIET])
+    fabric = make_fabric(cfg)
+    runs = [
+        Federated(algorithm, federation, one.seed)
+        for one in seed_configs(cfg)
+        for federation, algorithm in [build(fabric, one)]
+    ]
+    engine = make_engine(cfg, fabric.device)
+    clients = cfg.federation.clients_per_round
+    for r in range(1, warmup + 1):
+        federated_rounds(runs, r, clients, engine=engine)
+
+    census = Census()
+    capture_run = engine.capture.run
+
+    def marked(key, fn, inputs):  # everything the recording would hold counts as recorded
+        with census.recorded():
+            return capture_run(key, fn, inputs)
+
+    engine.capture.run = marked
+    with census, HostReads() as reads:
+        federated_rounds(runs, warmup + 1, clients, engine=engine)
+    engine.capture.run = capture_run
+    gflop = float("nan")
+    if count_flops:
+        with flop_counter() as flops:
+            federated_rounds(runs, warmup + 2, clients, engine=Engine())
+        gflop = flops.get_total_flops() / 1e9
+    return {
+        "dataset": cfg.dataset.name,
+        "partition": cfg.partition.name,
+        "method": cfg.method.name,
+        "variant": cfg.variant,
+        "seeds": len(runs),
+        "clients": "vmap" if engine.vectorize else "sequential",
+        "fallback": engine.describe()["fallback"],
+        "ops": sum(census.ops.values()),
+        "kernels": sum(census.kernels.values()),
+        **{f"kernels_{place}": census.kernels[place] for place in PLACES},
+        "gbytes": sum(census.bytes.values()) / 1e9,
+        **{f"gbytes_{place}": census.bytes[place] / 1e9 for place in PLACES},
+        "host_reads": reads.count,
+        "gflop": gflop,
+        "top_kernels": dict(census.names.most_common(TOP_OPS)),
+    }
+
+
+def plan(bench, datasets: list[str] | None, methods: list[str] | None, extra: list[str]) -> list[list[str]]:
+    """The overrides of each census row: every bench data set × method, seeds stacked, clients
+    vmapped, inputs in the recorded layout (``census`` in configs/bench.yaml)."""
+    seeds = f"seeds=[{','.join(str(s) for s in bench.census.seeds)}]"
+    return [
+        [*setting, f"method={method}", seeds, *bench.census.overrides, *extra]
+        for name, setting in bench.datasets.items()
+        if not datasets or name in datasets
+        for method in methods or bench.methods
+    ]
+
+
+def run(rows: list[list[str]], out: Path, warmup: int, count_flops: bool = True) -> list[dict]:
+    """Each row counted in a fresh process, printed, and written to ``out`` as it finishes (a row of
+    another data set or method already there is kept)."""
+    kept = json.loads(out.read_text())["rows"] if out.exists() else []
+    print(
+        f"{'data set':9s} {'method':10s} {'seeds':>5s} {'ops':>7s} {'kernels':>7s} {'recorded':>8s} "
+        f"{'eager':>6s} {'GB':>7s} {'GB eager':>8s} {'reads':>5s} {'GFLOP':>7s}"
+    )
+    counted = []
+    for overrides in rows:
+        row = run_isolated(count_round, overrides, warmup, count_flops)
+        counted.append(row)
+        print(
+            f"{row['dataset']:9s} {row['method']:10s} {row['seeds']:5d} {row['ops']:7d} {row['kernels']:7d} "
+            f"{row['kernels_recorded']:8d} {row['kernels_eager']:6d} {row['gbytes']:7.1f} "
+            f"{row['gbytes_eager']:8.3f} {row['host_reads']:5d} {row['gflop']:7.1f}",
+            flush=True,
+        )
+        if row["fallback"]:
+            print(f"    fell back: {row['fallback']}")
+        key = lambda r: (r["dataset"], r["partition"], r["method"], r["variant"])  # noqa: E731
+        kept = [r for r in kept if key(r) != key(row)] + [row]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps({"rows": kept}, indent=1) + "\n")
+        os.replace(tmp, out)
+    print(f"wrote {out}")
+    return counted
