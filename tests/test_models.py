@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from fedmeta.algorithms import CAFeMe
 from fedmeta.data import ImageDataset, build_federation
-from fedmeta.functional import adam, adam_state, sgd
+from fedmeta.functional import adam, adam_first_step, adam_state, sgd
 from fedmeta.models import ConvNet, ModulatedNet, Modulator, modulate
 
 TINY = dict(in_channels=1, image_size=8, num_classes=3, conv_channels=[2], kernel_size=3, padding=1)
@@ -228,6 +228,20 @@ def test_functional_adam_and_sgd_match_torch_optim():
             params, state = step(params, gr, state)
         for k in start:
             torch.testing.assert_close(params[k], leaves[k].detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_adam_first_step_in_closed_form_is_a_fresh_adams_step():
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(4, 3, generator=g, dtype=torch.float64)}
+    grads = {"w": torch.randn(4, 3, generator=g, dtype=torch.float64) * torch.tensor([1e-9, 1e-3, 1.0])}
+    leaf = params["w"].clone().requires_grad_()
+    leaf.grad = grads["w"].clone()
+    torch.optim.Adam([leaf], lr=0.01).step()  # the tiny gradients: where eps matters
+    closed = adam_first_step(params, grads, 0.01)["w"]
+    torch.testing.assert_close(closed, leaf.detach(), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(
+        closed, adam(params, grads, adam_state(params), 0.01)[0]["w"], rtol=1e-13, atol=1e-15
+    )
 
 
 # ---- sizes that would take more than the machine: refused from shapes, before any allocation ----

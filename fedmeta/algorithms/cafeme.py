@@ -26,7 +26,7 @@ import torch
 
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
 from fedmeta.data.federation import STREAMS, Batch, Client
-from fedmeta.functional import Params, adam, adam_state, grad_and_value, sgd
+from fedmeta.functional import Params, adam, adam_first_step, grad_and_value, sgd
 from fedmeta.models import ModulatedNet, Modulator
 
 log = logging.getLogger("fedmeta")
@@ -113,7 +113,7 @@ class CAFeMe(Algorithm):
                 lambda p, b=batch: self.loss(p, b, self.adaptation_context(b)),
                 second_order=not self.cfg.first_order,
             )(params)
-            params = {k: params[k] - self.cfg.inner_lr * grads[k] for k in params}
+            params, _ = sgd(params, grads, self.cfg.inner_lr)
         return params, batch
 
     def meta_loss(self, omega: Params, data: ClientData) -> torch.Tensor:
@@ -130,8 +130,10 @@ class CAFeMe(Algorithm):
         if self.cfg.outer_optimizer == "sgd":
             new, _ = sgd(params, grads, self.cfg.outer_lr)
             return LocalResult(new, outer_loss, {}, {})
-        new, adam_after = adam(params, grads, state or adam_state(params), self.cfg.outer_lr)
-        return LocalResult(new, outer_loss, adam_after if self.keeps_adam else {}, {})
+        if not self.keeps_adam:  # a fresh Adam's one step
+            return LocalResult(adam_first_step(params, grads, self.cfg.outer_lr), outer_loss, {}, {})
+        new, adam_after = adam(params, grads, state, self.cfg.outer_lr)
+        return LocalResult(new, outer_loss, adam_after, {})
 
     def update_weight(self, client: Client) -> float:
         return 1.0  # uniform, as the paper's Algorithm 1

@@ -20,7 +20,7 @@ import torch
 
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, LocalResult
 from fedmeta.data.federation import STREAMS, Batch, Client
-from fedmeta.functional import Params, grad_and_value
+from fedmeta.functional import Params, grad_and_value, sgd
 
 
 class PerFedAvg(Algorithm):
@@ -38,11 +38,11 @@ class PerFedAvg(Algorithm):
     def meta_gradient(self, w: Params, batches: list[Batch]) -> Params:
         inner, outer, hessian = batches
         step = self.gradient(w, inner)
-        g = self.gradient({k: w[k] - self.cfg.inner_lr * step[k] for k in w}, outer)
+        g = self.gradient(sgd(w, step, self.cfg.inner_lr)[0], outer)
         if self.cfg.first_order:
             return g
         hv = self.hessian_vector_product(w, g, hessian)
-        return {k: g[k] - self.cfg.inner_lr * hv[k] for k in w}
+        return sgd(g, hv, self.cfg.inner_lr)[0]  # g − α·Hg
 
     def draw(self, client: Client, round_: int) -> ClientData:
         cfg = self.cfg
@@ -72,7 +72,7 @@ class PerFedAvg(Algorithm):
         w = params
         for batches in data["steps"]:
             g = self.meta_gradient(w, batches)
-            w = {k: w[k] - self.cfg.outer_lr * g[k] for k in w}
+            w, _ = sgd(w, g, self.cfg.outer_lr)
         with torch.no_grad():
             loss = self.loss(w, data["loss"])
         return LocalResult(w, loss, {}, {})
