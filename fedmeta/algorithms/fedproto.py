@@ -56,6 +56,7 @@ def one_hot(labels: torch.Tensor, classes: int, dtype: torch.dtype) -> torch.Ten
 class FedProto(FedAvg):
     def __init__(self, model, cfg, precision=None):
         super().__init__(model, cfg, precision)
+        self.model_names = [name for name, _ in self.model.named_parameters()]
         classes, units = self.model.head.weight.shape
         # the global prototypes (C × units) and which classes have one (float 0/1: it is vmapped)
         self.prototypes = {PROTOTYPE: torch.zeros(classes, units), HELD: torch.zeros(classes)}
@@ -64,7 +65,14 @@ class FedProto(FedAvg):
         return {**super().draw(client, round_), "all": client.batch(self.cfg.train_split, None)}
 
     def embed(self, params: Params, batch: Batch) -> torch.Tensor:
-        return self.run_model(self.model, params, batch.x, mask=batch.mask, embedding=True)
+        return self.run_model(self.model, self.weights(params), batch.x, mask=batch.mask, embedding=True)
+
+    def weights(self, params: Params) -> Params:
+        """The model's own parameters among ``params`` (a new client's also hold the prototypes)."""
+        return {n: params[n] for n in self.model_names}
+
+    def forward(self, params: Params, x: torch.Tensor, context=None, mask: torch.Tensor | None = None):
+        return super().forward(self.weights(params), x, context, mask)
 
     def prototype_loss(self, params: Params, batch: Batch, prototypes: Params) -> torch.Tensor:
         """CE + λ·MSE between each sample's embedding and its class's global prototype."""
@@ -135,9 +143,22 @@ class FedProto(FedAvg):
         }
 
     # ---- new clients: the initial model, FedProto's loss with the global prototypes ----------
+    # A new client's personalization reads its own federation's prototypes from its own data, never
+    # from the algorithm: vmapped, every lane (stacked seeds too) runs through one algorithm's hooks.
+    def personalization_data(self, client: Client) -> ClientData:
+        like = next(self.model.parameters())
+        return {"prototypes": {k: v.to(like) for k, v in self.prototypes.items()}}
+
+    def personal_params(self, params: Params, data: ClientData) -> Params:
+        """The global model, and the prototypes along (held fixed: ``adapted_names``)."""
+        return {**params, **data["prototypes"]}
+
+    def adapted_names(self, step: int) -> list[str] | None:
+        return self.model_names
+
     def adaptation_loss(self, params: Params, batch: Batch, start: Params) -> torch.Tensor:
-        prototypes = {k: v.to(params[CLASSIFIER + "weight"]) for k, v in self.prototypes.items()}
-        return self.prototype_loss(params, batch, prototypes)
+        like = params[CLASSIFIER + "weight"]
+        return self.prototype_loss(params, batch, {k: params[k].to(like) for k in (PROTOTYPE, HELD)})
 
     def broadcast_state(self, client_id: int) -> Params:
         return dict(self.prototypes)
