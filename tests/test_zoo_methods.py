@@ -10,7 +10,9 @@ shared personalization procedure, and checks what makes the method itself.
 from __future__ import annotations
 
 import functools
+import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -635,6 +637,78 @@ def test_fedpac_statistics_local_phases_centroids_and_head_combination_by_hand(z
     torch.testing.assert_close(
         algorithm.global_params()[name], share * theta[name] + (1 - share) * other[name]
     )
+
+
+def fedpac_problem(rng: np.random.Generator) -> np.ndarray:
+    """A FedPAC-shaped matrix diag(V) + D_i for 2 to 6 clients (10 classes × 5 units), often near
+    degenerate: clients alike to 1e-6, collinear, a variance of 0, one client far from the others
+    (its entries dwarf theirs), variances down to 1e-12."""
+    m, kind = int(rng.integers(2, 7)), int(rng.integers(5))
+    share = rng.dirichlet(np.full(10, 0.3), size=m)
+    means = rng.normal(size=(m, 10, 5))
+    if kind in (1, 4):
+        means = means[:1] + 10.0 ** rng.uniform(-6, -2) * rng.normal(size=means.shape)
+        share = np.repeat(share[:1], m, 0)
+    if kind == 2:
+        means = means[:1] * rng.uniform(0.5, 2, size=(m, 1, 1))
+    h = (share[..., None] * means).reshape(m, -1)
+    if kind == 4:
+        h[-1] *= 10.0 ** rng.uniform(1, 4)
+    variances = rng.uniform(0, 1, m) * 10.0 ** rng.uniform(-12, 0)
+    if kind == 3:
+        variances[rng.integers(m)] = 0.0
+    gaps = h[rng.integers(m)] - h
+    return np.diag(variances) + gaps @ gaps.T
+
+
+def brute_force_simplex_qp(matrices: np.ndarray) -> np.ndarray:
+    """For same-sized matrices at once: every support's minimizer over its plane Σα = 1 (the KKT
+    system of the clients in it alone), the nonnegative ones kept, the least objective's taken."""
+    n, m = matrices.shape[:2]
+    best, objective = np.zeros((n, m)), np.full(n, np.inf)
+    for k in range(1, m + 1):
+        for support in itertools.combinations(range(m), k):
+            s = list(support)
+            systems = np.zeros((n, k + 1, k + 1))
+            systems[:, :k, :k] = 2 * matrices[:, s][:, :, s]
+            systems[:, :k, k], systems[:, k, :k] = -1.0, 1.0
+            rhs = np.r_[np.zeros(k), 1.0]
+            try:
+                solved = np.linalg.solve(systems, np.broadcast_to(rhs, (n, k + 1))[..., None])[..., 0]
+            except np.linalg.LinAlgError:  # a singular one: least squares, one at a time
+                solved = np.stack([np.linalg.lstsq(a, rhs, rcond=None)[0] for a in systems])
+            alpha = np.zeros((n, m))
+            alpha[:, s] = solved[:, :k]
+            values = np.einsum("ni,nij,nj->n", alpha, matrices, alpha)
+            better = (alpha >= -1e-12).all(1) & (values < objective)
+            best[better], objective[better] = alpha[better], values[better]
+    return best
+
+
+def test_fedpac_head_combination_is_the_exact_minimum_on_near_degenerate_problems():
+    """On 1,500 random FedPAC-shaped problems, many near degenerate, the combination's weights are
+    a certified minimum (KKT: on the simplex, the gradient equal on the support and no smaller off
+    it), of the least objective a brute force over every support finds, and equal to its weights
+    wherever the minimum is well determined (the scaled matrix's least eigenvalue above 1e-9). An
+    SLSQP solve with absolute tolerances was off by up to 0.74 in 34 of those 925 problems."""
+    from fedmeta.algorithms.fedpac import simplex_qp
+
+    rng = np.random.default_rng(0)
+    problems = [fedpac_problem(rng) for _ in range(1500)]
+    scaled = [q / np.abs(q).max() for q in problems]
+    ours = [simplex_qp(q) for q in problems]
+    for size in {len(q) for q in scaled}:
+        which = [i for i, q in enumerate(scaled) if len(q) == size]
+        brute = brute_force_simplex_qp(np.stack([scaled[i] for i in which]))
+        for i, reference in zip(which, brute):
+            q, alpha = scaled[i], ours[i]
+            assert (alpha >= 0).all() and abs(alpha.sum() - 1) < 1e-12
+            gradient = 2 * q @ alpha
+            level = alpha @ gradient  # ν: the gradient on the support
+            assert np.abs(gradient[alpha > 0] - level).max() < 1e-8 and (gradient > level - 1e-8).all()
+            assert alpha @ q @ alpha <= reference @ q @ reference + 1e-13
+            if np.linalg.eigvalsh(q)[0] > 1e-9:
+                np.testing.assert_allclose(alpha, reference, atol=1e-6)
 
 
 # ---- FedRoD ----------------------------------------------------------------------------------------

@@ -30,11 +30,14 @@ code, JianXu95/FedPAC, read for each):
   (no global centroid at all) there is no alignment term, as theirs.
 - The statistics and centroids are one pass over all the client's data (the centroids after
   training, with the trained extractor), as theirs.
-- The combination's quadratic program is solved by SciPy's SLSQP in float64 (theirs: CVXPY); its
-  matrix is positive semi-definite by construction (a diagonal of variances plus a Gram matrix),
-  so their eigenvalue repair is not needed; a solve that fails leaves the client its own head, as
-  theirs. The server holds the combined heads (``heads``, part of the federation state) and sends
-  each client its own (``broadcast_state``; on Flower, in the message to its node).
+- The combination's quadratic program is solved exactly in float64 (theirs: CVXPY): with the few
+  clients of a round, every support is tried — its equality-constrained minimum is one linear
+  system — and the best nonnegative one kept (``simplex_qp``; SciPy's SLSQP beyond 12 clients).
+  Its matrix is positive semi-definite by construction (a diagonal of variances plus a Gram
+  matrix), so their eigenvalue repair is not needed; a matrix with a non-finite entry leaves the
+  client its own head, as a failed solve does in theirs. The server holds the combined heads
+  (``heads``, part of the federation state) and sends each client its own (``broadcast_state``;
+  on Flower, in the message to its node).
 - A client that has no combined head yet starts from the global head: the average of the round's
   heads (the authors' code averages every parameter into its global model, the head too, but
   gives each client's model only the extractor).
@@ -61,14 +64,47 @@ COUNT, VARIANCE, BIAS = "prototype.count", "statistics.variance", "statistics.me
 SMALLEST_WEIGHT = 1e-3  # combination weights below it are dropped (the authors' code's eps)
 
 
+EXACT_CLIENTS = 12  # up to this many clients a round the combination tries every support (2^m − 1 of them)
+
+
 def simplex_qp(matrix: np.ndarray) -> np.ndarray | None:
-    """argmin αᵀ·matrix·α over the probability simplex (SLSQP); None when the solver fails."""
+    """argmin αᵀ·matrix·α over the probability simplex, for a positive semi-definite ``matrix``;
+    None when it holds a non-finite entry.
+
+    Exact for up to ``EXACT_CLIENTS`` clients: the minimum lies on some support S (the clients with
+    α > 0), where it is the minimum over the plane Σα = 1 of those clients alone — the solution of
+    one linear system (the KKT conditions 2·Q_SS·α_S = ν·1, Σα_S = 1). Every support's system is
+    solved at once (least squares: a singular one still gives a minimizer), the solutions with no
+    negative weight are kept, and the one of least objective is the minimum. Beyond that many
+    clients: SciPy's SLSQP, whose absolute tolerances can stop early on near-degenerate problems."""
+    if not np.isfinite(matrix).all():
+        return None
+    m = len(matrix)
+    matrix = matrix / max(np.abs(matrix).max(), np.finfo(np.float64).tiny)  # the argmin is scale-free
+    if m > EXACT_CLIENTS:
+        return _slsqp(matrix)
+    supports = (np.arange(1, 2**m)[:, None] >> np.arange(m)) & 1 == 1  # (2^m − 1) × m
+    systems = np.zeros((len(supports), m + 1, m + 1))
+    inside = supports[:, :, None]
+    systems[:, :m, :m] = np.where(inside, 2 * matrix, np.eye(m))  # S's stationarity; α_j = 0 off S
+    systems[:, :m, m] = -supports.astype(np.float64)  # − ν on S's rows
+    systems[:, m, :m] = 1.0  # Σα = 1
+    rhs = np.zeros((len(supports), m + 1, 1))
+    rhs[:, m] = 1.0
+    alphas = (np.linalg.pinv(systems, rcond=1e-13) @ rhs)[:, :m, 0]
+    alphas = np.where(supports, alphas, 0.0)
+    feasible = (alphas >= -1e-12).all(1) & (np.abs(alphas.sum(1) - 1) < 1e-9)
+    alphas = np.clip(alphas[feasible], 0.0, None)
+    alphas /= alphas.sum(1, keepdims=True)
+    objectives = np.einsum("si,ij,sj->s", alphas, matrix, alphas)
+    return alphas[np.argmin(objectives)]
+
+
+def _slsqp(matrix: np.ndarray) -> np.ndarray | None:
     # imported here: no other method needs scipy, and the GPU job's kit carries only what it imports
     from scipy.optimize import minimize
 
     m = len(matrix)
-    scale = max(np.abs(matrix).max(), np.finfo(np.float64).tiny)  # the solver's tolerances are absolute
-    matrix = matrix / scale
     solution = minimize(
         lambda a: a @ matrix @ a,
         np.full(m, 1.0 / m),
