@@ -813,17 +813,35 @@ def test_fedala_blends_with_learned_weights_then_trains_as_fedavg_by_hand(zoo_da
         torch.testing.assert_close(result.state["local"][k], trained[k])
 
 
-def test_fedala_learns_its_weights_from_its_second_round_longer_the_first_time(zoo_data):
+def test_fedala_runs_whenever_a_client_trains_longer_the_first_time(zoo_data):
+    """ALA runs on every round a client trains, from the initial model's top layers on its first;
+    only where its local model is the global one — a first round that is round 1 — is it skipped
+    (the reference code's test), and then the longer first training of W_i is still to come."""
     cfg = compose(["method=fedala", *TINY, "method.first_epochs=3"])
     algorithm = build_algorithm(cfg, 10)
+    initial = {n: p.detach().clone() for n, p in algorithm.model.named_parameters()}
     client = federation_of(zoo_data).train_clients[0]
     window = len(client.window("all", 0.8, cfg.method.batch_size, client.generator(1)))
     assert window > 0
-    assert algorithm.draw(client, 1)["ala"] == []  # no model of its own yet: nothing to blend
+    assert algorithm.draw(client, 1)["ala"] == []  # round 1: the local model is the global one
+    assert len(algorithm.draw(client, 2)["ala"]) == 3 * window  # a first round later: ALA, first time
+    with torch.no_grad():  # the global model moved; the client has none of its own yet
+        for p in algorithm.model.parameters():
+            p.add_(0.1)
+    state = algorithm.client_state(client.id, algorithm.global_params())
+    assert all(torch.equal(state["local"][n], initial[n]) for n in ("head.weight", "head.bias"))
     algorithm.client_states[client.id] = {"local": {}, "weights": {}, "weights_trained": False}
-    assert len(algorithm.draw(client, 2)["ala"]) == 3 * window
+    assert len(algorithm.draw(client, 3)["ala"]) == 3 * window  # its first round was round 1
     algorithm.client_states[client.id]["weights_trained"] = True
-    assert len(algorithm.draw(client, 3)["ala"]) == window
+    assert len(algorithm.draw(client, 4)["ala"]) == window
+
+
+def test_fedala_trains_its_weights_on_nearly_every_client_update(trained):
+    """Only the round-1 first participations skip ALA: the rest of the updates learned W_i."""
+    algorithm, federation, _, _ = trained("fedala", *FEDALA)
+    first_round = {c.id for c in federation.sample_round(1, 5, 0)}
+    skipped = {i for i, s in algorithm.client_states.items() if not s["weights_trained"]}
+    assert skipped <= first_round  # a client seen in round 1 alone never ran ALA
 
 
 # ---- FedPer, LG-FedAvg, FedBN: some layers stay with each client; FedBABU: a head never trained ------

@@ -14,17 +14,22 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   s = 80 % (``sample_fraction``) as a contiguous run of the client's data from a random place,
   in batches of the protocol's size with a last partial one left out; η = 1 (``ala_lr``). W_i
   starts at 1.
-- When: not on a client's first round (it has no model of its own yet: the reference code skips
-  ALA while the local model equals the global one). On its first round with ALA, the reference
-  code trains W_i until the standard deviation of its last 10 epochs' losses falls below 0.1 (at
-  least 11 epochs); here a fixed ``first_epochs`` (11, the least that rule allows), so that the
-  computation's shape is known in advance and clients can be vmapped. Later rounds: one epoch.
+- When: every time a client trains, as the paper and the reference code. Before its first round a
+  client's local model is the initial model (the reference code gives every client a copy of it),
+  so on a first round ALA blends the global model into the initial one's top layers. The one
+  exception is the reference code's: ALA is skipped while the local model equals the global one,
+  which happens in round 1 only (the global model is still the initial one) — here, for a client
+  whose first round is round 1. The first time ALA runs, the reference code trains W_i until the
+  standard deviation of its last 10 epochs' losses falls below 0.1 (at least 11 epochs); here a
+  fixed ``first_epochs`` (11, the least that rule allows), so that the computation's shape is known
+  in advance and clients can be vmapped. Later rounds: one epoch.
 - Per-client state: the top layers of the model the client trained last round, W_i, and whether
-  W_i has been trained (on Flower, on its node). The lower layers need no keeping: they always
-  take the global model's.
-- Evaluation: only new clients are scored. A new client has no local model, so ALA leaves the
-  global model as it is (as on a client's first round) and the shared personalization procedure
-  fine-tunes it (``personalization.steps``: 50) — FedAvg-FT's procedure on FedALA's global model.
+  W_i has been trained (on Flower, on its node); the initial model's top layers (part of the
+  federation state) stand in for a client's before its first round. The lower layers need no
+  keeping: they always take the global model's.
+- Evaluation: only new clients are scored. A new client trains no round, so ALA does not run for
+  it: the shared personalization procedure fine-tunes the global model (``personalization.steps``:
+  50) — FedAvg-FT's procedure on FedALA's global model.
 """
 
 from __future__ import annotations
@@ -42,10 +47,18 @@ class FedALA(FedAvg):
         super().__init__(model, cfg, precision)
         names = [name for name, _ in self.model.named_parameters()]
         self.top_names = names[-cfg.top_tensors :]
+        # every client's local model before its first round: the initial model (its top layers)
+        self.initial = {
+            n: p.detach().clone() for n, p in self.model.named_parameters() if n in self.top_names
+        }
+        self.ala_runs: dict[int, bool] = {}  # whether the window drawn this round trains W_i (for to_update)
 
     def draw(self, client: Client, round_: int) -> ClientData:
         kept = self.client_states.get(client.id, {})
-        epochs = 0 if "local" not in kept else (1 if kept.get("weights_trained") else self.cfg.first_epochs)
+        # skipped only where the local model is the global one: a first round that is round 1
+        runs = "local" in kept or round_ > 1
+        self.ala_runs[client.id] = runs
+        epochs = 0 if not runs else (1 if kept.get("weights_trained") else self.cfg.first_epochs)
         window = client.window(
             self.cfg.train_split,
             self.cfg.sample_fraction,
@@ -56,12 +69,10 @@ class FedALA(FedAvg):
 
     def client_state(self, client_id: int, params: Params) -> dict:
         kept = self.client_states.get(client_id, {})
-        local = kept.get(
-            "local", {}
-        )  # none before its first round: the global model's (ALA then changes nothing)
+        local = kept.get("local", self.initial)  # before its first round: the initial model's
         weights = kept.get("weights", {})
         return {
-            "local": {n: local[n].to(params[n]) if local else params[n] for n in self.top_names},
+            "local": {n: local[n].to(params[n]) for n in self.top_names},
             "weights": {
                 n: weights[n].to(params[n]) if weights else torch.ones_like(params[n]) for n in self.top_names
             },
@@ -87,7 +98,9 @@ class FedALA(FedAvg):
         return result._replace(state=kept)
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
-        trained = "local" in self.client_states.get(client.id, {})  # this round's window trained W_i
+        trained = self.ala_runs.pop(client.id, True) or self.client_states.get(client.id, {}).get(
+            "weights_trained", False
+        )  # this round's window trained W_i, or an earlier one did
         update = super().to_update(client, result._replace(state={}))  # every parameter, weight, loss
         update.state = {
             **(update.state or {}),
@@ -96,3 +109,10 @@ class FedALA(FedAvg):
             "weights_trained": trained,
         }
         return update
+
+    def federation_state(self) -> dict:
+        return {**super().federation_state(), "initial": self.initial}
+
+    def load_federation_state(self, state: dict) -> None:
+        super().load_federation_state(state)
+        self.initial = dict(state.get("initial", self.initial))
