@@ -16,13 +16,15 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   λ = 1 (``method.lam``), the authors' code's default. The distance is the authors' code's:
   the mean squared error over a batch's samples and the embedding's units (samples of a class
   without a global prototype add nothing; in the first round none has one).
-- A client's model starts at the federation's initial model (every client the same one, as the
-  authors' deep copies of one model) and is then its own (``client_states``: on Flower, its node).
-  The server's model is never trained: nothing but prototypes is sent.
+- A client's model starts at the federation's initial model (every client the same one: the
+  protocol's one initial model per seed; the authors initialize each client's model on its own)
+  and is then its own (``client_states``: on Flower, its node). The server's model is never
+  trained: nothing but prototypes is sent. The local SGD is the protocol's (``method.momentum``,
+  0 by default; the authors' code uses 0.5).
 - A client's prototypes are computed after its training, with its trained model, over all its
-  data in one pass (batch statistics, as every forward here). Both reference codes instead average
-  the embeddings seen during training, over every epoch, so their prototypes mix the models of
-  every step. It sends, per class, its prototype and whether it holds the class.
+  data in one pass (batch statistics, as every forward here). The authors' code instead averages
+  the embeddings its model produced during the last local epoch's steps, so its prototypes mix
+  that epoch's models. It sends, per class, its prototype and whether it holds the class.
 - The global prototypes: the uniform mean over the clients that hold the class, as both reference
   codes (the paper's formula also weighs by the client's count of the class). Here the server
   samples clients each round: a class none of the round's clients holds keeps its last global
@@ -30,7 +32,8 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   the model (``broadcast_state``) and are part of the federation state.
 - Evaluation: only new clients are scored. A new client has no model of its own: it starts from
   the initial model, as Local's, and personalizes with the shared procedure on FedProto's loss —
-  the global prototypes are what the federation gives it. It predicts with its classifier (the
+  the global prototypes are what the federation gives it (in its personalization data, so that
+  vmapped new clients of stacked seeds each read their own federation's). It predicts with its classifier (the
   authors also report the nearest global prototype's class, which PFLlib reports alone).
 """
 
