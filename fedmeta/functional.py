@@ -116,6 +116,20 @@ def adam_first_step(params: Params, grads: Params, lr: float, eps: float = 1e-8)
     return {k: torch.addcdiv(params[k], grads[k], grads[k].abs() + eps, value=-lr) for k in grads}
 
 
+def weighted_sum(terms: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    """Σ_i weights[i]·terms[i] for lists of tensors, in at least float32 (bfloat16 partial sums would
+    round): two multi-tensor kernels (``torch._foreach_*``) per term, however many tensors it holds."""
+
+    def wide(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+
+    total = torch._foreach_mul(wide(terms[0]), weights[0])
+    for tensors, weight in zip(terms[1:], weights[1:]):
+        # a product, then a sum: an add with alpha may fuse them (FMA) in some elements and not others
+        torch._foreach_add_(total, torch._foreach_mul(wide(tensors), weight))
+    return total
+
+
 def proximal(params: Params, anchor: Params) -> torch.Tensor:
     """Σ‖p − a‖² over the names of ``params`` (each in ``anchor``): the squared distance to a fixed
     point, as FedProx's μ/2·‖w − w_t‖² and Ditto's λ/2·‖v − w‖² use it (``anchor`` is a constant:
@@ -123,12 +137,20 @@ def proximal(params: Params, anchor: Params) -> torch.Tensor:
     return sum(((params[name] - anchor[name]) ** 2).sum() for name in params)
 
 
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's cross-entropy, ``F.cross_entropy(reduction="none")`` without its ignore-index
+    test (three kernels each way a step, under vmap, that no label here needs)."""
+    return -logits.log_softmax(1).gather(1, labels[:, None]).squeeze(1)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The mean over the real entries (``mask`` 1) of a padded batch; the plain mean without a mask."""
+    """The mean over the real entries (``mask`` 1) of a padded batch; the plain mean without a mask.
+    The padding's values are selected away, never multiplied by 0: a padded row may hold any value
+    (FedRoD's loss is inf on a class its client lacks), and inf·0 is NaN."""
     if mask is None:
         return values.mean()
-    weights = mask.to(values.dtype)
-    return (values * weights).sum() / weights.sum()
+    mask = mask.to(torch.bool)
+    return torch.where(mask, values, 0.0).sum() / mask.sum(dtype=values.dtype)
 
 
 _thread_modules = threading.local()
