@@ -10,7 +10,9 @@ operator below vmap and autograd — the operators that really run. For each it 
 - ``ops``: every dispatched operator, and ``kernels``: those that launch work (not views,
   aliases, shape queries or bare allocations);
 - where it ran: ``recorded`` (inside the computation a CUDA graph records and replays as one
-  launch) or ``eager`` (the host's work around it: sampling, stacking, screening, aggregation);
+  launch), ``eager`` (device work around it: screening, aggregation, what clients keep) or
+  ``host`` (the clients' batch draws and their stacking, on host tensors even on a GPU: no kernels
+  there, but host time);
 - ``gbytes``: bytes read and written, the tensors each kernel takes and returns (an upper bound of
   what the device moves: an operator that reads a tensor twice counts it once, a fused one once);
 - ``host_reads``: reads of a computed value by the host (each a device sync on a GPU);
@@ -36,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from fedmeta.bench import QUIET, HostReads, flop_counter, run_isolated
 
-PLACES = ("recorded", "eager")
+PLACES = ("recorded", "eager", "host")
 TOP_OPS = 12  # the most frequent kernels listed per row: where the next cut is
 # Operators that launch no work of their own: allocations (filled by the kernel that writes them),
 # shape and metadata queries, and aliases the view check does not catch.
@@ -76,7 +78,7 @@ class Census(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.inside = False
+        self.place = PLACES[1]
         self.ops = Counter()
         self.kernels = Counter()
         self.bytes = Counter()
@@ -84,21 +86,48 @@ class Census(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        place = PLACES[0] if self.inside else PLACES[1]
+        place = self.place
         self.ops[place] += 1
         if launches_kernel(func):
             self.kernels[place] += 1
             self.bytes[place] += _bytes((args, kwargs)) + _bytes(out)
-            self.names[func.overloadpacket.__name__] += 1
+            if place != "host":
+                self.names[func.overloadpacket.__name__] += 1
         return out
 
     @contextmanager
-    def recorded(self):
-        self.inside = True
+    def at(self, place: str):
+        outer, self.place = self.place, place
         try:
             yield
         finally:
-            self.inside = False
+            self.place = outer
+
+    def marking(self, place: str, fn):
+        """``fn``, its operators counted as ``place``."""
+
+        def marked(*args, **kwargs):
+            with self.at(place):
+                return fn(*args, **kwargs)
+
+        return marked
+
+    @contextmanager
+    def watching(self, engine, runs):
+        """What the recording would hold counted as recorded, the batch draws and their stacking as
+        host work: the engine's and the algorithms' methods wrapped on the instances, then unwrapped."""
+        targets = [
+            (engine.capture, "run", "recorded"),
+            (engine, "_indices", "host"),
+            *((run.algorithm, "draw", "host") for run in runs),
+        ]
+        for instance, name, place in targets:
+            setattr(instance, name, self.marking(place, getattr(instance, name)))
+        try:
+            yield
+        finally:
+            for instance, name, _ in targets:
+                del instance.__dict__[name]  # the class's method again
 
 
 def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True) -> dict:
@@ -122,16 +151,8 @@ def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True)
         federated_rounds(runs, r, clients, engine=engine)
 
     census = Census()
-    capture_run = engine.capture.run
-
-    def marked(key, fn, inputs):  # everything the recording would hold counts as recorded
-        with census.recorded():
-            return capture_run(key, fn, inputs)
-
-    engine.capture.run = marked
-    with census, HostReads() as reads:
+    with census.watching(engine, runs), census, HostReads() as reads:
         federated_rounds(runs, warmup + 1, clients, engine=engine)
-    engine.capture.run = capture_run
     gflop = float("nan")
     if count_flops:
         with flop_counter() as flops:
@@ -145,11 +166,12 @@ def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True)
         "seeds": len(runs),
         "clients": "vmap" if engine.vectorize else "sequential",
         "fallback": engine.describe()["fallback"],
-        "ops": sum(census.ops.values()),
-        "kernels": sum(census.kernels.values()),
-        **{f"kernels_{place}": census.kernels[place] for place in PLACES},
-        "gbytes": sum(census.bytes.values()) / 1e9,
-        **{f"gbytes_{place}": census.bytes[place] / 1e9 for place in PLACES},
+        "ops": census.ops["recorded"] + census.ops["eager"],
+        "kernels": census.kernels["recorded"] + census.kernels["eager"],  # the device's: not the host's
+        **{f"kernels_{place}": census.kernels[place] for place in PLACES[:2]},
+        "host_ops": census.ops["host"],
+        "gbytes": (census.bytes["recorded"] + census.bytes["eager"]) / 1e9,
+        **{f"gbytes_{place}": census.bytes[place] / 1e9 for place in PLACES[:2]},
         "host_reads": reads.count,
         "gflop": gflop,
         "top_kernels": dict(census.names.most_common(TOP_OPS)),

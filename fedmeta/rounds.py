@@ -130,7 +130,14 @@ def _screen(updates: list[ClientUpdate]) -> list[tuple[bool, float]]:
     tensors = [u.loss for u in updates if isinstance(u.loss, torch.Tensor)]
     tensors += [p for u in updates for p in u.params.values()]
     device = tensors[0].device if tensors else torch.device("cpu")
-    losses = torch.stack([torch.as_tensor(u.loss, dtype=torch.float64, device=device) for u in updates])
+    losses = torch.stack(  # then one cast, not one a client
+        [
+            u.loss
+            if isinstance(u.loss, torch.Tensor)
+            else torch.tensor(u.loss, dtype=torch.float64, device=device)
+            for u in updates
+        ]
+    ).to(device, torch.float64)
     sent = [p for u in updates for p in u.params.values()]
     if sent:  # x·0 is 0 where x is finite, NaN where it is not: a norm of them is NaN if any is not
         norms = torch.stack(torch._foreach_norm(torch._foreach_mul(sent, 0.0), 2, dtype=torch.float64))

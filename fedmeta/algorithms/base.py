@@ -22,12 +22,21 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from lightning.fabric.plugins import Precision
 from torch import nn
 
 from fedmeta.data.federation import Batch, Client
-from fedmeta.functional import Params, adam, adam_state, call, grad_and_value, masked_mean, sgd
+from fedmeta.functional import (
+    Params,
+    adam,
+    adam_state,
+    call,
+    cross_entropy,
+    grad_and_value,
+    masked_mean,
+    sgd,
+    weighted_sum,
+)
 from fedmeta.models import build_base_net
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -143,7 +152,7 @@ class Algorithm(nn.Module):
 
     def loss(self, params: Params, batch: Batch, context: Context = None) -> torch.Tensor:
         logits = self(params, batch.x, context, batch.mask)
-        return masked_mean(F.cross_entropy(logits, batch.y, reduction="none"), batch.mask)
+        return masked_mean(cross_entropy(logits, batch.y), batch.mask)
 
     # ---- federated training ------------------------------------------------------------------
     @abstractmethod
@@ -243,14 +252,20 @@ class Algorithm(nn.Module):
         for update in updates:
             if update.state is not None:
                 self.client_states[update.client_id] = update.state
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                senders = [u for u in updates if name in u.params]
-                if senders:  # two kernels a parameter, however many clients sent it
-                    dtype = torch.promote_types(p.dtype, torch.float32)  # bfloat16 weights would round
-                    weights = torch.tensor([u.weight for u in senders], dtype=dtype, device=p.device)
-                    stacked = torch.stack([u.params[name] for u in senders]).to(dtype)
-                    p.copy_(torch.tensordot(weights / weights.sum(), stacked, dims=1))
+        params = dict(self.model.named_parameters())
+        senders: dict[tuple[int, ...], list[str]] = {}  # the parameters each set of clients sent
+        for name in params:
+            who = tuple(i for i, u in enumerate(updates) if name in u.params)
+            if who:
+                senders.setdefault(who, []).append(name)
+        with torch.no_grad():  # one multi-tensor kernel per client, however many parameters it sent
+            for who, names in senders.items():
+                total = sum(updates[i].weight for i in who)
+                means = weighted_sum(
+                    [[updates[i].params[n] for n in names] for i in who],
+                    [updates[i].weight / total for i in who],
+                )
+                torch._foreach_copy_([params[n] for n in names], means)
 
     def local_sgd(
         self,
