@@ -74,7 +74,7 @@ def _preset_problem(preset: DictConfig) -> str | None:
     evaluations = preset.get("evaluations", 1)
     per_dataset = evaluations.values() if isinstance(evaluations, DictConfig) else [evaluations]
     if not all(count(v) for v in per_dataset):
-        return f"evaluations must be a count ≥ 1 (or one per data set), got {evaluations}"
+        return f"evaluations must be a count ≥ 1 (or one per setting, data set or default), got {evaluations}"
     for key in ("methods", "seeds"):
         values = list(preset[key])
         twice = sorted({str(v) for v in values if values.count(v) > 1})
@@ -147,7 +147,7 @@ def plan(
     jobs = []
     for label, setting in settings.items():
         dataset = setting_dataset(setting)
-        rounds, evaluations = preset_budget(preset, dataset)
+        rounds, evaluations = preset_budget(preset, dataset, label)
         common = [
             *setting.overrides,
             f"federation.rounds={rounds}",
@@ -186,12 +186,17 @@ def plan(
     return jobs
 
 
-def preset_budget(preset: DictConfig, dataset: str) -> tuple[int, int]:
-    """A preset's rounds and evaluations per run on ``dataset`` (rounds: the data set's own protocol
-    where the preset names none)."""
+def preset_budget(preset: DictConfig, dataset: str, setting: str | None = None) -> tuple[int, int]:
+    """A preset's rounds and evaluations per run of ``setting`` on ``dataset`` (rounds: the data set's
+    own protocol where the preset names none). ``evaluations`` is a count, or a mapping whose keys are
+    settings, data sets or ``default``, looked up in that order (1 where none applies: the table
+    reads only the last evaluation, at the final round)."""
     rounds = preset.rounds.get(dataset) or compose([f"dataset={dataset}"]).federation.rounds
-    per_dataset = isinstance(preset.evaluations, DictConfig)
-    return rounds, preset.evaluations.get(dataset) if per_dataset else preset.evaluations
+    evaluations = preset.get("evaluations", 1)
+    if not isinstance(evaluations, DictConfig):
+        return rounds, evaluations
+    keys = [key for key in (setting, dataset, "default") if key is not None and key in evaluations]
+    return rounds, evaluations[keys[0]] if keys else 1
 
 
 def chain_stages(preset: DictConfig) -> tuple[dict, dict[str, int]]:

@@ -6,10 +6,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from fedmeta.cli import main
 from fedmeta.errors import FedmetaError
-from fedmeta.grid import Job, dispatch, load_preset, plan, sources
+from fedmeta.grid import Job, dispatch, load_preset, plan, preset_budget, sources
 
 TINY = ["federation.rounds=2", "federation.eval_every=1", "personalization.steps=3"]
 
@@ -622,3 +623,26 @@ def test_a_presets_results_folder_must_be_a_folder(tmp_path, monkeypatch):
     (tmp_path / "preset" / "mine.yaml").write_text("inherits: tiny\nresults: [a, b]\n")
     with pytest.raises(FedmetaError, match="preset 'mine': results must be a folder"):
         grid.load_preset("mine")
+
+
+def test_the_paper_preset_evaluates_where_its_table_and_figures_read():
+    """The table reads each run's last evaluation and the paper's figures its final models: a run
+    is evaluated once, at its final round, except where the convergence figure reads its way there."""
+    paper = load_preset("paper")
+    jobs = {
+        (job.setting, job.method): job
+        for job in plan(paper, Path("runs/paper"), ["table"], datasets=["rmnist", "cifar10"], seeds=[0])
+    }
+    every = {
+        setting: next(o for o in job.overrides if o.startswith("federation.eval_every=")).split("=")[1]
+        for (setting, _), job in jobs.items()
+    }
+    assert every["rmnist-shards"] == "100"  # 10 evaluations of 1,000 rounds: the convergence figure
+    assert every["rmnist-dirichlet"] == every["cifar10-shards"] == "1000"  # the final round only
+    mine = OmegaConf.merge(
+        paper, {"evaluations": {"rmnist": 4, "rmnist-iid": 2}}
+    )  # kept: default, rmnist-shards
+    assert preset_budget(mine, "rmnist", "rmnist-iid")[1] == 2  # a setting's own count first
+    assert preset_budget(mine, "rmnist", "rmnist-shards")[1] == 10
+    assert preset_budget(mine, "rmnist", "rmnist-dirichlet")[1] == 4  # then the data set's
+    assert preset_budget(mine, "cifar10", "cifar10-shards")[1] == 1  # then default
