@@ -192,6 +192,20 @@ class Study:
             f", {score[1]} %" if score else ""
         )
 
+    def _unclaimed(self, study, optuna) -> int:
+        """Trials no process has taken yet: the asked count less those finished or running (two
+        ``fedmeta tune`` processes on one study share its count; a killed process's trial, silent past
+        the heartbeat's grace, is marked failed first and no longer holds its place)."""
+        with warnings.catch_warnings():  # experimental in Optuna's eyes, as the heartbeat is
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        states = (
+            optuna.trial.TrialState.COMPLETE,
+            optuna.trial.TrialState.PRUNED,
+            optuna.trial.TrialState.RUNNING,
+        )
+        return self.trials - sum(t.state in states for t in study.get_trials(deepcopy=False))
+
     def run(self, show_progress: bool = True) -> dict:
         import optuna
 
@@ -204,6 +218,8 @@ class Study:
             if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         ]
         for _ in range(self.trials - len(done)):
+            if self._unclaimed(study, optuna) <= 0:
+                break  # another process on this study is running the rest
             study.optimize(
                 lambda trial: self._objective(trial, show_progress), n_trials=1, catch=(FedmetaError,)
             )

@@ -237,3 +237,23 @@ def test_two_processes_on_one_study_draw_distinct_trials(tmp_path):
     drawn = [process.communicate(timeout=120)[0].split() for process in processes]
     assert sorted(int(number) for number, _ in drawn) == [0, 1]
     assert drawn[0][1] != drawn[1][1]
+
+
+def test_a_trial_running_in_another_process_counts_toward_the_studys_trials(tmp_path, monkeypatch):
+    """Two `fedmeta tune --trials 2` on one study end with 2 trials, not 4: each process starts a
+    trial only while finished and running ones fall short of the count."""
+    import optuna
+
+    monkeypatch.chdir(tmp_path)
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    study = Study("fedrep", [], 2, 2, None, storage, root=tmp_path / "runs")
+    opened = study._open(optuna)
+    assert study._unclaimed(opened, optuna) == 2
+    opened.ask()  # another process's trial, under way
+    assert study._unclaimed(opened, optuna) == 1
+    opened.add_trial(
+        optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL)
+    )  # a failure holds no place
+    assert study._unclaimed(opened, optuna) == 1
+    opened.add_trial(optuna.trial.create_trial(value=0.5, params={}, distributions={}))
+    assert study._unclaimed(opened, optuna) == 0
