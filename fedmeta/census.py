@@ -153,7 +153,7 @@ def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True)
     census = Census()
     with census.watching(engine, runs), census, HostReads() as reads:
         federated_rounds(runs, warmup + 1, clients, engine=engine)
-    gflop = float("nan")
+    gflop = None
     if count_flops:
         with flop_counter() as flops:
             federated_rounds(runs, warmup + 2, clients, engine=Engine())
@@ -163,6 +163,7 @@ def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True)
         "partition": cfg.partition.name,
         "method": cfg.method.name,
         "variant": cfg.variant,
+        "overrides": list(overrides),  # the widths among them: bytes and FLOPs are those widths'
         "seeds": len(runs),
         "clients": "vmap" if engine.vectorize else "sequential",
         "fallback": engine.describe()["fallback"],
@@ -193,7 +194,8 @@ def plan(bench, datasets: list[str] | None, methods: list[str] | None, extra: li
 def run(rows: list[list[str]], out: Path, warmup: int, count_flops: bool = True) -> list[dict]:
     """Each row counted in a fresh process, printed, and written to ``out`` as it finishes (a row of
     another data set or method already there is kept)."""
-    kept = json.loads(out.read_text())["rows"] if out.exists() else []
+    document = json.loads(out.read_text()) if out.exists() else {}
+    kept = document.get("rows", [])
     print(
         f"{'data set':9s} {'method':10s} {'seeds':>5s} {'ops':>7s} {'kernels':>7s} {'recorded':>8s} "
         f"{'eager':>6s} {'GB':>7s} {'GB eager':>8s} {'reads':>5s} {'GFLOP':>7s}"
@@ -205,7 +207,8 @@ def run(rows: list[list[str]], out: Path, warmup: int, count_flops: bool = True)
         print(
             f"{row['dataset']:9s} {row['method']:10s} {row['seeds']:5d} {row['ops']:7d} {row['kernels']:7d} "
             f"{row['kernels_recorded']:8d} {row['kernels_eager']:6d} {row['gbytes']:7.1f} "
-            f"{row['gbytes_eager']:8.3f} {row['host_reads']:5d} {row['gflop']:7.1f}",
+            f"{row['gbytes_eager']:8.3f} {row['host_reads']:5d} "
+            + (f"{row['gflop']:7.1f}" if row["gflop"] is not None else f"{'-':>7s}"),
             flush=True,
         )
         if row["fallback"]:
@@ -214,7 +217,7 @@ def run(rows: list[list[str]], out: Path, warmup: int, count_flops: bool = True)
         kept = [r for r in kept if key(r) != key(row)] + [row]
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps({"rows": kept}, indent=1) + "\n")
+        tmp.write_text(json.dumps({**document, "rows": kept}, indent=1) + "\n")
         os.replace(tmp, out)
     print(f"wrote {out}")
     return counted
