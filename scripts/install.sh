@@ -15,7 +15,8 @@ $PIP install -q "cython>=3.0" numpy
 if ! "$VENV/bin/python" -c "import learn2learn" 2>/dev/null; then
   build=$(mktemp -d)
   trap 'rm -rf "$build"' EXIT
-  $PIP download -q --no-deps --no-binary=:all: "learn2learn==$L2L_VERSION" -d "$build"
+  # its sdist only: --no-binary=:all: would also build its build requirements (Cython) from source, minutes
+  $PIP download -q --no-deps --no-build-isolation --no-binary=learn2learn "learn2learn==$L2L_VERSION" -d "$build"
   tar xzf "$build"/learn2learn-$L2L_VERSION.tar.gz -C "$build"
   src="$build/learn2learn-$L2L_VERSION"
   for pyx in "$src"/learn2learn/data/*.pyx; do "$VENV/bin/cython" -3 "$pyx"; done
