@@ -178,6 +178,23 @@ def profile_round(run_round) -> list[dict]:
     ]
 
 
+def stacked_runs(overrides: list[str]) -> tuple[DictConfig, object, list]:
+    """The config of ``overrides`` (loggers off), its Fabric, and one ``Federated`` per seed, set up
+    as ``fedmeta train`` sets them up (``seeds=[…]``: several, stepped in lockstep)."""
+    from fedmeta.assemble import build, make_fabric, seed_configs
+    from fedmeta.config import compose
+    from fedmeta.rounds import Federated
+
+    cfg = compose([*overrides, *QUIET])
+    fabric = make_fabric(cfg)
+    runs = [
+        Federated(algorithm, federation, one.seed)
+        for one in seed_configs(cfg)
+        for federation, algorithm in [build(fabric, one)]
+    ]
+    return cfg, fabric, runs
+
+
 def measure_round(
     overrides: list[str],
     warmup: int,
@@ -190,18 +207,11 @@ def measure_round(
     """One row, in the calling process: seconds and FLOPs per round (per seed, with stacked seeds),
     personalization seconds per new client, optionally one whole evaluation (every new client,
     every step), peak memory. Meant to run in a fresh process (``run_isolated``)."""
-    from fedmeta.assemble import build, hardware_name, make_engine, make_fabric, seed_configs
-    from fedmeta.config import compose
+    from fedmeta.assemble import hardware_name, make_engine
     from fedmeta.engine import Engine
     from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds
 
-    cfg = compose([*overrides, *QUIET])
-    fabric = make_fabric(cfg)
-    runs = [
-        Federated(algorithm, federation, one.seed)
-        for one in seed_configs(cfg)
-        for federation, algorithm in [build(fabric, one)]
-    ]
+    cfg, fabric, runs = stacked_runs(overrides)
     synchronize = torch.cuda.synchronize if fabric.device.type == "cuda" else (lambda: None)
     fed, engine = cfg.federation, make_engine(cfg, fabric.device)
 

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fedmeta.bench import QUIET, HostReads, flop_counter, run_isolated
+from fedmeta.bench import HostReads, flop_counter, run_isolated, stacked_runs
 
 PLACES = ("recorded", "eager", "host")
 TOP_OPS = 12  # the most frequent kernels listed per row: where the next cut is
@@ -133,18 +133,11 @@ class Census(TorchDispatchMode):
 def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True) -> dict:
     """One row: the counts of one lockstep round (all seeds together) after ``warmup`` rounds, in
     the calling process (``fedmeta.bench.run_isolated`` gives it a fresh one)."""
-    from fedmeta.assemble import build, make_engine, make_fabric, seed_configs
-    from fedmeta.config import compose
+    from fedmeta.assemble import make_engine
     from fedmeta.engine import Engine
-    from fedmeta.rounds import Federated, federated_rounds
+    from fedmeta.rounds import federated_rounds
 
-    cfg = compose([*overrides, *QUIET])
-    fabric = make_fabric(cfg)
-    runs = [
-        Federated(algorithm, federation, one.seed)
-        for one in seed_configs(cfg)
-        for federation, algorithm in [build(fabric, one)]
-    ]
+    cfg, fabric, runs = stacked_runs(overrides)
     engine = make_engine(cfg, fabric.device)
     clients = cfg.federation.clients_per_round
     for r in range(1, warmup + 1):

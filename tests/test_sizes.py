@@ -33,7 +33,6 @@ OVER = {
     "campaign._campaign_problem": 95,
     "campaign.run": 92,
     "campaign.status": 104,
-    "bench.measure_round": 85,
     "bench.run": 136,
     "report.write_tables": 111,
     "report.draw_figures": 178,
