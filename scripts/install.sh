@@ -6,13 +6,17 @@ PY=${PYTHON:-python3.11}
 VENV=${VENV:-.venv}
 L2L_VERSION=0.2.0
 
+say() { echo "[install +$SECONDS s] $*"; }  # a line per step: the quiet pip steps take minutes
+say "creating $VENV"
 "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip setuptools wheel
+say "torch 2.14.1 and torchvision 0.29.1"
 $PIP install -q "torch==2.14.1" "torchvision==0.29.1"
 $PIP install -q "cython>=3.0" numpy
 
 if ! "$VENV/bin/python" -c "import learn2learn" 2>/dev/null; then
+  say "learn2learn $L2L_VERSION, built from its sources with Cython 3"
   build=$(mktemp -d)
   trap 'rm -rf "$build"' EXIT
   # its sdist only: --no-binary=:all: would also build its build requirements (Cython) from source, minutes
@@ -25,5 +29,6 @@ fi
 
 # EXTRAS=flower: the Flower adapter too. setuptools' editable install prints an informational
 # "be careful with folders named like your package" box; fedmeta/ is that package: hidden.
+say "fedmeta and its other dependencies${EXTRAS:+ (extras: $EXTRAS)}"
 "$VENV/bin/python" -W "ignore:Editable installation" -m pip install -q -e ".[dev${EXTRAS:+,$EXTRAS}]"
-echo "environment ready in $VENV"
+say "environment ready in $VENV"
