@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedmeta.data import load_dataset
+import fedmeta.data
 from fedmeta.data.sources import data_dir
 
 # The user's own state is never read or written: their home (~/.config/fedmeta, where fedmeta tune
@@ -32,6 +32,34 @@ for _variable, _folder in (
 # (OpenMP threads spin against any other load).
 torch.set_num_threads(1)
 
+_REAL_DATA = {data_dir().resolve(), (Path(__file__).resolve().parent.parent / "data").resolve()}
+_loaded: dict = {}
+
+
+def _load_real_data_once(name, directory, seed, download=True, **options):
+    """The real data sets, read and transformed once per test process: a training run in a test
+    reloads its data set (RMNIST: decode 70,000 images, rotate 60,000, ~2 s) on every call. Only the
+    read-only real folders are kept, keyed by everything the result depends on (the cache folder
+    too: a test that wants a fresh decode names a fresh one); folders a test writes pass through."""
+    if Path(directory).resolve() not in _REAL_DATA:
+        return _load_dataset(name, directory, seed, download, **options)
+    key = (
+        name,
+        str(Path(directory).resolve()),
+        seed,
+        os.environ.get("FEDMETA_CACHE"),
+        repr(sorted(options.items())),
+    )
+    if key not in _loaded:
+        if len(_loaded) >= 3:  # RMNIST is 190 MB a seed, CIFAR-10 600 MB
+            _loaded.pop(next(iter(_loaded)))
+        _loaded[key] = _load_dataset(name, directory, seed, download, **options)
+    return _loaded[key]
+
+
+_load_dataset = fedmeta.data.load_dataset
+fedmeta.data.load_dataset = _load_real_data_once  # what fedmeta.data.federation_of calls
+
 
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
@@ -44,4 +72,4 @@ def mnist_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def rmnist(mnist_dir):
-    return load_dataset("rmnist", mnist_dir, seed=0)
+    return fedmeta.data.load_dataset("rmnist", mnist_dir, seed=0)

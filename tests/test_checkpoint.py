@@ -92,7 +92,8 @@ def test_killed_run_resumes_to_exactly_the_same_result(tmp_path, mnist_dir):
 
 
 def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path, mnist_dir, capsys):
-    base = [*RUN, "federation.rounds=2", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"]
+    small = ["model.conv_channels=[8,16]", "model.dense_units=[32]", "federation.num_new_clients=1"]
+    base = [*RUN, *small, "federation.rounds=2", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"]
     assert main(["train", *base]) == 0
     directory = run_dir(tmp_path)
     (directory / "summary.json").unlink()  # as if it had been killed after its last checkpoint

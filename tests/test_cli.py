@@ -179,9 +179,12 @@ def test_diverging_run_stops_naming_round_and_client(capsys, tmp_path, mnist_dir
         [
             "train",
             "method=fedavg",
-            "method.local_epochs=1",
+            "method.local_batches=2",
             "method.local_lr=1e6",
             "federation.rounds=3",
+            "model.conv_channels=[8,16]",
+            "model.dense_units=[32]",
+            "wandb.mode=disabled",
             f"dataset.dir={mnist_dir}",
             f"output.root={tmp_path}",
         ]

@@ -12,7 +12,14 @@ from fedmeta.cli import main
 from fedmeta.errors import FedmetaError
 from fedmeta.grid import Job, dispatch, load_preset, plan, preset_budget, sources
 
-TINY = ["federation.rounds=2", "federation.eval_every=1", "personalization.steps=3"]
+TINY = [
+    "federation.rounds=2",
+    "federation.eval_every=1",
+    "personalization.steps=3",
+    "model.conv_channels=[8,16]",
+    "model.dense_units=[32]",
+    "logger=[]",
+]
 
 
 def test_presets_cover_the_papers_table_and_figures():
@@ -205,14 +212,14 @@ def test_a_budget_stops_every_run_checkpointed_and_tables_keep_each_presets_sect
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
     args = ["table", "--datasets", "rmnist-shards", "--methods", "fedavg", "--seeds", "0", *TINY]
-    assert main([*args, "federation.rounds=400", "federation.eval_every=400", "--budget", "45"]) == 0
+    assert main([*args, "federation.rounds=1000", "federation.eval_every=1000", "--budget", "30"]) == 0
     err = capsys.readouterr().err
     assert "fedmeta: stopped: rmnist-shards/fedavg/seed0: stopped after round" in err, err
     assert "failed run" not in err
     run = tmp_path / "runs" / "quick" / "rmnist-shards" / "fedavg" / "seed0"
     assert (run / "checkpoint.ckpt").is_file() and not (run / "summary.json").exists()
     done = len((run / "metrics.csv").read_text().splitlines()) - 1
-    assert main([*args, f"federation.rounds={done + 1}", "federation.eval_every=400"]) == 0  # one more round
+    assert main([*args, f"federation.rounds={done + 1}", "federation.eval_every=1000"]) == 0  # one more round
     assert f'"resumed_at_round": {done}' in (run / "summary.json").read_text()
     quick = (tmp_path / "results" / "TABLES.md").read_text()
     assert main(["table", "--preset", "paper", "--no-run"]) == 0
@@ -325,7 +332,6 @@ def test_the_published_chain_runs_stage_after_stage(tmp_path, monkeypatch, mnist
         "federation.clients_per_round=2",
         "method.batch_size=10",
         "personalization.batch_size=10",
-        "logger=[]",
         f"dataset.dir={mnist_dir}",
     ]
     assert (

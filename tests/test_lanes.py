@@ -101,7 +101,9 @@ def run(algorithm: str, federations: dict, seeds: tuple[int, ...], vectorize: bo
     for seed in seeds:
         torch.manual_seed(seed)
         runs.append(Federated(build_algorithm(cfg, 10).double(), federations[seed], seed))
-    engine = Engine(vectorize)
+    engine = Engine(
+        vectorize, max_lanes=3
+    )  # a round's lanes in several vmapped calls, seeds split across them
     outcomes = [federated_rounds(runs, r, PER_ROUND, engine=engine) for r in range(1, ROUNDS + 1)]
     world = SimpleNamespace(world_size=1, global_rank=0)
     results = evaluate_on_ranks(world, runs, cfg.personalization, engine)

@@ -124,7 +124,9 @@ def test_clients_run_side_by_side_give_the_same_model(tmp_path, mnist_dir, metho
         cfg = config(
             tmp_path,
             mnist_dir,
-            *method.replace("cafeme", "method=cafeme").replace("fedavg", "method=fedavg").split(),
+            *method.replace("cafeme", "method=cafeme")
+            .replace("fedavg", "method=fedavg method.local_epochs=1")
+            .split(),
             "federation.num_new_clients=4",
             "personalization.steps=3",
             f"federation.client_threads={threads}",

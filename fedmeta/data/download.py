@@ -16,6 +16,7 @@ import functools
 import hashlib
 import http.client
 import io
+import os
 import pickle
 import shutil
 import sys
@@ -297,6 +298,6 @@ def _with_retries(fetch: Callable[[], str], bar: tqdm) -> str:
 def save_canonical(target: Path, **arrays: np.ndarray) -> None:
     """Write a canonical archive atomically (a partial file never takes the real name)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial.npz")
+    partial = target.with_suffix(f".{os.getpid()}.partial.npz")  # two processes converting at once
     np.savez(partial, **arrays)
     partial.replace(target)
