@@ -4,6 +4,7 @@ its order within what a job may carry, refuses a checkpoint of other settings, a
 machine continues a carried checkpoint."""
 
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -380,22 +381,24 @@ def test_a_turn_is_held_by_one_run_at_a_time_and_let_go_when_its_process_dies(tm
     first.release()
     assert second.wait(time.time() + 0.5)
     second.release()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from fedmeta.runs import DeviceTurn; "
-            "turn = DeviceTurn(sys.argv[1]); turn.wait(None); print('held', flush=True); time.sleep(60)",
-            str(turns),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout.readline().strip() == "held"
+    fork = multiprocessing.get_context("fork")  # another process, without importing torch again
+    held = fork.Event()
+    holder = fork.Process(target=hold_turn, args=(turns, held), daemon=True)
+    holder.start()
+    assert held.wait(60)
     assert not first.wait(time.time() + 0.5)
-    holder.kill()  # as a lease's end kills a job: the system lets its lock go
-    holder.wait()
+    holder.kill()  # as a lease's end kills a job (SIGKILL): the system lets its lock go
+    holder.join()
     assert first.wait(time.time() + 5)
+
+
+def hold_turn(turns: Path, held) -> None:
+    from fedmeta.runs import DeviceTurn
+
+    turn = DeviceTurn(turns)
+    turn.wait(None)
+    held.set()
+    time.sleep(60)
 
 
 def test_a_unit_started_ahead_starts_only_once_the_unit_before_it_holds_its_turn(tmp_path):
