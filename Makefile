@@ -62,11 +62,16 @@ tensorboard: install
 download: install
 	$(BIN)/fedmeta data download $(NAME) $(ARGS)
 
-test: install      # the quick tier: a few minutes
-	$(BIN)/python -m pytest -q -m "not slow"
+# One worker process per core, one torch thread each (tests/conftest.py); a test file's tests share
+# a worker, so its module fixtures are built once. TEST_WORKERS=0 runs them all in this process.
+TEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+test: install      # the quick tier
+	$(PYTEST) -m "not slow"
 
 test-all: install  # everything, as CI runs it
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 lint: install      # formatting, lint rules and the import layers (pyproject.toml), as CI checks them
 	$(BIN)/ruff format --check .

@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -73,3 +74,37 @@ def mnist_dir() -> Path:
 @pytest.fixture(scope="session")
 def rmnist(mnist_dir):
     return fedmeta.data.load_dataset("rmnist", mnist_dir, seed=0)
+
+
+def _tracked_files() -> list[str]:
+    """The files of the checkout that git tracks (none outside a git checkout)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=False)
+    return [name for name in listed.stdout.decode().split("\0") if name] if listed.returncode == 0 else []
+
+
+def _states(names: list[str]) -> dict[str, tuple[int, int] | None]:
+    """Each file → (size, mtime), None if it is gone."""
+    states = {}
+    for name in names:
+        try:
+            stat = os.lstat(os.path.join(ROOT, name))
+            states[name] = (stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            states[name] = None
+    return states
+
+
+ROOT = Path(__file__).resolve().parent.parent
+_CHECKOUT = _states(_tracked_files())
+
+
+@pytest.fixture(autouse=True)
+def _checkout_untouched(request):
+    """No test writes into the project's own files: a test that removes or changes one fails here,
+    named (a test once deleted configs/config.yaml and every later test failed for it)."""
+    yield
+    now = _states(list(_CHECKOUT))
+    changed = sorted(name for name, state in _CHECKOUT.items() if now[name] != state)
+    if changed:
+        _CHECKOUT.update(now)  # reported once, by the test that did it
+        pytest.fail(f"{request.node.nodeid} changed the checkout's own files: {', '.join(changed[:5])}")

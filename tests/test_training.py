@@ -102,6 +102,10 @@ def test_fedavg_ft_fine_tunes_and_fedavg_does_not(tmp_path, mnist_dir):
 def test_same_seed_same_result_and_wandb_offline_run(tmp_path, mnist_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     args = ["method=fedavg_ft", "variant=tuned", "federation.rounds=2", "personalization.steps=3"]
+    args += [
+        "model.conv_channels=[8,16]",
+        "model.dense_units=[32]",
+    ]  # the same seed, not learning, is checked
     first = train(config(tmp_path / "a", mnist_dir, *args), show_progress=False)
     second = train(config(tmp_path / "b", mnist_dir, *args), show_progress=False)
     assert first["curve"] == second["curve"]
