@@ -108,3 +108,16 @@ def _checkout_untouched(request):
     if changed:
         _CHECKOUT.update(now)  # reported once, by the test that did it
         pytest.fail(f"{request.node.nodeid} changed the checkout's own files: {', '.join(changed[:5])}")
+
+
+# The files that take longest (Flower's processes, real grids, the bench, campaigns) go to the
+# workers first: handed out last, one of them would run alone while the other worker idles.
+LONGEST_FIRST = ["test_flower.py", "test_grid.py", "test_campaign.py", "test_bench.py", "test_distributed.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a file, and among the rest, the order stays

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     ]
     mean = 100 * sum(accuracies) / 2
     assert f"{mean:.2f}" in perfedavg and "paper" not in perfedavg and "(n=2)" in perfedavg  # not its budget
-    assert f"- `fedmeta {' '.join(args)}` (8 runs)" in table
+    assert f"- `fedmeta {shlex.join(args)}` (8 runs)" in table
     assert "| rmnist-dirichlet | local | 0,1 | 2 |" in table
 
     # An interrupted grid: one run's results gone (never kept, as a run that did not finish) → only it runs again.
@@ -212,7 +213,7 @@ def test_a_budget_stops_every_run_checkpointed_and_tables_keep_each_presets_sect
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
     args = ["table", "--datasets", "rmnist-shards", "--methods", "fedavg", "--seeds", "0", *TINY]
-    assert main([*args, "federation.rounds=1000", "federation.eval_every=1000", "--budget", "30"]) == 0
+    assert main([*args, "federation.rounds=1000", "federation.eval_every=1000", "--budget", "60"]) == 0
     err = capsys.readouterr().err
     assert "fedmeta: stopped: rmnist-shards/fedavg/seed0: stopped after round" in err, err
     assert "failed run" not in err
