@@ -101,7 +101,7 @@ _CHECKOUT = _states(_tracked_files())
 @pytest.fixture(autouse=True)
 def _checkout_untouched(request):
     """No test writes into the project's own files: a test that removes or changes one fails here,
-    named (a test once deleted configs/config.yaml and every later test failed for it)."""
+    named, rather than by the failures of every later test that reads it."""
     yield
     now = _states(list(_CHECKOUT))
     changed = sorted(name for name, state in _CHECKOUT.items() if now[name] != state)
