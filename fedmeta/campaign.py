@@ -71,31 +71,37 @@ def load(path: Path = CONFIG_DIR / "campaign.yaml") -> DictConfig:
     return OmegaConf.create(raw)
 
 
+SETTINGS = {
+    "preset",
+    "order",
+    "methods",
+    "overrides",
+    "carry_mib",
+    "parallel",
+    "start_ahead",
+    "reserve_seconds",
+    "lease",
+    "not_in_leases",
+}
+REQUIRED = {"preset", "order", "overrides", "carry_mib", "parallel", "reserve_seconds"}
+
+
 def _campaign_problem(raw) -> str | None:
     """What is wrong with a campaign's settings (parsed YAML), or None."""
     if not isinstance(raw, dict):
         return "holds no settings (a mapping of preset, order, methods, overrides, carry_mib, parallel, …)"
-    known = {
-        "preset",
-        "order",
-        "methods",
-        "overrides",
-        "carry_mib",
-        "parallel",
-        "start_ahead",
-        "reserve_seconds",
-        "lease",
-        "not_in_leases",
-    }
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - SETTINGS)
     if unknown:
-        return f"unknown setting {unknown[0]!r}: the settings are {', '.join(sorted(known))}"
-    missing = sorted({"preset", "order", "overrides", "carry_mib", "parallel", "reserve_seconds"} - set(raw))
+        return f"unknown setting {unknown[0]!r}: the settings are {', '.join(sorted(SETTINGS))}"
+    missing = sorted(REQUIRED - set(raw))
     if missing:
         return f"lacks {', '.join(missing)}: restore it from the repository"
+    return next((why for ok, why in _setting_checks(raw) if not ok), None)
 
-    def number(value) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+def _setting_checks(raw: dict) -> list[tuple[bool, str]]:
+    """Each setting's check, with the line that says what it must be."""
+    number = _number
 
     def words(value) -> bool:
         return isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
@@ -165,7 +171,7 @@ def _campaign_problem(raw) -> str | None:
             "overrides may not set output.root: a campaign's runs go under runs/<preset>, where its jobs resume them",
         )
     )
-    return next((why for ok, why in checks if not ok), None)
+    return checks
 
 
 @dataclass
@@ -573,11 +579,8 @@ def status(campaign: DictConfig, kept: Path) -> str:
     """``results/campaign.md``: every unit's state, the speed it was measured at, what is left in
     card time and in short leases (configs/campaign.yaml: ``lease``), and which units no lease can
     run; then the jobs so far."""
-    all_units = units(campaign, Path("runs") / campaign.preset)
-    speeds = {unit.label: _seconds_per_seed_round(unit, kept) for unit in all_units}
     jobs = _jobs(kept)
-    lease_plan = campaign.get("lease") or {}
-    not_in_leases = dict(campaign.get("not_in_leases") or {})
+    rows, left = _unit_rows(campaign, kept, jobs)
     lines = [
         "# The paper's table as a campaign of short jobs",
         "",
@@ -590,50 +593,83 @@ def status(campaign: DictConfig, kept: Path) -> str:
         "",
         "| # | setting | method | state | s/seed-round | card h |",
         "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        *_projection(campaign, left),
+        "",
+        "## Jobs",
+        "",
+        "| started (UTC) | hardware | budget s | wall s | units at once | rounds per seed: before → after |",
+        "|---|---|---|---|---|---|",
     ]
+    if not jobs:
+        lines.append("| none yet | | | | | |")
+    for job in jobs:
+        moved = "; ".join(f"{label}: {b} → {a}" for label, (b, a) in job["units"].items()) or "none"
+        lines.append(
+            f"| {job['started']} | {job['hardware']} | {job['budget_seconds']:.0f} | {job['seconds']:.0f} | "
+            f"{job['parallel']} | {moved} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list[str], dict]:
+    """A table row per unit, and what is left: card seconds and units per part of the preset (the
+    paper's table, the figures' runs), units not measured yet, units no lease reaches, and the
+    units' states counted."""
+    all_units = units(campaign, Path("runs") / campaign.preset)
+    speeds = {unit.label: _seconds_per_seed_round(unit, kept) for unit in all_units}
     preset = grid.load_preset(campaign.preset)
-    parts = {"table": "the paper's table"}  # else a figure's runs
-    left_by_part: dict[str, dict] = {}
-    counts, unreachable = {"done": 0, "under way": 0, "to do": 0}, {}
+    not_in_leases = dict(campaign.get("not_in_leases") or {})
+    left = {"parts": {}, "states": {"done": 0, "under way": 0, "to do": 0}, "unreachable": {}}
+    rows = []
     for i, unit in enumerate(all_units, 1):
         done = unit.rounds_done(kept)
         state = "done" if min(done) == unit.rounds else ("under way" if any(done) else "to do")
-        counts[state] += 1
-        dataset = unit.setting.split("-")[0]
+        left["states"][state] += 1
         measured = unit if speeds[unit.label] is not None else _same_method(unit, all_units, speeds)
         speed = None if measured is None else speeds[measured.label]
         remaining = sum(unit.rounds - d for d in done)
         # a card shared by n processes gives each about 1/n of its time: the card's time is speed / n
-        left = None if speed is None else remaining * speed / _sharing(measured, jobs)
-        part = left_by_part.setdefault(
-            parts.get(preset.settings[unit.setting].grid, "the figures' runs"),
+        seconds = None if speed is None else remaining * speed / _sharing(measured, jobs)
+        part = left["parts"].setdefault(
+            "the paper's table" if preset.settings[unit.setting].grid == "table" else "the figures' runs",
             {"seconds": 0.0, "units": 0, "unmeasured": []},
         )
+        dataset = unit.setting.split("-")[0]
         if remaining and dataset in not_in_leases:
-            unreachable.setdefault(dataset, []).append(unit)
+            left["unreachable"].setdefault(dataset, []).append(unit)
         elif remaining and speed is None:
             part["unmeasured"].append(unit)
         elif remaining:
-            part["seconds"] += left
+            part["seconds"] += seconds
             part["units"] += 1
         shown = state if state != "under way" else f"rounds {', '.join(map(str, done))} of {unit.rounds}"
-        lines.append(
+        rows.append(
             f"| {i} | {unit.setting} | {unit.method} | {shown} | "
             f"{'-' if speeds[unit.label] is None else f'{speeds[unit.label]:.4f}'} | "
-            f"{'-' if left is None else f'{left / 3600:.2f}'} |"
+            f"{'-' if seconds is None else f'{seconds / 3600:.2f}'} |"
         )
+    return rows, left
+
+
+def _projection(campaign: DictConfig, left: dict) -> list[str]:
+    """What is left, in leases of ``campaign.lease``'s training seconds, part by part; then the
+    units no lease can run, and why."""
+    lease_plan = campaign.get("lease") or {}
+    not_in_leases = dict(campaign.get("not_in_leases") or {})
     usable = float(lease_plan.get("device_seconds", 900)) - float(lease_plan.get("start_seconds", 90))
     usable *= 1 - float(lease_plan.get("overhead", 0.15))
-    lines += [
-        "",
-        f"**{counts['done']} units done, {counts['under way']} under way, {counts['to do']} to do.** In 15-minute "
+    states = left["states"]
+    lines = [
+        f"**{states['done']} units done, {states['under way']} under way, {states['to do']} to do.** In 15-minute "
         f"leases, each {usable:.0f} s of training ({lease_plan.get('device_seconds', 900)} s of device time, less a "
         f"{lease_plan.get('start_seconds', 90)} s start and {float(lease_plan.get('overhead', 0.15)):.0%} overhead: "
         "configs/campaign.yaml, lease), at the measured speeds (a unit not measured yet takes its method's on "
         "the same data set, where measured):",
         "",
     ]
-    for name, part in left_by_part.items():
+    for name, part in left["parts"].items():
         unmeasured = part["unmeasured"]
         if not part["units"] and not unmeasured:
             lines.append(f"- **{name}:** nothing is left that a lease can reach.")
@@ -651,28 +687,13 @@ def status(campaign: DictConfig, kept: Path) -> str:
             else ""
         )
         lines.append(f"- **{name}:** {projection}{more}.")
-    for dataset, left_units in unreachable.items():
+    for dataset, left_units in left["unreachable"].items():
         lines += [
             "",
             f"**Not reachable in leases: {len(left_units)} units of {dataset}** "
             f"({', '.join(sorted({u.setting for u in left_units}))}): {not_in_leases[dataset]}.",
         ]
-    lines += [
-        "",
-        "## Jobs",
-        "",
-        "| started (UTC) | hardware | budget s | wall s | units at once | rounds per seed: before → after |",
-        "|---|---|---|---|---|---|",
-    ]
-    if not jobs:
-        lines.append("| none yet | | | | | |")
-    for job in jobs:
-        moved = "; ".join(f"{label}: {b} → {a}" for label, (b, a) in job["units"].items()) or "none"
-        lines.append(
-            f"| {job['started']} | {job['hardware']} | {job['budget_seconds']:.0f} | {job['seconds']:.0f} | "
-            f"{job['parallel']} | {moved} |"
-        )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _sharing(unit: Unit, jobs: list[dict]) -> float:

@@ -30,9 +30,7 @@ LAYERS = (
 OVER = {
     "cli._main": 143,
     "loop._train": 108,
-    "campaign._campaign_problem": 95,
     "campaign.run": 92,
-    "campaign.status": 104,
     "bench.run": 136,
     "report.write_tables": 111,
     "report.draw_figures": 178,
