@@ -310,27 +310,7 @@ def run(
         parallel = campaign.parallel[device]
     if ahead is None:
         ahead = campaign.get("start_ahead", {}).get(device, 0)
-    unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
-    missing = {}  # per setting: its methods read the same data
-    for unit in unfinished:
-        if unit.setting not in missing:
-            missing[unit.setting] = missing_data(unit)
-    refused = [
-        f"{unit.label}: skipped: {missing[unit.setting]}" for unit in unfinished if missing[unit.setting]
-    ]
-    for problem in dict.fromkeys(problem for problem in missing.values() if problem):
-        print(f"skipped the units whose data is not on this machine: {problem}")
-    reachable = [unit for unit in unfinished if not missing[unit.setting]]
-    todo = []
-    under_way = [unit for unit in reachable if any(unit.rounds_done(kept))]
-    # the units under way first, then the next ones: more than one job can run (it stops at its deadline)
-    for unit in under_way + [u for u in reachable if u not in under_way][: 6 * parallel]:
-        problem = carry_in(unit, kept, root)
-        if problem:
-            refused.append(f"{unit.label}: refused: {problem}")
-            print(refused[-1])
-        else:
-            todo.append(unit)
+    todo, refused = _units_to_run(campaign, kept, root, parallel)
     before = {unit.label: unit.rounds_done(root) for unit in todo}
     for unit in todo:
         if any(before[unit.label]):
@@ -378,6 +358,36 @@ def run(
             progress()
             lease.append_record(kept / "jobs.jsonl", record)
     return record
+
+
+def _units_to_run(
+    campaign: DictConfig, kept: Path, root: Path, parallel: int
+) -> tuple[list[Unit], list[str]]:
+    """The units a job takes: those under way, then the next unfinished ones (more than its
+    ``parallel`` can finish: it stops at its deadline), each whose data is here and whose kept runs
+    carry in; and a line for each unit skipped or refused."""
+    unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
+    missing = {}  # per setting: its methods read the same data
+    for unit in unfinished:
+        if unit.setting not in missing:
+            missing[unit.setting] = missing_data(unit)
+    refused = [
+        f"{unit.label}: skipped: {missing[unit.setting]}" for unit in unfinished if missing[unit.setting]
+    ]
+    for problem in dict.fromkeys(problem for problem in missing.values() if problem):
+        print(f"skipped the units whose data is not on this machine: {problem}")
+    reachable = [unit for unit in unfinished if not missing[unit.setting]]
+    todo = []
+    under_way = [unit for unit in reachable if any(unit.rounds_done(kept))]
+    # the units under way first, then the next ones: more than one job can run (it stops at its deadline)
+    for unit in under_way + [u for u in reachable if u not in under_way][: 6 * parallel]:
+        problem = carry_in(unit, kept, root)
+        if problem:
+            refused.append(f"{unit.label}: refused: {problem}")
+            print(refused[-1])
+        else:
+            todo.append(unit)
+    return todo, refused
 
 
 def missing_data(unit: Unit) -> str | None:

@@ -156,25 +156,30 @@ class Study:
                 "--storage is empty: give a database URL (e.g. sqlite:///studies.db), or leave the option "
                 "out for the default SQLite file under runs/tune/"
             )
-        variant_file = Path("variant") / cfg.method.name / "tuned.yaml"
-        home = user_config_dir() if config_dir == CONFIG_DIR else config_dir
-        self.out = (config_dir if replace_committed else home) / variant_file
-        self.replaces = self._replaces(self.out)
-        if self.replaces and not overwrite and not replace_committed:
-            raise FedmetaError(
-                f"{self.out} holds {self.replaces}: pass --overwrite to replace it with this study's values"
-            )
-        committed = config_dir / variant_file
-        self.shadows = (
-            f"; variant=tuned reads it before {committed} ({self._replaces(committed) or 'none'})"
-            if self.out != committed and committed.is_file()
-            else ""
-        )
+        self._place_output(cfg.method.name, overwrite, replace_committed)
         root.mkdir(parents=True, exist_ok=True)  # every input checked: only now is anything created
         self.storage = storage or f"sqlite:///{(root / 'studies.db').resolve()}"
         self.storage_label = (
             storage or f"SQLite, {root / 'studies.db'}"
         )  # what the summary says: no machine's absolute path
+
+    def _place_output(self, method: str, overwrite: bool, replace_committed: bool) -> None:
+        """Where the best trial's values go (``out``: the user's config folder, or the committed
+        variant with ``replace_committed``), what they would replace, and what they shadow."""
+        variant_file = Path("variant") / method / "tuned.yaml"
+        home = user_config_dir() if self.config_dir == CONFIG_DIR else self.config_dir
+        self.out = (self.config_dir if replace_committed else home) / variant_file
+        self.replaces = self._replaces(self.out)
+        if self.replaces and not overwrite and not replace_committed:
+            raise FedmetaError(
+                f"{self.out} holds {self.replaces}: pass --overwrite to replace it with this study's values"
+            )
+        committed = self.config_dir / variant_file
+        self.shadows = (
+            f"; variant=tuned reads it before {committed} ({self._replaces(committed) or 'none'})"
+            if self.out != committed and committed.is_file()
+            else ""
+        )
 
     def _replaces(self, path: Path) -> str | None:
         """What ``path`` holds that this study would replace: None when absent or this study's own."""

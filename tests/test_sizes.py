@@ -30,11 +30,9 @@ LAYERS = (
 OVER = {
     "cli._main": 143,
     "loop._train": 108,
-    "campaign.run": 92,
     "bench.run": 136,
     "report.write_tables": 111,
     "report.draw_figures": 178,
-    "tune.Study.__init__": 83,
     "config.validate": 195,
 }
 
