@@ -523,7 +523,17 @@ def _check_range(cfg: DictConfig, key: str, value, spec: dict) -> None:
 
 def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
     """Range checks that the YAML types cannot express, and the ``choices`` the config files
-    declare for their own keys; each failure is one line."""
+    declare for their own keys; each failure is one line. Section by section, in this order."""
+    _validate_choices(cfg, choices)
+    _validate_federation(cfg)
+    _validate_personalization(cfg.personalization)
+    _validate_partition_and_method(cfg)
+    _validate_model(cfg.model)
+    _validate_output(cfg)
+    _validate_fabric_and_loggers(cfg)
+
+
+def _validate_choices(cfg: DictConfig, choices: dict[str, list]) -> None:
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key, default=None)
         if isinstance(allowed, dict):
@@ -538,7 +548,10 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
             "method.hessian=exact with method.first_order=true: the exact Hessian-vector product is the "
             "second-order term that first_order leaves out; choose one"
         )
-    fed, pers = cfg.federation, cfg.personalization
+
+
+def _validate_federation(cfg: DictConfig) -> None:
+    fed = cfg.federation
     _require(fed.num_clients >= 2, f"federation.num_clients must be ≥ 2, got {fed.num_clients}")
     _require(
         0 < fed.num_new_clients < fed.num_clients,
@@ -589,6 +602,9 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
         0 < fed.held_out_fraction < 1,
         f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}",
     )
+
+
+def _validate_personalization(pers: DictConfig) -> None:
     _require(
         pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 2,
         "personalization needs steps ≥ 0, lr > 0 and batch_size ≥ 2 (BatchNorm's batch statistics need 2 samples)",
@@ -605,6 +621,10 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
         pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
         f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}",
     )
+
+
+def _validate_partition_and_method(cfg: DictConfig) -> None:
+    train_clients = cfg.federation.num_clients - cfg.federation.num_new_clients
     if cfg.partition.name == "shards":
         _require(
             cfg.partition.shards_per_client >= 1,
@@ -650,15 +670,18 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
             f"method.clusters must be an integer from 1 to the {train_clients} training clients (null: "
             f"one per source, only for dataset=meta_dataset), got {method.clusters}",
         )
-    layers = {f"model.{k}": cfg.model[k] for k in ("conv_channels", "dense_units")}
-    layers |= {f"model.modulator.{k}": v for k, v in cfg.model.modulator.items()}
+
+
+def _validate_model(model: DictConfig) -> None:
+    layers = {f"model.{k}": model[k] for k in ("conv_channels", "dense_units")}
+    layers |= {f"model.modulator.{k}": v for k, v in model.modulator.items()}
     for key, units in layers.items():
         _require(
             all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
             f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}",
         )
-    _require(cfg.model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {cfg.model.kernel_size}")
-    padding = cfg.model.padding
+    _require(model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {model.kernel_size}")
+    padding = model.padding
     _require(
         isinstance(padding, int)
         and not isinstance(padding, bool)
@@ -666,6 +689,9 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
         or padding in ("same", "valid"),
         f"model.padding must be an integer ≥ 0, same or valid, got {padding!r}",
     )
+
+
+def _validate_output(cfg: DictConfig) -> None:
     stop_at = cfg.output.get("stop_at")
     _require(
         stop_at is None
@@ -693,6 +719,9 @@ def validate(cfg: DictConfig, choices: dict[str, list]) -> None:
             f"{key} must be a plain name (letters, digits, _ . -; no / or ..), e.g. "
             f"method.name=cafeme; got {value!r}",
         )
+
+
+def _validate_fabric_and_loggers(cfg: DictConfig) -> None:
     _require(
         str(cfg.fabric.precision) in PRECISIONS,
         f"fabric.precision must be one of {', '.join(PRECISIONS)}, got {cfg.fabric.precision!r}",

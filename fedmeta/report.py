@@ -525,22 +525,73 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = [m for m in preset.methods if any(m == method for _, method in runs)]
-    table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    captions, written = [], []
+    figures = _Figures(preset_name, preset, runs, out_dir, kept)
+    for figure, xlabel in (
+        ("heterogeneity", "heterogeneity of the partition (RMNIST)"),
+        ("images_per_client", "images per client (Meta-Dataset)"),
+    ):
+        figures.points(figure, xlabel)
+    for figure, spec in SERIES.items():
+        figures.series(figure, *spec)
+    (out_dir / "README.md").unlink(missing_ok=True)
+    if figures.written:
+        (out_dir / "README.md").write_text(
+            f"# Figures of the preset `{preset_name}`\n\nWritten by `fedmeta figures --preset {preset_name}` from "
+            f"the kept runs in `{kept}/`.\n\n" + "\n".join(figures.captions)
+        )
+        figures.written.append(out_dir / "README.md")
+    return figures.written
 
-    def drawn(settings: list[str], among=None) -> list[tuple[str, str, list[dict]]]:
+
+SERIES = {  # figure → (x label, y label, a run's (x, y) sequence, which runs can draw it, what it shows)
+    "personalization": (
+        "personalization step",
+        "accuracy after k personalization steps (%)",
+        lambda s: (list(range(len(s["curve"]))), s["curve"]),
+        None,
+        "New-client accuracy (%) after k steps of the shared personalization (k = 0: before any), "
+        "at the end of training, one panel per setting.",
+    ),
+    "convergence": (
+        "communication round",
+        "new-client accuracy (%)",
+        lambda s: (
+            [int(r["round"]) for r in s["metrics"]],
+            [float(r["eval_accuracy"]) for r in s["metrics"]],
+        ),
+        lambda done: min(len(s["metrics"]) for s in done) >= MIN_EVALUATIONS,
+        "New-client accuracy (%) after the shared personalization, at each evaluated round, one panel per "
+        f"setting (methods whose runs were evaluated at fewer than {MIN_EVALUATIONS} rounds are left out).",
+    ),
+}
+
+
+class _Figures:
+    """One preset's figures, each drawn by a method of its own and saved with its caption."""
+
+    def __init__(self, preset_name: str, preset: DictConfig, runs: dict, out_dir: Path, kept: Path):
+        self.preset_name, self.preset, self.runs, self.out_dir, self.kept = (
+            preset_name,
+            preset,
+            runs,
+            out_dir,
+            kept,
+        )
+        self.methods = [m for m in preset.methods if any(m == method for _, method in runs)]
+        self.table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
+        self.captions: list[str] = []
+        self.written: list[Path] = []
+
+    def drawn(self, settings: list[str], among=None) -> list[tuple[str, str, list[dict]]]:
         return [
-            (setting, method, runs[(setting, method)])
+            (setting, method, self.runs[(setting, method)])
             for setting in settings
-            for method in methods
-            if runs.get((setting, method)) and (among is None or among(runs[(setting, method)]))
+            for method in self.methods
+            if self.runs.get((setting, method)) and (among is None or among(self.runs[(setting, method)]))
         ]
 
-    def caption(name: str, what: str, cells: list[tuple[str, str, list[dict]]], shown: str) -> str:
+    def caption(self, name: str, what: str, cells: list[tuple[str, str, list[dict]]], shown: str) -> str:
         rounds = sorted({s["rounds"] for _, _, summaries in cells for s in summaries})
         clients = sorted({s.get("new_clients") for _, _, summaries in cells for s in summaries} - {None})
         seeds = "; ".join(
@@ -557,51 +608,54 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
             f"## {name}\n\n{what} Budget: {', '.join(map(str, rounds))} rounds"
             f"{'' if len(rounds) == 1 else ' (as each run states)'}; each run's accuracy is the mean over its "
             f"{'/'.join(map(str, clients))} new clients. {shown} Seeds per method — "
-            f"{seeds}.\n\nDrawn from {total} runs in `{kept}/<setting>/<method>/seed*/` by "
-            f"`fedmeta figures --preset {preset_name}`.\n"
+            f"{seeds}.\n\nDrawn from {total} runs in `{self.kept}/<setting>/<method>/seed*/` by "
+            f"`fedmeta figures --preset {self.preset_name}`.\n"
         )
 
-    def save(fig, name: str, axes, title: str, what: str, cells, shown: str = LINE_AND_BAND) -> None:
-        fig.suptitle(title, fontsize=10)
+    def save(self, fig, name: str, axes, what: str, cells, shown: str = LINE_AND_BAND) -> None:
+        import matplotlib.pyplot as plt
+
+        fig.suptitle(f"{self.preset_name}: {self.budget_of(cells)}, mean ± 1 std over seeds", fontsize=10)
         fig.tight_layout()
         handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
         # beside the panels, never over the data; the saved image widens to hold it
         fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-        fig.savefig(out_dir / name, dpi=120, bbox_inches="tight", metadata={"Software": None})
+        fig.savefig(self.out_dir / name, dpi=120, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
-        written.append(out_dir / name)
-        captions.append(caption(name, what, cells, shown))
+        self.written.append(self.out_dir / name)
+        self.captions.append(self.caption(name, what, cells, shown))
 
-    def label(method: str, note: str = "") -> str:
-        return (
-            method_label(method, [s["folder"] for (_, m), done in runs.items() if m == method for s in done])
-            + note
-        )
+    def label(self, method: str, note: str = "") -> str:
+        folders = [s["folder"] for (_, m), done in self.runs.items() if m == method for s in done]
+        return method_label(method, folders) + note
 
-    def band(ax, xs, samples_per_x, method, note: str = "") -> None:
+    def band(self, ax, xs, samples_per_x, method, note: str = "") -> None:
         """Mean over seeds with a ±1 std band (none where one seed is all there is)."""
         means = np.array([100 * np.mean(v) for v in samples_per_x])
         stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
-        index = methods.index(method)
+        index = self.methods.index(method)
         look = style(index)
         every = max(1, len(xs) // 8)  # markers staggered: methods whose curves coincide stay visible
-        ax.plot(xs, means, ms=4, markevery=(index % every, every), label=label(method, note), **look)
+        ax.plot(xs, means, ms=4, markevery=(index % every, every), label=self.label(method, note), **look)
         ax.fill_between(xs, means - stds, means + stds, color=look["color"], alpha=0.12)
 
+    @staticmethod
     def budget_of(cells) -> str:
         rounds = sorted({s["rounds"] for _, _, done in cells for s in done})
         return f"{'/'.join(map(str, rounds))} rounds"
 
-    for figure, xlabel in (
-        ("heterogeneity", "heterogeneity of the partition (RMNIST)"),
-        ("images_per_client", "images per client (Meta-Dataset)"),
-    ):
-        axis = {k: v for k, v in preset[figure].items() if any((k, m) in runs for m in methods)}
+    def points(self, figure: str, xlabel: str) -> None:
+        """A figure over the preset's categories (heterogeneity, images per client): a point with its
+        spread per method and setting, side by side, never joined by lines."""
+        import matplotlib.pyplot as plt
+
+        runs, methods = self.runs, self.methods
+        axis = {k: v for k, v in self.preset[figure].items() if any((k, m) in runs for m in methods)}
         if len(axis) < 2:
-            (out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
-            continue
+            (self.out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
+            return
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        cells = drawn(list(axis))
+        cells = self.drawn(list(axis))
         for index, method in enumerate(methods):
             points = [
                 (i, value, runs[(setting, method)])
@@ -610,7 +664,6 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
             ]
             if not points:
                 continue
-            # categories (or a few sizes): points with their spread, side by side, never joined by lines
             dodge = (index - (len(methods) - 1) / 2) * 0.6 / max(len(methods), 1)
             xs = [i + dodge for i, _, _ in points]
             accuracies = [[100 * s["accuracy"] for s in done] for _, _, done in points]
@@ -623,49 +676,30 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
                 color=look["color"],
                 ms=5,
                 capsize=2,
-                label=label(method),
+                label=self.label(method),
             )
         ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
         ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
         ax.grid(alpha=0.3, axis="y")
-        save(
+        self.save(
             fig,
             f"fig_{figure}.png",
             [ax],
-            f"{preset_name}: {budget_of(cells)}, mean ± 1 std over seeds",
             f"New-client accuracy (%) after the shared personalization, against the {xlabel}: one point per "
             "method and setting, set side by side.",
             cells,
             "Point: the mean over seeds; bar: ± 1 standard deviation over seeds (none where a method has one seed).",
         )
 
-    series = {  # figure → (x label, y label, a run's (x, y) sequence, which runs can draw it, what it shows)
-        "personalization": (
-            "personalization step",
-            "accuracy after k personalization steps (%)",
-            lambda s: (list(range(len(s["curve"]))), s["curve"]),
-            None,
-            "New-client accuracy (%) after k steps of the shared personalization (k = 0: before any), "
-            "at the end of training, one panel per setting.",
-        ),
-        "convergence": (
-            "communication round",
-            "new-client accuracy (%)",
-            lambda s: (
-                [int(r["round"]) for r in s["metrics"]],
-                [float(r["eval_accuracy"]) for r in s["metrics"]],
-            ),
-            lambda done: min(len(s["metrics"]) for s in done) >= MIN_EVALUATIONS,
-            "New-client accuracy (%) after the shared personalization, at each evaluated round, one panel per "
-            f"setting (methods whose runs were evaluated at fewer than {MIN_EVALUATIONS} rounds are left out).",
-        ),
-    }
-    for figure, (xlabel, ylabel, xy, among, what) in series.items():
-        cells = drawn(table_settings, among)
+    def series(self, figure: str, xlabel: str, ylabel: str, xy, among, what: str) -> None:
+        """A figure of curves (personalization steps, rounds), one panel per setting of the table."""
+        import matplotlib.pyplot as plt
+
+        cells = self.drawn(self.table_settings, among)
         present = list(dict.fromkeys(setting for setting, _, _ in cells))
         if not present:
-            (out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
-            continue
+            (self.out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
+            return
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4), squeeze=False)
         for ax, setting in zip(axes[0], present):
             for _, method, done in (c for c in cells if c[0] == setting):
@@ -676,22 +710,9 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
                     if figure == "personalization" and _adapts_first([s["folder"] for s in done])
                     else ""
                 )
-                band(ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method, note)
+                self.band(
+                    ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method, note
+                )
             ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
             ax.grid(alpha=0.3)
-        save(
-            fig,
-            f"fig_{figure}.png",
-            axes[0],
-            f"{preset_name}: {budget_of(cells)}, mean ± 1 std over seeds",
-            what,
-            cells,
-        )
-    (out_dir / "README.md").unlink(missing_ok=True)
-    if written:
-        (out_dir / "README.md").write_text(
-            f"# Figures of the preset `{preset_name}`\n\nWritten by `fedmeta figures --preset {preset_name}` from "
-            f"the kept runs in `{kept}/`.\n\n" + "\n".join(captions)
-        )
-        written.append(out_dir / "README.md")
-    return written
+        self.save(fig, f"fig_{figure}.png", axes[0], what, cells)

@@ -32,8 +32,6 @@ OVER = {
     "loop._train": 108,
     "bench.run": 136,
     "report.write_tables": 111,
-    "report.draw_figures": 178,
-    "config.validate": 195,
 }
 
 
