@@ -249,53 +249,70 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
     ]
     blocks = [("", [m for m in methods if not _tuned(m)]), ("tuned", [m for m in methods if _tuned(m)])]
     for block, members in blocks:
-        if not members:
-            continue
-        if block:
-            lines += [
-                "Tuned: each method with the settings `fedmeta tune` found (configs/variant/<method>/tuned.yaml, "
-                "the study's best trial; searched on a seed these cells do not use). Compare them with each other, "
-                "and with the block above only as far as their n allows.",
-                "",
-            ]
+        if members:
+            lines += _table_block(block, members, settings, runs, paper, budget, at_paper_budget)
+    lines += _cell_costs(preset_name, settings, methods, runs)
+    text = "\n".join(lines) + "\n"
+    replace_section(out, preset_name, text)
+    return text
+
+
+def _table_block(
+    block: str, members: list[str], settings: list[str], runs: dict, paper, budget, at_paper_budget
+) -> list[str]:
+    """One block of the table (the methods as configured, or the tuned ones): a row per method, the
+    best mean of each column in bold, the paper's number beside a cell at the paper's budget."""
+    lines = []
+    if block:
         lines += [
-            "| method | "
-            + " | ".join(f"{setting} ({budget(setting)})" for setting in settings)
-            + " | new clients' test-time procedure |",
-            "|---|" + "---|" * len(settings) + "---|",
+            "Tuned: each method with the settings `fedmeta tune` found (configs/variant/<method>/tuned.yaml, "
+            "the study's best trial; searched on a seed these cells do not use). Compare them with each other, "
+            "and with the block above only as far as their n allows.",
+            "",
         ]
-        # each column's best mean as printed, within the block: means that print the same are tied, all bold
-        best = {
-            setting: max(
-                (
-                    round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
-                    for m in members
-                    if runs.get((setting, m))
-                ),
-                default=None,
-            )
-            for setting in settings
-        }
-        for method in members:
-            cells = []
-            for setting in settings:
-                summaries = runs.get((setting, method), [])
-                if not summaries:
-                    cells.append("–")
-                    continue
-                mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
-                value = f"**{mean:.2f}**" if round(mean, 2) == best[setting] else f"{mean:.2f}"
-                cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
-                if method in paper.get(setting, {}) and at_paper_budget(summaries, setting):
-                    paper_mean, paper_std = paper[setting][method]
-                    cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
-                cells.append(cell)
-            folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
-            lines.append(
-                f"| {method_label(method, folders)} | " + " | ".join(cells) + f" | {procedure(folders[:1])} |"
-            )
-        lines.append("")
     lines += [
+        "| method | "
+        + " | ".join(f"{setting} ({budget(setting)})" for setting in settings)
+        + " | new clients' test-time procedure |",
+        "|---|" + "---|" * len(settings) + "---|",
+    ]
+    # each column's best mean as printed, within the block: means that print the same are tied, all bold
+    best = {
+        setting: max(
+            (
+                round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
+                for m in members
+                if runs.get((setting, m))
+            ),
+            default=None,
+        )
+        for setting in settings
+    }
+    for method in members:
+        cells = []
+        for setting in settings:
+            summaries = runs.get((setting, method), [])
+            if not summaries:
+                cells.append("–")
+                continue
+            mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
+            value = f"**{mean:.2f}**" if round(mean, 2) == best[setting] else f"{mean:.2f}"
+            cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
+            if method in paper.get(setting, {}) and at_paper_budget(summaries, setting):
+                paper_mean, paper_std = paper[setting][method]
+                cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
+            cells.append(cell)
+        folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
+        lines.append(
+            f"| {method_label(method, folders)} | " + " | ".join(cells) + f" | {procedure(folders[:1])} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _cell_costs(preset_name: str, settings: list[str], methods: list[str], runs: dict) -> list[str]:
+    """Every cell's seeds, rounds, seconds per round, wall time and hardware."""
+    lines = [
         f"### Every cell of `{preset_name}`: budget, hardware, wall time",
         "",
         "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |",
@@ -313,9 +330,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
                     f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
                     f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |"
                 )
-    text = "\n".join(lines) + "\n"
-    replace_section(out, preset_name, text)
-    return text
+    return lines
 
 
 def _adapts_first(folders: list[Path]) -> bool:

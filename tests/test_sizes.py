@@ -31,7 +31,6 @@ OVER = {
     "cli._main": 143,
     "loop._train": 108,
     "bench.run": 136,
-    "report.write_tables": 111,
 }
 
 
