@@ -496,6 +496,95 @@ def checked_bench(config: Path, datasets: list[str] | None, methods: list[str] |
     return bench
 
 
+ROW_HEADER = (
+    f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} "
+    f"{'seeds':>5s} "
+    f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'reads':>5s} {'launch':>7s} "
+    f"{'pers s/cl':>9s} "
+    f"{'eval s':>7s} {'peak MB':>8s}"
+)
+
+
+def _row_line(row: dict) -> str:
+    """A measured row as a line under ``ROW_HEADER``."""
+    evaluation = f"{row['evaluation_seconds']:7.1f}" if "evaluation_seconds" in row else f"{'-':>7s}"
+    launches = f"{row['launches_per_round']:7.0f}" if "launches_per_round" in row else f"{'-':>7s}"
+    clients = row["clients"] if row["capture"] == "none" else f"{row['clients']}+{row['capture']}"
+    return (
+        f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
+        f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
+        f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
+        f"{row['ops_per_round']:8.0f} {row['host_reads_per_round']:5.0f} {launches} "
+        f"{row['personalize_seconds_per_client']:9.2f} {evaluation} "
+        f"{row['peak_rss_mb']:8.0f}"
+    )
+
+
+def _print_speedups(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(
+        f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>13s} {'seeds':>5s} "
+        f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s} {'vs eager':>8s}   (sequential ÷ this; vs eager: vmapped "
+        "eager ÷ this; > 1 is faster)"
+    )
+    for s in rows:
+        cells = [
+            f"{s[key]:{width}.2f}" if s.get(key) else f"{'-':>{width}s}"
+            for key, width in (("round", 8), ("personalize", 7), ("evaluation", 7), ("vs_eager", 8))
+        ]
+        clients = s["clients"] if s["capture"] == "none" else f"{s['clients']}+{s['capture']}"
+        print(
+            f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {clients:>13s} "
+            f"{s['seeds']:5d} {' '.join(cells)}"
+        )
+
+
+def _peak(result: dict, kind: str, matmul_size: int) -> float:
+    """The fp32 matmul peak of a row's device, measured here once per device kind (kept in ``result``)."""
+    from fedmeta.assemble import hardware_name
+
+    if kind not in result["peaks"]:
+        device = torch.device(kind)
+        result["peaks"][kind] = {"hardware": hardware_name(device), **device_peaks(device, matmul_size)}
+        shown = ", ".join(
+            f"{name} {value:.0f}" for name, value in result["peaks"][kind].items() if name != "hardware"
+        )
+        print(f"{result['peaks'][kind]['hardware']}: matmul peaks (GFLOP/s) {shown}", flush=True)
+    return result["peaks"][kind]["fp32"]
+
+
+def _save(result: dict, out: Path) -> None:
+    """The rows so far, atomically (a bench cut short by a lease's end keeps its rows); a bench that
+    measured nothing leaves an earlier result as it is."""
+    if not result["rows"] and not result["memory"]:
+        print(f"no row was measured: {out} left as it was")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}", flush=True)
+
+
+def _memory_rows(memory_rows: list[list[str]], rounds: int) -> list[dict]:
+    """Each memory row measured in a process of its own, printed as it finishes."""
+    print(
+        f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} "
+        f"{'state MB/client':>15s} {'peak MB':>8s}"
+    )
+    measured = []
+    for overrides in memory_rows:
+        row = run_isolated(measure_memory, overrides, rounds)
+        measured.append(row)
+        print(
+            f"{row['num_clients']:8d} {row['method']:8s} {row['variant']:8s} {row['samples_per_client']:10d} "
+            f"{row['data_mb']:8.0f} {row['state_mb_per_client']:15.2f} {row['peak_rss_mb']:8.0f}",
+            flush=True,
+        )
+    return measured
+
+
 def run(
     datasets: list[str] | None = None,
     methods: list[str] | None = None,
@@ -506,7 +595,6 @@ def run(
     profile: bool = False,
     projection: str | None = None,
 ) -> dict:
-    from fedmeta.assemble import hardware_name
     from fedmeta.config import compose
 
     bench = checked_bench(config, datasets, methods)
@@ -527,39 +615,10 @@ def run(
     result = {"peaks": {}, "rows": [], "memory": []}
 
     def peak(kind: str) -> float:
-        """The fp32 matmul peak of a row's device, measured here once per device kind."""
-        if kind not in result["peaks"]:
-            device = torch.device(kind)
-            result["peaks"][kind] = {
-                "hardware": hardware_name(device),
-                **device_peaks(device, bench.matmul_size),
-            }
-            shown = ", ".join(
-                f"{name} {value:.0f}" for name, value in result["peaks"][kind].items() if name != "hardware"
-            )
-            print(f"{result['peaks'][kind]['hardware']}: matmul peaks (GFLOP/s) {shown}", flush=True)
-        return result["peaks"][kind]["fp32"]
-
-    def save() -> None:
-        """The rows so far, atomically (a bench cut short by a lease's end keeps its rows); a bench
-        that measured nothing leaves an earlier result as it is."""
-        if not result["rows"] and not result["memory"]:
-            print(f"no row was measured: {out} left as it was")
-            return
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, out)
-        print(f"wrote {out}", flush=True)
+        return _peak(result, kind, bench.matmul_size)
 
     peak("cpu")
-    print(
-        f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} "
-        f"{'seeds':>5s} "
-        f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'reads':>5s} {'launch':>7s} "
-        f"{'pers s/cl':>9s} "
-        f"{'eval s':>7s} {'peak MB':>8s}"
-    )
+    print(ROW_HEADER)
     for plan_row in rows:
         overrides = plan_row["overrides"]
         try:
@@ -579,56 +638,19 @@ def run(
             continue
         row["peak_fraction"] = row["gflops"] / peak(row["device"])  # of the fp32 peak of the device it ran on
         result["rows"].append(row)
-        evaluation = f"{row['evaluation_seconds']:7.1f}" if "evaluation_seconds" in row else f"{'-':>7s}"
-        launches = f"{row['launches_per_round']:7.0f}" if "launches_per_round" in row else f"{'-':>7s}"
-        clients = row["clients"] if row["capture"] == "none" else f"{row['clients']}+{row['capture']}"
-        print(
-            f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
-            f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
-            f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
-            f"{row['ops_per_round']:8.0f} {row['host_reads_per_round']:5.0f} {launches} "
-            f"{row['personalize_seconds_per_client']:9.2f} {evaluation} "
-            f"{row['peak_rss_mb']:8.0f}",
-            flush=True,
-        )
+        print(_row_line(row), flush=True)
         if row["fallback"]:
             print(f"    fell back: {row['fallback']}")
-        save()
+        _save(result, out)
         for op in row.get("profile", []):
             print(f"    {100 * op['share']:5.1f} %  {op['op']} ×{op['calls']}")
     result["speedups"] = speedups(result["rows"])
-    if result["speedups"]:
-        print(
-            f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>13s} {'seeds':>5s} "
-            f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s} {'vs eager':>8s}   (sequential ÷ this; vs eager: vmapped "
-            "eager ÷ this; > 1 is faster)"
-        )
-        for s in result["speedups"]:
-            cells = [
-                f"{s[key]:{width}.2f}" if s.get(key) else f"{'-':>{width}s}"
-                for key, width in (("round", 8), ("personalize", 7), ("evaluation", 7), ("vs_eager", 8))
-            ]
-            clients = s["clients"] if s["capture"] == "none" else f"{s['clients']}+{s['capture']}"
-            print(
-                f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {clients:>13s} "
-                f"{s['seeds']:5d} {' '.join(cells)}"
-            )
+    _print_speedups(result["speedups"])
     if memory_rows:
-        print(
-            f"\n{'clients':>8s} {'method':8s} {'variant':8s} {'img/client':>10s} {'data MB':>8s} "
-            f"{'state MB/client':>15s} {'peak MB':>8s}"
-        )
-        for overrides in memory_rows:
-            row = run_isolated(measure_memory, overrides, bench.memory.rounds)
-            result["memory"].append(row)
-            print(
-                f"{row['num_clients']:8d} {row['method']:8s} {row['variant']:8s} {row['samples_per_client']:10d} "
-                f"{row['data_mb']:8.0f} {row['state_mb_per_client']:15.2f} {row['peak_rss_mb']:8.0f}",
-                flush=True,
-            )
+        result["memory"] = _memory_rows(memory_rows, bench.memory.rounds)
     if projection:
         result["projection"] = {"preset": projection, "lines": project(result, projection)}
         print(f"\nprojected wall time of make table PRESET={projection}, one run at a time on this machine:")
         print("\n".join(f"  {line}" for line in result["projection"]["lines"]))
-    save()
+    _save(result, out)
     return result

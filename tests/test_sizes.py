@@ -30,7 +30,6 @@ LAYERS = (
 OVER = {
     "cli._main": 143,
     "loop._train": 108,
-    "bench.run": 136,
 }
 
 
