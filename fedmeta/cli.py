@@ -486,97 +486,11 @@ def _main(argv: list[str] | None) -> int:
         return int(exit_.code or 0)
 
     try:
-        from omegaconf import OmegaConf
-
-        from fedmeta.config import compose
-
-        if args.command == "evaluate":
-            from pathlib import Path
-
-            from fedmeta.reevaluate import evaluate_run
-
-            record = evaluate_run(Path(args.run_dir), args.overrides, args.unfinished)
-            print(json.dumps(record["personalization"]))
-            print(
-                f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
-                f"(step 0: {100 * record['curve'][0]:.2f} %)"
-            )
-            return 0
-        if args.command == "tune":
-            from fedmeta.tune import Study
-
-            result = Study(
-                args.method,
-                args.overrides,
-                args.trials,
-                args.rounds,
-                args.seed,
-                args.storage,
-                overwrite=args.overwrite,
-                new_study=args.new_study,
-                replace_committed=args.replace_committed,
-            ).run()
-            print(
-                f"study {result['study']}: best new-client accuracy {100 * result['best_accuracy']:.2f} % with "
-                f"{result['best']}; wrote {result['tuned']}"
-            )
-            return 0
-        if args.command == "flower":
-            return _flower_command(args)
-        if args.command == "bench":
-            from pathlib import Path
-
-            from fedmeta import bench
-
-            config = Path(args.config) if args.config else bench.CONFIG_DIR / "bench.yaml"
-            if args.count:
-                return _census_command(args, config)
-            bench.run(
-                args.datasets,
-                args.methods,
-                args.overrides,
-                not args.no_memory,
-                Path(args.out),
-                config,
-                profile=args.profile,
-                projection=args.project,
-            )
-            return 0
         if args.command in ("table", "figures", "sweep") and args.parallel is not None and args.parallel < 1:
             raise FedmetaError(f"--parallel must be ≥ 1 (runs at once), got {args.parallel}")
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
-        if args.command == "campaign":
-            return _campaign_command(args)
-        if args.command == "sweep":
-            return _sweep_command(args)
-        if args.command == "data" and args.data_command == "download":
-            from fedmeta.data.download import download
-            from fedmeta.data.sources import data_dir
-
-            print(f"wrote {download(args.name, data_dir(args.dir), args.mirror, verify=not args.no_verify)}")
-            return 0
-        if args.command == "data":
-            from fedmeta.describe import describe
-
-            # argparse gives the optional partition the first word after the data set, even key=value
-            moved = [args.partition] if args.partition and "=" in args.partition else []
-            partition = None if moved else args.partition
-            picks = [f"dataset={args.dataset}"] + ([f"partition={partition}"] if partition else [])
-            stats, path = describe(compose([*picks, *moved, *args.overrides]))
-            print(json.dumps(stats, indent=2))
-            print(f"class histograms of 10 clients: {path}")
-            return 0
-        signal.signal(signal.SIGTERM, _stopped_while_starting)  # until the run's own Stopper takes over
-        cfg = compose(args.overrides)
-        if args.print_config:
-            print(OmegaConf.to_yaml(cfg))
-            return 0
-        from fedmeta.loop import train
-
-        summary = train(cfg)
-        if summary is None:  # another process of a multi-process run: the main one reports
-            return 0
+        return COMMANDS[args.command](args)
     except RunStopped as exc:  # SIGTERM or output.stop_at: checkpointed, to be continued
         print(f"fedmeta: {exc}", file=sys.stderr)
         return RunStopped.EXIT_STATUS
@@ -602,6 +516,23 @@ def _main(argv: list[str] | None) -> int:
         )
         print(f"\nfedmeta: interrupted;{hint}", file=sys.stderr)
         return 130
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from fedmeta.config import compose
+
+    signal.signal(signal.SIGTERM, _stopped_while_starting)  # until the run's own Stopper takes over
+    cfg = compose(args.overrides)
+    if args.print_config:
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+    from fedmeta.loop import train
+
+    summary = train(cfg)
+    if summary is None:  # another process of a multi-process run: the main one reports
+        return 0
     for one in summary if isinstance(summary, list) else [summary]:  # stacked seeds: one summary each
         print(
             json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")})
@@ -617,6 +548,82 @@ def _main(argv: list[str] | None) -> int:
             )
             + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else "")
         )
+    return 0
+
+
+def _evaluate_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedmeta.reevaluate import evaluate_run
+
+    record = evaluate_run(Path(args.run_dir), args.overrides, args.unfinished)
+    print(json.dumps(record["personalization"]))
+    print(
+        f"new-client accuracy: {100 * record['accuracy']:.2f} ± {100 * record['accuracy_std']:.2f} % "
+        f"(step 0: {100 * record['curve'][0]:.2f} %)"
+    )
+    return 0
+
+
+def _tune_command(args: argparse.Namespace) -> int:
+    from fedmeta.tune import Study
+
+    result = Study(
+        args.method,
+        args.overrides,
+        args.trials,
+        args.rounds,
+        args.seed,
+        args.storage,
+        overwrite=args.overwrite,
+        new_study=args.new_study,
+        replace_committed=args.replace_committed,
+    ).run()
+    print(
+        f"study {result['study']}: best new-client accuracy {100 * result['best_accuracy']:.2f} % with "
+        f"{result['best']}; wrote {result['tuned']}"
+    )
+    return 0
+
+
+def _bench_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedmeta import bench
+
+    config = Path(args.config) if args.config else bench.CONFIG_DIR / "bench.yaml"
+    if args.count:
+        return _census_command(args, config)
+    bench.run(
+        args.datasets,
+        args.methods,
+        args.overrides,
+        not args.no_memory,
+        Path(args.out),
+        config,
+        profile=args.profile,
+        projection=args.project,
+    )
+    return 0
+
+
+def _data_command(args: argparse.Namespace) -> int:
+    if args.data_command == "download":
+        from fedmeta.data.download import download
+        from fedmeta.data.sources import data_dir
+
+        print(f"wrote {download(args.name, data_dir(args.dir), args.mirror, verify=not args.no_verify)}")
+        return 0
+    from fedmeta.config import compose
+    from fedmeta.describe import describe
+
+    # argparse gives the optional partition the first word after the data set, even key=value
+    moved = [args.partition] if args.partition and "=" in args.partition else []
+    partition = None if moved else args.partition
+    picks = [f"dataset={args.dataset}"] + ([f"partition={partition}"] if partition else [])
+    stats, path = describe(compose([*picks, *moved, *args.overrides]))
+    print(json.dumps(stats, indent=2))
+    print(f"class histograms of 10 clients: {path}")
     return 0
 
 
@@ -819,6 +826,18 @@ def _sweep_command(args: argparse.Namespace) -> int:
     (root / "sweep.md").write_text(f"# Sweep: fedmeta sweep {' '.join(args.values)}\n\n{table}")
     print(table, end="")
     return 1 if failures else 0
+
+
+COMMANDS = {  # fedmeta <command> → what runs it (table and figures also read the command line)
+    "train": _train_command,
+    "evaluate": _evaluate_command,
+    "tune": _tune_command,
+    "flower": _flower_command,
+    "bench": _bench_command,
+    "campaign": _campaign_command,
+    "sweep": _sweep_command,
+    "data": _data_command,
+}
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ LAYERS = (
 )
 # Past the limit today, to be split along what each part does; a number here only ever goes down.
 OVER = {
-    "cli._main": 143,
     "loop._train": 108,
 }
 
