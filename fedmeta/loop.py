@@ -9,26 +9,20 @@ new clients every ``eval_every`` rounds and at the end, checkpointing, and write
 from __future__ import annotations
 
 import logging
-import signal
-import statistics
-import sys
-import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from lightning.fabric import Fabric
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from fedmeta import checkpoint
-from fedmeta.assemble import build, hardware_name, make_engine, make_fabric, rehearse, seed_configs
-from fedmeta.config import run_name, setting_name
+from fedmeta.assemble import make_engine, make_fabric, seed_configs
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
-from fedmeta.evaluation import PersonalizationResult
-from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds, gather_updates
-from fedmeta.runs import DeviceTurn, RunLock, RunRecorder, check_run_folder, check_wandb_login
+from fedmeta.rounds import evaluate_on_ranks, federated_rounds, gather_updates
+from fedmeta.run import Run
+from fedmeta.runs import DeviceTurn, check_wandb_login
+from fedmeta.stopping import Stopper, stop_runs
 
 log = logging.getLogger("fedmeta")
 
@@ -156,7 +150,7 @@ def _evaluate_or_stop(
         for run, row in trained:
             run.pending_row = row
             run.save_checkpoint(round_)
-        _stop(runs, round_, cfg.federation.rounds, "SIGTERM, before its evaluation", stopper)
+        stop_runs(runs, round_, cfg.federation.rounds, "SIGTERM, before its evaluation", stopper)
     stopper.evaluating = False
     stopper.evaluation_seconds = time.perf_counter() - tick
     return results
@@ -187,23 +181,10 @@ def _train(
     stopper: Stopper,
 ) -> dict | list[dict] | None:
     fed = cfg.federation
-    shard, gather = (fabric.global_rank, fabric.world_size), gather_updates(fabric)
     first = min(run.first_round for run in runs)
     # a resumed run knows its rounds' time from before: the deadline is judged from the first round on
     stopper.round_seconds = [seconds * len(runs) for seconds in runs[0].round_seconds[-5:]]
-    label = (
-        f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}"
-        + (f" ×{len(runs)} seeds" if len(runs) > 1 else "")
-        + f" [{fabric.device.type}, {engine.label()}]"
-    )  # how it runs, said once at the start
-    bar = tqdm(
-        range(first, fed.rounds + 1),
-        desc=label,
-        disable=not (show_progress and fabric.is_global_zero),
-        unit="round",
-        initial=first - 1,
-        total=fed.rounds,
-    )
+    bar = _round_bar(fabric, cfg, len(runs), engine, first, show_progress)
     _evaluate_pending(fabric, runs, cfg, engine, show_progress, on_evaluation)
     for round_ in bar:
         active = [run for run in runs if run.error is None and run.first_round <= round_]
@@ -211,30 +192,9 @@ def _train(
             break
         due = round_ % fed.eval_every == 0 or round_ == fed.rounds
         if why := stopper.reason(due):
-            _stop(runs, round_ - 1, fed.rounds, why, stopper)
+            stop_runs(runs, round_ - 1, fed.rounds, why, stopper)
         stopper.rounds_started = True
-        tick = time.perf_counter()
-        outcomes = federated_rounds(
-            [run.federated for run in active],
-            round_,
-            fed.clients_per_round,
-            shard,
-            gather,
-            engine,
-            fed.client_failure_rate,
-        )
-        stopper.round_seconds.append(time.perf_counter() - tick)
-        seconds = (time.perf_counter() - tick) / len(active)  # a stacked seed's share of the lockstep round
-        trained = []
-        for run, outcome in zip(active, outcomes):
-            if outcome.error:  # divergence: this run stops, its last good checkpoint stays as it is
-                run.fail(outcome.error)
-                continue
-            run.round_seconds.append(seconds)
-            if fabric.is_global_zero:
-                for line in outcome.dropped:
-                    log.warning(f"round {round_}: {line}; dropped from the aggregate")
-            trained.append((run, _row(round_, outcome.loss, seconds, len(outcome.dropped))))
+        outcomes, trained = _train_round(fabric, cfg, active, round_, engine, stopper)
         evaluating = [run for run, _ in trained] if due else []
         results = _evaluate_or_stop(
             fabric, evaluating, cfg, engine, show_progress, round_, stopper, trained, runs
@@ -252,6 +212,63 @@ def _train(
         )
 
     stopper.rounds_started = False  # from here a stop request stops at once: the last round is checkpointed
+    return _finish(fabric, cfg, runs, show_progress, engine)
+
+
+def _round_bar(fabric: Fabric, cfg: DictConfig, seeds: int, engine: Engine, first: int, show_progress: bool):
+    """The rounds from ``first`` with a progress bar that says once how the run runs."""
+    label = (
+        f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}"
+        + (f" ×{seeds} seeds" if seeds > 1 else "")
+        + f" [{fabric.device.type}, {engine.label()}]"
+    )
+    return tqdm(
+        range(first, cfg.federation.rounds + 1),
+        desc=label,
+        disable=not (show_progress and fabric.is_global_zero),
+        unit="round",
+        initial=first - 1,
+        total=cfg.federation.rounds,
+    )
+
+
+def _train_round(
+    fabric: Fabric, cfg: DictConfig, active: list[Run], round_: int, engine: Engine, stopper: Stopper
+) -> tuple[list, list[tuple[Run, dict]]]:
+    """One lockstep round of the ``active`` runs: their outcomes, and each run that trained it with
+    its metrics row (a diverged run fails here, its last good checkpoint kept as it is)."""
+    fed = cfg.federation
+    tick = time.perf_counter()
+    outcomes = federated_rounds(
+        [run.federated for run in active],
+        round_,
+        fed.clients_per_round,
+        (fabric.global_rank, fabric.world_size),
+        gather_updates(fabric),
+        engine,
+        fed.client_failure_rate,
+    )
+    stopper.round_seconds.append(time.perf_counter() - tick)
+    seconds = (time.perf_counter() - tick) / len(active)  # a stacked seed's share of the lockstep round
+    trained = []
+    for run, outcome in zip(active, outcomes):
+        if outcome.error:
+            run.fail(outcome.error)
+            continue
+        run.round_seconds.append(seconds)
+        if fabric.is_global_zero:
+            for line in outcome.dropped:
+                log.warning(f"round {round_}: {line}; dropped from the aggregate")
+        trained.append((run, _row(round_, outcome.loss, seconds, len(outcome.dropped))))
+    return outcomes, trained
+
+
+def _finish(
+    fabric: Fabric, cfg: DictConfig, runs: list[Run], show_progress: bool, engine: Engine
+) -> dict | list[dict] | None:
+    """The final evaluation where it is still due, each run's summary written; one line if a seed
+    failed."""
+    fed = cfg.federation
     final = [
         run
         for run in runs
@@ -285,199 +302,3 @@ def _train(
     if not fabric.is_global_zero:
         return None
     return summaries if cfg.seeds else summaries[0]
-
-
-def _stop(runs: list[Run], last: int, rounds: int, why: str, stopper: Stopper) -> None:
-    """Checkpoint every running seed at round ``last`` (unless it is already) and stop the run."""
-    saved = []
-    for run in runs:
-        if run.error is None and run.first_round <= last and run.saved_round != last:
-            run.save_checkpoint(last)
-        if run.saved_round:
-            saved.append(run)
-    where = (
-        f"checkpointed in {saved[0].dir}" + (f" and {len(saved) - 1} more" if len(saved) > 1 else "")
-        if saved
-        else "no round was trained, nothing to keep"
-    )
-    stopper.restore()  # a second SIGTERM from here ends the process at once
-    raise RunStopped(
-        f"stopped after round {last} of {rounds} ({why}); {where}: continue with output.resume=true"
-    )
-
-
-class Stopper:
-    """Ends a run early at a round boundary, checkpointed, so that it resumes where it stopped:
-    on SIGTERM (what SLURM, ``timeout``, ``docker stop`` and a preempted job's host send) and before
-    a round that would end past ``output.stop_at`` (a wall-clock Unix time: a job's deadline),
-    judged from the last rounds', evaluation's and checkpoint's durations in this process.
-    A SIGTERM during a round's evaluation, or during a round whose evaluation is due, stops before
-    that evaluation, the trained round checkpointed: the resume evaluates it first. Outside the
-    rounds (setting up) SIGTERM stops at once, as Ctrl-C does: every checkpoint on disk is
-    complete, so nothing is lost."""
-
-    MARGIN = 1.5  # a round may take longer than the median of the last ones
-
-    def __init__(self, stop_at: float | None):
-        self.stop_at, self.signalled, self.rounds_started = stop_at, False, False
-        self.evaluating = False  # a round's evaluation is under way: SIGTERM ends it, the round is kept
-        self.round_seconds: list[float] = []
-        self.evaluation_seconds = self.checkpoint_seconds = 0.0
-        self._previous = None
-
-    def __enter__(self) -> Stopper:
-        if threading.current_thread() is threading.main_thread():  # only the main thread takes signals
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if not self.rounds_started or self.signalled or self.evaluating:
-            self.signalled = True
-            raise RunStopped(
-                "stopped by SIGTERM; the last checkpoint is kept: continue with output.resume=true"
-            )
-        self.signalled = True  # the round under way finishes and is checkpointed
-
-    def reason(self, evaluating: bool) -> str | None:
-        """Why the next round must not start, or None."""
-        if self.signalled:
-            return "SIGTERM"
-        if self.stop_at is None:
-            return None
-        recent = self.round_seconds[-5:]
-        needed = (
-            self.MARGIN * (statistics.median(recent) if recent else 0.0)
-            + (self.evaluation_seconds if evaluating else 0.0)
-            + self.checkpoint_seconds
-        )
-        late = time.time() + needed > self.stop_at
-        return f"output.stop_at comes before another round's ~{needed:.1f} s would end" if late else None
-
-
-class Run:
-    """One federation's run: its folder, model, clients, checkpoint and the metrics so far."""
-
-    def __init__(self, fabric: Fabric, cfg: DictConfig, stacked: int):
-        self.cfg, self.fabric, self.stacked = cfg, fabric, stacked
-        self.started = time.perf_counter()
-        self.dir = Path(cfg.output.root) / run_name(cfg)
-        self.federation, self.algorithm = build(
-            fabric, cfg
-        )  # bad data or settings: refused before anything is on disk
-        resuming = (
-            cfg.output.resume
-            and (self.dir / "checkpoint.ckpt").exists()
-            and not (self.dir / "summary.json").exists()
-        )
-        self.warm_start = (
-            None if resuming else checkpoint.warm_start(self.algorithm, cfg)
-        )  # a resume has its own model
-        rehearse(self.algorithm, self.federation, cfg)
-        self.lock = RunLock(self.dir)
-        if fabric.is_global_zero:
-            self.lock.acquire()
-        try:
-            self._open()
-        except BaseException:
-            self.lock.release()
-            raise
-
-    def _open(self) -> None:
-        """The checkpoint to resume from, and the run folder's recorder."""
-        cfg, fabric = self.cfg, self.fabric
-        self.checkpoint_path = self.dir / "checkpoint.ckpt"
-        check_run_folder(self.dir)  # before anything in it is read
-        state = None
-        if cfg.output.resume and not (self.dir / "summary.json").exists():
-            if self.checkpoint_path.exists():
-                state = checkpoint.load(fabric, self.checkpoint_path, self.algorithm, cfg)
-            elif fabric.is_global_zero:
-                print(f"fedmeta: no checkpoint in {self.dir}: starting at round 1", file=sys.stderr)
-        self.history = state["history"] if state else {}
-        self.warm_start = self.history.get("warm_start", self.warm_start)
-        tags = [
-            cfg.dataset.name,
-            cfg.partition.name,
-            cfg.method.name,
-            cfg.variant,
-            str(cfg.fabric.precision),
-            hardware_name(fabric.device),
-        ]
-        self.recorder = RunRecorder(self.dir, cfg, fabric.is_global_zero, self.history or None, tags)
-        self.round_seconds = list(self.history.get("round_seconds", []))
-        curves = self.history.get("last_curves")
-        self.result = PersonalizationResult(curves) if curves is not None else None
-        self.resumed_at = state["round"] if state else None
-        self.first_round = (state["round"] + 1) if state else 1
-        self.saved_round = state["round"] if state else None
-        # the row of a round checkpointed before its evaluation, which the resume evaluates first
-        self.pending_row: dict | None = self.history.get("pending_row")
-        self.error: str | None = None
-
-    @property
-    def federated(self) -> Federated:
-        return Federated(self.algorithm, self.federation, self.cfg.seed)
-
-    def save_checkpoint(self, round_: int) -> None:
-        checkpoint.save(
-            self.fabric,
-            self.checkpoint_path,
-            self.algorithm,
-            self.cfg,
-            round_,
-            {
-                "metrics": self.recorder.rows,
-                "curves": self.recorder.curves,
-                "round_seconds": self.round_seconds,
-                "last_curves": None if self.result is None else self.result.curves,
-                "pending_row": self.pending_row,
-                "wandb_id": self.recorder.wandb_id,
-                "warm_start": self.warm_start,
-                "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
-            },
-        )
-        self.saved_round = round_
-
-    def fail(self, error: str) -> None:
-        kept = (
-            (
-                f"the last good checkpoint (round {self.saved_round}) is kept in {self.checkpoint_path}: "
-                "lower the learning "
-                "rates and resume with output.resume=true"
-            )
-            if self.saved_round
-            else "no checkpoint was written yet"
-        )
-        self.error = f"{self.dir}: {error}; {kept}" if self.stacked > 1 else f"{error}; {kept}"
-
-    def summary(self) -> dict:
-        cfg, fabric = self.cfg, self.fabric
-        return {
-            "setting": setting_name(cfg),
-            "dataset": cfg.dataset.name,
-            "partition": cfg.partition.name,
-            "method": cfg.method.name,
-            "variant": cfg.variant,
-            "seed": cfg.seed,
-            "accuracy": self.result.accuracy,
-            "accuracy_std": self.result.accuracy_std,
-            "curve": self.result.curve,
-            "rounds": cfg.federation.rounds,
-            "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
-            "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None,
-            "resumed_at_round": self.resumed_at,
-            "new_clients": len(self.result.curves),
-            "device": str(fabric.device),
-            "world_size": fabric.world_size,
-            "seeds_stacked": self.stacked,
-            "hardware": hardware_name(fabric.device),
-            "init_from": self.warm_start,  # the run whose final model this one started from (model.init_from)
-        }

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from fedmeta import campaign, grid
 from fedmeta.config import compose
 from fedmeta.errors import FedmetaError, RunStopped
-from fedmeta.loop import Stopper, train
+from fedmeta.loop import train
+from fedmeta.stopping import Stopper
 
 TINY = [
     "model.conv_channels=[8,16]",

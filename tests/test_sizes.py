@@ -1,7 +1,7 @@
 """The command and engine layers stay in rooms one can read: no function over ``LIMIT`` lines.
 
-The functions already past it are listed with their size today; each may shrink (then lower its
-number, or drop it once it fits) but never grow, and no other function may pass the limit.
+A function that grows past it is split along what its parts do (a section's checks, a figure, a
+command), as every function of these layers was split to fit.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ LIMIT = 80  # lines, from its ``def`` to its last line, docstring included
 LAYERS = (
     "cli",
     "loop",
+    "run",
+    "stopping",
     "campaign",
     "grid",
     "bench",
@@ -26,10 +28,6 @@ LAYERS = (
     "flower",
     "lease",
 )
-# Past the limit today, to be split along what each part does; a number here only ever goes down.
-OVER = {
-    "loop._train": 108,
-}
 
 
 def function_sizes() -> dict[str, int]:
@@ -45,16 +43,13 @@ def function_sizes() -> dict[str, int]:
     return sizes
 
 
-def test_no_function_in_the_command_and_engine_layers_passes_the_limit_or_grows():
-    sizes = function_sizes()
-    too_long = {name: n for name, n in sizes.items() if n > OVER.get(name, LIMIT)}
-    assert not too_long, f"split these functions (at most {LIMIT} lines, or their listed size): {too_long}"
-    shrunk = {name: sizes.get(name, 0) for name, n in OVER.items() if sizes.get(name, 0) < n}
-    assert not shrunk, f"these shrank: lower their number in OVER (or drop them at {LIMIT} or less): {shrunk}"
+def test_no_function_in_the_command_and_engine_layers_passes_the_limit():
+    too_long = {name: n for name, n in function_sizes().items() if n > LIMIT}
+    assert not too_long, f"split these functions (at most {LIMIT} lines): {too_long}"
 
 
 def test_the_loop_module_does_not_grow():
     lines = len((Path(fedmeta.__file__).parent / "loop.py").read_text().splitlines())
-    assert lines <= 483, (
-        f"fedmeta/loop.py has {lines} lines: split the stop logic or the evaluation out of it"
+    assert lines <= 320, (
+        f"fedmeta/loop.py has {lines} lines: keep one screen per step: a new part goes in a module of its own"
     )

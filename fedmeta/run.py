@@ -1,0 +1,140 @@
+"""One federation's run: its folder, model, clients, checkpoint and the metrics so far (a seed's,
+when several seeds run in lockstep). fedmeta.loop opens one per seed and steps them together."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from lightning.fabric import Fabric
+from omegaconf import DictConfig
+
+from fedmeta import checkpoint
+from fedmeta.assemble import build, hardware_name, rehearse
+from fedmeta.config import run_name, setting_name
+from fedmeta.evaluation import PersonalizationResult
+from fedmeta.rounds import Federated
+from fedmeta.runs import RunLock, RunRecorder, check_run_folder
+
+
+class Run:
+    """One federation's run: its folder, model, clients, checkpoint and the metrics so far."""
+
+    def __init__(self, fabric: Fabric, cfg: DictConfig, stacked: int):
+        self.cfg, self.fabric, self.stacked = cfg, fabric, stacked
+        self.started = time.perf_counter()
+        self.dir = Path(cfg.output.root) / run_name(cfg)
+        self.federation, self.algorithm = build(
+            fabric, cfg
+        )  # bad data or settings: refused before anything is on disk
+        resuming = (
+            cfg.output.resume
+            and (self.dir / "checkpoint.ckpt").exists()
+            and not (self.dir / "summary.json").exists()
+        )
+        self.warm_start = (
+            None if resuming else checkpoint.warm_start(self.algorithm, cfg)
+        )  # a resume has its own model
+        rehearse(self.algorithm, self.federation, cfg)
+        self.lock = RunLock(self.dir)
+        if fabric.is_global_zero:
+            self.lock.acquire()
+        try:
+            self._open()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self) -> None:
+        """The checkpoint to resume from, and the run folder's recorder."""
+        cfg, fabric = self.cfg, self.fabric
+        self.checkpoint_path = self.dir / "checkpoint.ckpt"
+        check_run_folder(self.dir)  # before anything in it is read
+        state = None
+        if cfg.output.resume and not (self.dir / "summary.json").exists():
+            if self.checkpoint_path.exists():
+                state = checkpoint.load(fabric, self.checkpoint_path, self.algorithm, cfg)
+            elif fabric.is_global_zero:
+                print(f"fedmeta: no checkpoint in {self.dir}: starting at round 1", file=sys.stderr)
+        self.history = state["history"] if state else {}
+        self.warm_start = self.history.get("warm_start", self.warm_start)
+        tags = [
+            cfg.dataset.name,
+            cfg.partition.name,
+            cfg.method.name,
+            cfg.variant,
+            str(cfg.fabric.precision),
+            hardware_name(fabric.device),
+        ]
+        self.recorder = RunRecorder(self.dir, cfg, fabric.is_global_zero, self.history or None, tags)
+        self.round_seconds = list(self.history.get("round_seconds", []))
+        curves = self.history.get("last_curves")
+        self.result = PersonalizationResult(curves) if curves is not None else None
+        self.resumed_at = state["round"] if state else None
+        self.first_round = (state["round"] + 1) if state else 1
+        self.saved_round = state["round"] if state else None
+        # the row of a round checkpointed before its evaluation, which the resume evaluates first
+        self.pending_row: dict | None = self.history.get("pending_row")
+        self.error: str | None = None
+
+    @property
+    def federated(self) -> Federated:
+        return Federated(self.algorithm, self.federation, self.cfg.seed)
+
+    def save_checkpoint(self, round_: int) -> None:
+        checkpoint.save(
+            self.fabric,
+            self.checkpoint_path,
+            self.algorithm,
+            self.cfg,
+            round_,
+            {
+                "metrics": self.recorder.rows,
+                "curves": self.recorder.curves,
+                "round_seconds": self.round_seconds,
+                "last_curves": None if self.result is None else self.result.curves,
+                "pending_row": self.pending_row,
+                "wandb_id": self.recorder.wandb_id,
+                "warm_start": self.warm_start,
+                "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
+            },
+        )
+        self.saved_round = round_
+
+    def fail(self, error: str) -> None:
+        kept = (
+            (
+                f"the last good checkpoint (round {self.saved_round}) is kept in {self.checkpoint_path}: "
+                "lower the learning "
+                "rates and resume with output.resume=true"
+            )
+            if self.saved_round
+            else "no checkpoint was written yet"
+        )
+        self.error = f"{self.dir}: {error}; {kept}" if self.stacked > 1 else f"{error}; {kept}"
+
+    def summary(self) -> dict:
+        cfg, fabric = self.cfg, self.fabric
+        return {
+            "setting": setting_name(cfg),
+            "dataset": cfg.dataset.name,
+            "partition": cfg.partition.name,
+            "method": cfg.method.name,
+            "variant": cfg.variant,
+            "seed": cfg.seed,
+            "accuracy": self.result.accuracy,
+            "accuracy_std": self.result.accuracy_std,
+            "curve": self.result.curve,
+            "rounds": cfg.federation.rounds,
+            "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
+            "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None,
+            "resumed_at_round": self.resumed_at,
+            "new_clients": len(self.result.curves),
+            "device": str(fabric.device),
+            "world_size": fabric.world_size,
+            "seeds_stacked": self.stacked,
+            "hardware": hardware_name(fabric.device),
+            "init_from": self.warm_start,  # the run whose final model this one started from (model.init_from)
+        }
