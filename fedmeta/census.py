@@ -14,7 +14,8 @@ operator below vmap and autograd — the operators that really run. For each it 
   ``host`` (the clients' batch draws and their stacking, on host tensors even on a GPU: no kernels
   there, but host time);
 - ``gbytes``: bytes read and written, the tensors each kernel takes and returns (an upper bound of
-  what the device moves: an operator that reads a tensor twice counts it once, a fused one once);
+  what the device moves: an operator that reads a tensor twice counts it once, a fused one once),
+  except that a gather (a batch indexed out of the stacked data set) reads only what it selects;
 - ``host_reads``: reads of a computed value by the host (each a device sync on a GPU);
 - ``gflop``: the same round's FLOPs, counted one client at a time (vmap's counter over-counts
   grouped convolutions' backward).
@@ -65,6 +66,11 @@ NO_KERNEL = {
 }
 
 
+# Operators that read only the elements they select from their first argument (a batch drawn from a
+# stacked data set of many megabytes): counted as reading as much of it as they write.
+GATHERS = {"index", "index_select", "gather", "embedding"}
+
+
 def launches_kernel(func) -> bool:
     return not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL
 
@@ -90,7 +96,8 @@ class Census(TorchDispatchMode):
         self.ops[place] += 1
         if launches_kernel(func):
             self.kernels[place] += 1
-            self.bytes[place] += _bytes((args, kwargs)) + _bytes(out)
+            source = _bytes(out) if func.overloadpacket.__name__ in GATHERS else _bytes(args[:1])
+            self.bytes[place] += source + _bytes((args[1:], kwargs)) + _bytes(out)
             if place != "host":
                 self.names[func.overloadpacket.__name__] += 1
         return out

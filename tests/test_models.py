@@ -174,6 +174,81 @@ def test_conv_block_computes_the_spec_order_exactly():
     assert torch.allclose(g_ours, g_spec, rtol=1e-12, atol=1e-12)
 
 
+def _lane_layers():
+    from fedmeta.models import lanes
+
+    def ours(x, p):
+        return lanes.max_pool2d(lanes.batch_norm(x, p["w"], p["b"], 1e-5), 2)
+
+    def torchs(x, p):
+        return F.max_pool2d(F.batch_norm(x, None, None, p["w"], p["b"], True, 0.0, 1e-5), 2)
+
+    return ours, torchs
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_lane_layers_equal_torchs_alone_and_vmapped_to_second_order(order):
+    """Batch norm and max-pooling with the lanes folded into the channels (fedmeta.models.lanes) give
+    PyTorch's values and gradients — one sample set alone (autograd) and 4 lanes vmapped
+    (torch.func), first order and through MAML's differentiated inner step — in float64."""
+    torch.manual_seed(0)
+    lanes_, batch, channels = 4, 6, 3
+    params = {
+        "w": torch.randn(lanes_, channels, dtype=torch.float64),
+        "b": torch.randn(lanes_, channels, dtype=torch.float64),
+    }
+    xs = torch.randn(lanes_, batch, channels, 8, 8, dtype=torch.float64)
+    weights = torch.randn(batch, channels, 4, 4, dtype=torch.float64)
+
+    def objective(layers):
+        def loss(p, x):
+            return (layers(x, p).pow(3) * weights).sum()
+
+        if order == 1:
+            return loss
+
+        def after_a_step(p, x):  # the loss after one differentiated SGD step on it (second order)
+            grads = torch.func.grad(loss, argnums=(0, 1))(p, x)
+            return loss({k: p[k] - 0.01 * grads[0][k] for k in p}, x - 0.01 * grads[1])
+
+        return after_a_step
+
+    values = {}
+    for name, layers in zip(("ours", "torch"), _lane_layers()):
+        f = objective(layers)
+        vmapped = torch.func.vmap(torch.func.grad(f, argnums=(0, 1)))(params, xs)
+        alone = torch.func.grad(f, argnums=(0, 1))({k: v[1] for k, v in params.items()}, xs[1])
+        values[name] = (vmapped, alone)
+    torch.testing.assert_close(values["ours"], values["torch"], rtol=1e-10, atol=1e-10)
+    assert values["ours"][0][0]["w"].abs().sum() > 0  # the gradients are not trivially equal zeros
+
+
+def test_lane_layers_run_as_one_kernel_each_way_under_vmap():
+    """Vmapped, batch norm and max-pooling each launch PyTorch's one kernel forward and one backward:
+    no separate affine, no ones or zeros, fewer copies into another layout (PyTorch's own batch
+    rules launch 5 and 9 for batch norm, and copy around each pooling)."""
+    from fedmeta.census import Census
+
+    ours, torchs = _lane_layers()
+    params = {"w": torch.randn(4, 3), "b": torch.randn(4, 3)}
+    xs = torch.randn(6, 4, 3, 8, 8)  # the lanes at dim 1, where a vmapped convolution leaves them
+    weights = torch.randn(6, 3, 4, 4)
+    counted = {}
+    for name, layers in (("ours", ours), ("torch", torchs)):
+        census = Census()
+        with census:
+            loss = lambda p, x, layers=layers: (layers(x, p) * weights).sum()  # noqa: E731
+            torch.func.vmap(torch.func.grad(loss), in_dims=(0, 1))(params, xs)
+        counted[name] = census.names
+    assert counted["ours"]["native_batch_norm"] == counted["ours"]["native_batch_norm_backward"] == 1
+    assert (
+        counted["ours"]["max_pool2d_with_indices"] == counted["ours"]["max_pool2d_with_indices_backward"] == 1
+    )
+    assert counted["ours"]["ones"] == counted["ours"]["zeros"] == 0, counted["ours"]
+    assert counted["ours"]["clone"] < counted["torch"]["clone"], (counted["ours"], counted["torch"])
+    assert sum(counted["ours"].values()) < sum(counted["torch"].values())
+
+
 @pytest.mark.parametrize("dtype,bytes_per_number", [("float32", 4), ("bfloat16", 2)])
 def test_authors_client_adam_state_is_kept_compactly_and_resumed(dtype, bytes_per_number):
     algorithm = tiny_cafeme(outer_optimizer="adam_kept")

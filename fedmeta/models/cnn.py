@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fedmeta.models import lanes
+
 
 def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: int | str) -> nn.Sequential:
     # conv → BN → ReLU → max-pool, computed with the pool first: max and ReLU commute
@@ -30,7 +32,7 @@ def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: i
 def batch_norm(layer: _BatchNorm, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``layer(x)`` with batch statistics over the samples where ``mask`` is 1 (all when None)."""
     if mask is None:
-        return layer(x)
+        return lanes.batch_norm(x, layer.weight, layer.bias, layer.eps)
     dims = [0, *range(2, x.dim())]
     weights = mask.to(x.dtype).view(-1, *[1] * (x.dim() - 1))
     count = weights.sum() * x[0, 0].numel()
@@ -42,7 +44,12 @@ def batch_norm(layer: _BatchNorm, x: torch.Tensor, mask: torch.Tensor | None) ->
 
 def run_block(block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     for layer in block:
-        x = batch_norm(layer, x, mask) if isinstance(layer, _BatchNorm) else layer(x)
+        if isinstance(layer, _BatchNorm):
+            x = batch_norm(layer, x, mask)
+        elif isinstance(layer, nn.MaxPool2d):  # conv_block's: non-overlapping windows
+            x = lanes.max_pool2d(x, layer.kernel_size)
+        else:
+            x = layer(x)
     return x
 
 

@@ -1,0 +1,184 @@
+"""Batch normalization and max-pooling that stay one kernel each way when clients are vmapped.
+
+Under ``torch.func.vmap`` (fedmeta.engine: a lane per client and seed) PyTorch's batch rules run a
+batch norm whose weight differs per lane as a normalization without the affine, the affine apart
+(with ones and zeros made for the purpose) and a backward of a dozen kernels; max-pooling folds the
+lanes into the batch, so the activations are copied into another layout before each pooling and
+again before the convolution after it, and the same on the way back. Both layers are independent
+per channel, though: lane l's channel c is channel l·C + c of one layer L times as wide. So each
+rule here folds the lanes into the channels — where the convolutions' own rule keeps them, so the
+conv stack never changes layout — and runs PyTorch's kernel once, forward and backward
+(``torch.autograd.Function``'s ``vmap`` staticmethod,
+https://pytorch.org/docs/stable/notes/extending.func.html). Per channel the arithmetic is PyTorch's
+own, alone or vmapped: the same kernels on the same numbers.
+
+Second order (MAML's inner steps differentiated) goes through each backward's backward: batch
+norm's as the vector-Jacobian product of its backward's formula with the statistics recomputed from
+the input (they depend on it), max-pooling's as the gather of the selected elements, as PyTorch's
+own double backwards do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _activations(x: torch.Tensor, dim: int | None, lanes: int) -> torch.Tensor:
+    """(B, L, C, …) as (B, L·C, …): the lanes folded into the channels."""
+    x = x.movedim(dim, 1) if dim is not None else x.unsqueeze(1).expand(x.shape[0], lanes, *x.shape[1:])
+    return x.reshape(x.shape[0], lanes * x.shape[2], *x.shape[3:])
+
+
+def _channels(p: torch.Tensor, dim: int | None, lanes: int) -> torch.Tensor:
+    """(L, C) as (L·C,)."""
+    p = p.movedim(dim, 0) if dim is not None else p.expand(lanes, *p.shape)
+    return p.reshape(-1)
+
+
+def _unfold(x: torch.Tensor, lanes: int) -> torch.Tensor:
+    """(B, L·C, …) back to (B, L, C, …), the lanes at dim 1."""
+    return x.view(x.shape[0], lanes, x.shape[1] // lanes, *x.shape[2:])
+
+
+def _backward_formula(grad_out, x, weight, eps: float):
+    """Batch norm's gradients (input, weight, bias) in plain differentiable operations, the batch
+    statistics recomputed from ``x``: what the double backward differentiates."""
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1, *[1] * (x.dim() - 2)]
+    count = x.numel() // x.shape[1]
+    var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+    invstd = torch.rsqrt(var + eps)
+    x_hat = (x - mean) * invstd
+    grad_bias = grad_out.sum(dims)
+    grad_weight = (grad_out * x_hat).sum(dims)
+    grad_x = (weight.view(shape) * invstd / count) * (
+        count * grad_out - grad_bias.view(shape) - x_hat * grad_weight.view(shape)
+    )
+    return grad_x, grad_weight, grad_bias
+
+
+class _BatchNormBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(grad_out, x, weight, mean, invstd, eps):
+        return aten.native_batch_norm_backward(
+            grad_out, x, weight, None, None, mean, invstd, True, eps, [True, True, True]
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, x, weight, _, _, eps = inputs
+        ctx.save_for_backward(grad_out, x, weight)
+        ctx.eps = eps
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad_out, x, weight = ctx.saved_tensors
+        _, vjp = torch.func.vjp(lambda g, x, w: _backward_formula(g, x, w, ctx.eps), grad_out, x, weight)
+        return (*vjp(grads), None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, grad_out, x, weight, mean, invstd, eps):
+        lanes = info.batch_size
+        grad_x, grad_weight, grad_bias = _BatchNormBackward.apply(
+            _activations(grad_out, in_dims[0], lanes),
+            _activations(x, in_dims[1], lanes),
+            *(_channels(p, d, lanes) for p, d in zip((weight, mean, invstd), in_dims[2:5])),
+            eps,
+        )
+        return (
+            (_unfold(grad_x, lanes), grad_weight.view(lanes, -1), grad_bias.view(lanes, -1)),
+            (1, 0, 0),
+        )
+
+
+class _BatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias, eps):
+        return aten.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _, eps = inputs
+        _, mean, invstd = output
+        ctx.mark_non_differentiable(mean, invstd)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.eps = eps
+
+    @staticmethod
+    def backward(ctx, grad_out, _mean, _invstd):
+        x, weight, mean, invstd = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None
+        return (*_BatchNormBackward.apply(grad_out, x, weight, mean, invstd, ctx.eps), None)
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, bias, eps):
+        lanes = info.batch_size
+        out, mean, invstd = _BatchNorm.apply(
+            _activations(x, in_dims[0], lanes),
+            *(_channels(p, d, lanes) for p, d in zip((weight, bias), in_dims[1:3])),
+            eps,
+        )
+        return (_unfold(out, lanes), mean.view(lanes, -1), invstd.view(lanes, -1)), (1, 0, 0)
+
+
+def batch_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.batch_norm(x, None, None, weight, bias, training=True, eps=eps)``: normalized with the
+    batch's own statistics, then scaled and shifted per channel."""
+    return _BatchNorm.apply(x, weight, bias, eps)[0]
+
+
+class _MaxPoolBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(grad_out, x, indices, size):
+        return aten.max_pool2d_with_indices_backward(grad_out, x, size, size, 0, 1, False, indices)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad_grad_x):
+        (indices,) = ctx.saved_tensors  # linear in grad_out: the gradient picks what was selected
+        picked = grad_grad_x.flatten(-2).gather(-1, indices.flatten(-2)).view_as(indices)
+        return picked, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, grad_out, x, indices, size):
+        lanes = info.batch_size
+        grad_x = _MaxPoolBackward.apply(
+            *(_activations(t, d, lanes) for t, d in zip((grad_out, x, indices), in_dims[:3])), size
+        )
+        return _unfold(grad_x, lanes), 1
+
+
+class _MaxPool(torch.autograd.Function):
+    @staticmethod
+    def forward(x, size):
+        return aten.max_pool2d_with_indices(x, size, size)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(inputs[0], output[1])
+        ctx.size = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad_out, _indices):
+        x, indices = ctx.saved_tensors
+        return _MaxPoolBackward.apply(grad_out, x, indices, ctx.size), None
+
+    @staticmethod
+    def vmap(info, in_dims, x, size):
+        lanes = info.batch_size
+        out, indices = _MaxPool.apply(_activations(x, in_dims[0], lanes), size)
+        return (_unfold(out, lanes), _unfold(indices, lanes)), (1, 1)
+
+
+def max_pool2d(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``F.max_pool2d(x, size)``: non-overlapping ``size``×``size`` windows."""
+    return _MaxPool.apply(x, size)[0]
