@@ -63,27 +63,19 @@ def test_a_node_never_gets_two_training_messages_at_once():
     assert sorted(m.metadata.group_id for wave in waves for m in wave) == sorted(str(i) for i in range(6))
 
 
+# One method per way a method's data travels through fedmeta.flower (the server-side steps — pFedMe's
+# β, FedMeta's Adam, FedDyn's h — are the in-process code, run by the ServerApp unchanged; every
+# method's kept state reads back from a node's bytes unchanged: tests/test_lanes.py):
 @pytest.mark.parametrize(
     "method",
     [
-        "cafeme",
-        "fedrep",
-        "scaffold",
-        "feddyn",
-        "fedpac",
-        "fedala",
-        "fedbn",
-        "apfl",
-        "pfedme",
-        "fedmeta_metasgd",
+        "cafeme",  # the model alone, out and back (second-order local work)
+        "fedrep",  # a client's kept tensors (its head) on its node between rounds
+        "fedala",  # kept state that is not only tensors (a flag beside the top layers and weights)
+        "scaffold",  # kept state on the node, and server state sent to every client with the model
+        "fedpac",  # server state sent to each client for that client alone (its combined head)
     ],
-)  # FedRep: each client's head is kept on its node; SCAFFOLD: c_i on its node, c sent with the model
-# FedDyn: each ∇L_k on its node, h the server's alone; FedPAC: the centroids, and each client's combined
-# head sent to its node with the model (FedProto's prototypes travel the same way)
-# FedALA: each client's top layers and weights on its node (FedRoD's personalized head travels as FedRep's)
-# FedBN: its kept layers (the BN affines) on their node — FedPer's code, which LG-FedAvg's runs too
-# APFL: each client's personal model v and weight α on its node
-# pFedMe: the server's β step; FedMeta (Meta-SGD): the server's Adam step on θ and the learned rates
+)
 def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_path, mnist_dir):
     overrides = [f"method={method}", f"dataset.dir={mnist_dir}", *SMALL]
     alone = train(compose([*overrides, f"output.root={tmp_path / 'alone'}"]), show_progress=False)

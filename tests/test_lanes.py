@@ -161,3 +161,39 @@ def test_every_lane_computes_what_it_computes_alone(algorithm, federations):
     assert_same(run(algorithm, federations, (0,), True)[0], alone[0], "vmapped clients")
     for seed, stacked in zip(SEEDS, run(algorithm, federations, SEEDS, True)):
         assert_same(stacked, alone[seed], f"seed {seed} stacked")
+
+
+def assert_equal_tree(got, expected, where: str) -> None:
+    if isinstance(expected, dict):
+        assert got.keys() == expected.keys(), where
+        for key in expected:
+            assert_equal_tree(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, list | tuple):
+        assert len(got) == len(expected), where
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert_equal_tree(a, b, f"{where}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), where
+    else:
+        assert type(got) is type(expected) and got == expected, where
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_methods_kept_state_travels_to_a_flower_node_unchanged(algorithm, federations):
+    """On Flower a client's kept state waits on its node between rounds as the bytes of
+    ``fedmeta.flower._to_bytes``, read back with ``torch.load(weights_only=True)``: for every
+    registered method, each client's state after training reads back equal, bit for bit and type
+    for type (methods that keep none pass trivially). So tests/test_flower.py's simulations need
+    one method per way state travels, not every method."""
+    pytest.importorskip("flwr", reason="Flower is an optional extra: pip install -e '.[flower]'")
+    import io
+
+    from fedmeta.flower import _to_bytes
+
+    torch.manual_seed(0)
+    run_ = Federated(build_algorithm(config(algorithm), 10).double(), federations[0], 0)
+    for round_ in range(1, ROUNDS + 1):
+        federated_rounds([run_], round_, PER_ROUND, engine=Engine(False))
+    for client_id, state in run_.algorithm.client_states.items():
+        back = torch.load(io.BytesIO(_to_bytes(state)), weights_only=True)
+        assert_equal_tree(back, state, f"{algorithm}: client {client_id}'s state")
