@@ -115,7 +115,45 @@ def _checkout_untouched(request):
 LONGEST_FIRST = ["test_flower.py", "test_grid.py", "test_campaign.py", "test_bench.py", "test_distributed.py"]
 
 
+# make test's quick tier holds one representative of each family of per-method repetitions; the
+# others are marked slow here and run with the slow tests (make test-all, CI). A family's other
+# members repeat the same code path on another method, which the full suite still holds.
+QUICK_REPRESENTATIVES = {
+    # vmapped on the recorded layout ≡ one client at a time: second order, first order, a model
+    # choice, a kept head
+    "test_vectorize.py::test_vectorized_rounds_and_evaluation_equal_sequential": {
+        "cafeme-static",
+        "fedavg_ft-static",
+        "ifca_ft-static",
+        "fedrep-static",
+    },
+    # every lane its own: second order, plain, a head per client, prototypes read in evaluation
+    "test_lanes.py::test_every_lane_computes_what_it_computes_alone": {
+        "cafeme",
+        "fedavg",
+        "fedrod",
+        "fedproto",
+    },
+    "test_lanes.py::test_every_methods_kept_state_travels_to_a_flower_node_unchanged": {"fedala"},
+    "test_baselines.py::test_every_baseline_trains_end_to_end": {"fedavg_ft"},
+    "test_figures.py::test_a_presets_figures_are_redrawn_from_its_committed_runs": {"tiny", "paper"},
+}
+QUICK_SLOW_FIXTURES = {"test_zoo_methods.py": "trained"}  # each method's training: its learning tests
+
+
+def _quick_representative(item) -> bool:
+    function = f"{item.path.name}::{item.originalname}"
+    if function in QUICK_REPRESENTATIVES:
+        return item.callspec.id in QUICK_REPRESENTATIVES[function]
+    return QUICK_SLOW_FIXTURES.get(item.path.name) not in item.fixturenames
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if not _quick_representative(item):
+            item.add_marker(pytest.mark.slow)
+
     def rank(item) -> int:
         name = item.path.name
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)

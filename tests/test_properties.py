@@ -228,6 +228,7 @@ def command_lines(draw) -> list[str]:
     return argv + draw(st.lists(OVERRIDES, max_size=3))
 
 
+@pytest.mark.slow  # 100 command lines
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(command_lines())
 def test_generated_command_lines_exit_0_or_2_in_one_line(tmp_path, monkeypatch, no_work, argv):
@@ -367,6 +368,7 @@ KEPT_DAMAGE = {
 }
 
 
+@pytest.mark.slow  # 25 tampered kept-run trees through table and campaign
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.dictionaries(

@@ -122,6 +122,7 @@ def test_the_config_home_is_read_first_in_a_checkout_too(tmp_path, monkeypatch):
         compose(["method=loop"])
 
 
+@pytest.mark.slow  # a pytest of the suite in a process of its own
 def test_the_suite_never_reads_the_users_own_state(tmp_path):
     """A user who has run fedmeta tune once (a tuned variant in ~/.config/fedmeta) and keeps a broken
     method file of their own there: the tests that open studies and compose every method still pass,
