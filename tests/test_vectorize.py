@@ -12,6 +12,7 @@ divide by 2δ = 0.002 — which is why the float32 end-to-end test compares accu
 
 import csv
 import logging
+import re
 
 import pytest
 import torch
@@ -96,6 +97,9 @@ def paths(method: str, data: ImageDataset):
     return fabric, cfg, built
 
 
+BEFORE_BATCH_NORM = re.compile(r"(features\.blocks|dense)\.\d+\.0\.bias$")  # a conv's or dense layer's bias
+
+
 # Eager vmapped lanes (capture=none) of each registered method's own config are held to one client
 # at a time by tests/test_lanes.py; here only the configs it does not run: variants and options.
 EAGER_ONLY_HERE = [
@@ -139,7 +143,12 @@ def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, unev
         results
     )
     for name in seq_params:
-        torch.testing.assert_close(vec_params[name], seq_params[name], rtol=1e-8, atol=1e-10)
+        # A bias right before a batch norm has a gradient of zero up to rounding (the normalization
+        # removes any shift): under Adam, whose steps are lr·g/(|g| + ε) for such a g, that rounding
+        # is its whole update, and it differs between the paths (1e-11 to 2e-9; every other
+        # parameter agrees to 1e-15).
+        atol = 1e-8 if BEFORE_BATCH_NORM.search(name) else 1e-10
+        torch.testing.assert_close(vec_params[name], seq_params[name], rtol=1e-8, atol=atol)
     assert vec_losses == pytest.approx(seq_losses, rel=1e-8)
     assert torch.equal(vec_curves, seq_curves)  # float64: not a single held-out prediction differs
     assert not torch.equal(seq_curves[:, -1], seq_curves[:, 0])  # personalization moved the accuracies

@@ -70,6 +70,7 @@ class _BatchNormBackward(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         grad_out, x, weight, _, _, eps = inputs
         ctx.save_for_backward(grad_out, x, weight)
+        ctx.save_for_forward(grad_out, x, weight)
         ctx.eps = eps
 
     @staticmethod
@@ -77,6 +78,14 @@ class _BatchNormBackward(torch.autograd.Function):
         grad_out, x, weight = ctx.saved_tensors
         _, vjp = torch.func.vjp(lambda g, x, w: _backward_formula(g, x, w, ctx.eps), grad_out, x, weight)
         return (*vjp(grads), None, None, None)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        primals = ctx.saved_tensors
+        tangents = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents[:3])]
+        return torch.func.jvp(lambda g, x, w: _backward_formula(g, x, w, ctx.eps), primals, tuple(tangents))[
+            1
+        ]
 
     @staticmethod
     def vmap(info, in_dims, grad_out, x, weight, mean, invstd, eps):
@@ -105,6 +114,7 @@ class _BatchNorm(torch.autograd.Function):
         ctx.mark_non_differentiable(mean, invstd)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.save_for_forward(x, weight, mean, invstd)
         ctx.eps = eps
 
     @staticmethod
@@ -113,6 +123,25 @@ class _BatchNorm(torch.autograd.Function):
         if grad_out is None:
             return None, None, None, None
         return (*_BatchNormBackward.apply(grad_out, x, weight, mean, invstd, ctx.eps), None)
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t, _eps):
+        """Forward mode (a Hessian-vector product as the jvp of a gradient): the normalized input's
+        tangent with the statistics' own, then the affine's."""
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1, *[1] * (x.dim() - 2)]
+        x_hat = (x - mean.view(shape)) * invstd.view(shape)
+        out_t = torch.zeros_like(x)
+        if x_t is not None:
+            centered = x_t - x_t.mean(dims, keepdim=True)
+            x_hat_t = invstd.view(shape) * (centered - x_hat * (x_t * x_hat).mean(dims, keepdim=True))
+            out_t = out_t + weight.view(shape) * x_hat_t
+        if weight_t is not None:
+            out_t = out_t + weight_t.view(shape) * x_hat
+        if bias_t is not None:
+            out_t = out_t + bias_t.view(shape)
+        return out_t, None, None
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, eps):
@@ -139,12 +168,21 @@ class _MaxPoolBackward(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[2])
+        ctx.save_for_forward(inputs[1], inputs[2])
+        ctx.size = inputs[3]
 
     @staticmethod
     def backward(ctx, grad_grad_x):
         (indices,) = ctx.saved_tensors  # linear in grad_out: the gradient picks what was selected
         picked = grad_grad_x.flatten(-2).gather(-1, indices.flatten(-2)).view_as(indices)
         return picked, None, None, None
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, _x_t, _indices_t, _size):
+        x, indices = ctx.saved_tensors  # linear in grad_out, and the selection is fixed
+        if grad_out_t is None:
+            return torch.zeros_like(x)
+        return aten.max_pool2d_with_indices_backward(grad_out_t, x, ctx.size, ctx.size, 0, 1, False, indices)
 
     @staticmethod
     def vmap(info, in_dims, grad_out, x, indices, size):
@@ -165,12 +203,20 @@ class _MaxPool(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(inputs[0], output[1])
+        ctx.save_for_forward(output[1])
         ctx.size = inputs[1]
 
     @staticmethod
     def backward(ctx, grad_out, _indices):
         x, indices = ctx.saved_tensors
         return _MaxPoolBackward.apply(grad_out, x, indices, ctx.size), None
+
+    @staticmethod
+    def jvp(ctx, x_t, _size):
+        if x_t is None:
+            return None, None
+        (indices,) = ctx.saved_tensors  # the tangent of what each window selected
+        return x_t.flatten(-2).gather(-1, indices.flatten(-2)).view_as(indices), None
 
     @staticmethod
     def vmap(info, in_dims, x, size):
