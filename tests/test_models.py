@@ -186,11 +186,12 @@ def _lane_layers():
     return ours, torchs
 
 
-@pytest.mark.parametrize("order", [1, 2])
+@pytest.mark.parametrize("order", [1, 2, "hvp"])
 def test_lane_layers_equal_torchs_alone_and_vmapped_to_second_order(order):
     """Batch norm and max-pooling with the lanes folded into the channels (fedmeta.models.lanes) give
-    PyTorch's values and gradients — one sample set alone (autograd) and 4 lanes vmapped
-    (torch.func), first order and through MAML's differentiated inner step — in float64."""
+    PyTorch's values and gradients — one sample set alone and 4 lanes vmapped, first order, through
+    MAML's differentiated inner step, and in forward mode (a Hessian-vector product as the jvp of a
+    gradient, Per-FedAvg's exact one) — in float64."""
     torch.manual_seed(0)
     lanes_, batch, channels = 4, 6, 3
     params = {
@@ -204,7 +205,7 @@ def test_lane_layers_equal_torchs_alone_and_vmapped_to_second_order(order):
         def loss(p, x):
             return (layers(x, p).pow(3) * weights).sum()
 
-        if order == 1:
+        if order in (1, "hvp"):
             return loss
 
         def after_a_step(p, x):  # the loss after one differentiated SGD step on it (second order)
@@ -216,8 +217,15 @@ def test_lane_layers_equal_torchs_alone_and_vmapped_to_second_order(order):
     values = {}
     for name, layers in zip(("ours", "torch"), _lane_layers()):
         f = objective(layers)
-        vmapped = torch.func.vmap(torch.func.grad(f, argnums=(0, 1)))(params, xs)
-        alone = torch.func.grad(f, argnums=(0, 1))({k: v[1] for k, v in params.items()}, xs[1])
+        derivative = torch.func.grad(f, argnums=(0, 1))
+        if order == "hvp":  # H·(v, u) as the jvp of the gradient, the direction all ones
+
+            def derivative(p, x, gradient=derivative):
+                direction = ({k: torch.ones_like(t) for k, t in p.items()}, torch.ones_like(x))
+                return torch.func.jvp(gradient, (p, x), direction)[1]
+
+        vmapped = torch.func.vmap(derivative)(params, xs)
+        alone = derivative({k: v[1] for k, v in params.items()}, xs[1])
         values[name] = (vmapped, alone)
     torch.testing.assert_close(values["ours"], values["torch"], rtol=1e-10, atol=1e-10)
     assert values["ours"][0][0]["w"].abs().sum() > 0  # the gradients are not trivially equal zeros

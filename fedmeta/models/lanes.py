@@ -15,7 +15,9 @@ own, alone or vmapped: the same kernels on the same numbers.
 Second order (MAML's inner steps differentiated) goes through each backward's backward: batch
 norm's as the vector-Jacobian product of its backward's formula with the statistics recomputed from
 the input (they depend on it), max-pooling's as the gather of the selected elements, as PyTorch's
-own double backwards do.
+own double backwards do. Forward mode over a gradient (a Hessian-vector product as the jvp of a
+gradient: Per-FedAvg's exact one) goes through each layer's and each backward's ``jvp``; a gradient
+of such a product (a third order) is not supported.
 """
 
 from __future__ import annotations
