@@ -128,15 +128,21 @@ def assert_same(got: dict, expected: dict, what: str) -> None:
     )
 
 
-def assert_same_tree(got, expected, where: str) -> None:
+def assert_same_tree(got, expected, where: str, exact: bool = False) -> None:
+    """``got`` equals ``expected`` leaf by leaf: tensors to the tolerances below, or with ``exact``
+    bit for bit and type for type."""
     if isinstance(expected, dict):
         assert got.keys() == expected.keys(), where
         for key in expected:
-            assert_same_tree(got[key], expected[key], f"{where}[{key!r}]")
+            assert_same_tree(got[key], expected[key], f"{where}[{key!r}]", exact)
     elif isinstance(expected, list | tuple):
         assert len(got) == len(expected), where
         for i, (a, b) in enumerate(zip(got, expected)):
-            assert_same_tree(a, b, f"{where}[{i}]")
+            assert_same_tree(a, b, f"{where}[{i}]", exact)
+    elif exact:
+        same = torch.equal(got, expected) if isinstance(expected, torch.Tensor) else got == expected
+        assert type(got) is type(expected) and getattr(got, "dtype", None) == getattr(expected, "dtype", None)
+        assert same, where
     elif isinstance(expected, torch.Tensor):
         # float64 to 1e-10; what a method keeps in float32 (client_state_dtype) rounds there
         tight = expected.dtype == torch.float64
@@ -163,21 +169,6 @@ def test_every_lane_computes_what_it_computes_alone(algorithm, federations):
         assert_same(stacked, alone[seed], f"seed {seed} stacked")
 
 
-def assert_equal_tree(got, expected, where: str) -> None:
-    if isinstance(expected, dict):
-        assert got.keys() == expected.keys(), where
-        for key in expected:
-            assert_equal_tree(got[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, list | tuple):
-        assert len(got) == len(expected), where
-        for i, (a, b) in enumerate(zip(got, expected)):
-            assert_equal_tree(a, b, f"{where}[{i}]")
-    elif isinstance(expected, torch.Tensor):
-        assert got.dtype == expected.dtype and torch.equal(got, expected), where
-    else:
-        assert type(got) is type(expected) and got == expected, where
-
-
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_methods_kept_state_travels_to_a_flower_node_unchanged(algorithm, federations):
     """On Flower a client's kept state waits on its node between rounds as the bytes of
@@ -196,4 +187,4 @@ def test_every_methods_kept_state_travels_to_a_flower_node_unchanged(algorithm, 
         federated_rounds([run_], round_, PER_ROUND, engine=Engine(False))
     for client_id, state in run_.algorithm.client_states.items():
         back = torch.load(io.BytesIO(_to_bytes(state)), weights_only=True)
-        assert_equal_tree(back, state, f"{algorithm}: client {client_id}'s state")
+        assert_same_tree(back, state, f"{algorithm}: client {client_id}'s state", exact=True)
