@@ -86,9 +86,10 @@ class _BatchNormBackward(torch.autograd.Function):
     def jvp(ctx, *tangents):
         primals = ctx.saved_tensors
         tangents = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents[:3])]
-        return torch.func.jvp(lambda g, x, w: _backward_formula(g, x, w, ctx.eps), primals, tuple(tangents))[
-            1
-        ]
+        _, tangent_out = torch.func.jvp(
+            lambda g, x, w: _backward_formula(g, x, w, ctx.eps), primals, tuple(tangents)
+        )
+        return tangent_out
 
     @staticmethod
     def vmap(info, in_dims, grad_out, x, weight, mean, invstd, eps):
