@@ -1,5 +1,7 @@
 """The modulator and the differentiable inner loop, on tiny models in float64."""
 
+import itertools
+
 import learn2learn as l2l
 import pytest
 import torch
@@ -9,7 +11,7 @@ from omegaconf import OmegaConf
 from fedmeta.algorithms import CAFeMe
 from fedmeta.data import ImageDataset, build_federation
 from fedmeta.functional import adam, adam_first_step, adam_state, sgd
-from fedmeta.models import ConvNet, ModulatedNet, Modulator, modulate
+from fedmeta.models import ConvNet, ModulatedNet, Modulator, lanes, modulate
 
 TINY = dict(in_channels=1, image_size=8, num_classes=3, conv_channels=[2], kernel_size=3, padding=1)
 
@@ -175,7 +177,6 @@ def test_conv_block_computes_the_spec_order_exactly():
 
 
 def _lane_layers():
-    from fedmeta.models import lanes
 
     def ours(x, p):
         return lanes.max_pool2d(lanes.batch_norm(x, p["w"], p["b"], 1e-5), 2)
@@ -229,6 +230,30 @@ def test_lane_layers_equal_torchs_alone_and_vmapped_to_second_order(order):
         values[name] = (vmapped, alone)
     torch.testing.assert_close(values["ours"], values["torch"], rtol=1e-10, atol=1e-10)
     assert values["ours"][0][0]["w"].abs().sum() > 0  # the gradients are not trivially equal zeros
+
+
+@pytest.mark.parametrize("defined", [m for m in itertools.product([False, True], repeat=3) if any(m)])
+def test_batch_norm_double_backward_in_closed_form_equals_autograd_through_its_backward(defined):
+    """The closed-form double backward equals autograd through the backward's plain formula, for
+    every combination of upstream gradients an outer loss leaves defined (None: not reached)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 5, 5, dtype=torch.float64)
+    grad_out, weight = torch.randn_like(x), torch.randn(3, dtype=torch.float64)
+    var, mean = torch.var_mean(x, [0, 2, 3], correction=0)
+    upstream = (torch.randn_like(x), torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64))
+    _, vjp = torch.func.vjp(lambda *a: lanes._backward_formula(*a, 1e-5), grad_out, x, weight)
+    expected = vjp(tuple(u if d else torch.zeros_like(u) for u, d in zip(upstream, defined)))
+    got = lanes._double_backward(
+        grad_out,
+        x,
+        weight,
+        mean,
+        torch.rsqrt(var + 1e-5),
+        *(u if d else None for u, d in zip(upstream, defined)),
+    )
+    for value, reference in zip(got, expected):
+        value = torch.zeros_like(reference) if value is None else value
+        torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-12)
 
 
 def test_lane_layers_run_as_one_kernel_each_way_under_vmap():
