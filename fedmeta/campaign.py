@@ -84,6 +84,19 @@ SETTINGS = {
     "not_in_leases",
 }
 REQUIRED = {"preset", "order", "overrides", "carry_mib", "parallel", "reserve_seconds"}
+# A lease as lent here, when configs/campaign.yaml names none: see the comment there.
+LEASE = {
+    "device_seconds": 900,
+    "start_seconds": 45,
+    "command_seconds": 580,
+    "between_commands_seconds": 40,
+    "command_overhead_seconds": 100,
+}
+# Speeds measured alone: by hand (a line per measurement, with its command), and by a job's profile
+# step (fedmeta.profiling), whose lines its log brings back into JOB_LOGS.
+ALONE_RECORDS = Path("results") / "gpu" / "alone.jsonl"
+JOB_LOGS = Path("results") / "gpu" / "jobs"
+MEASURED = "measured alone: "  # starts a profile's line in a job's log: a JSON object (fedmeta.profiling)
 
 
 def _campaign_problem(raw) -> str | None:
@@ -142,15 +155,16 @@ def _setting_checks(raw: dict) -> list[tuple[bool, str]]:
             f"reserve_seconds must be 5 to 600 (a straggler's stop, the last pack), got {raw['reserve_seconds']!r}",
         ),
     ]
-    lease_plan = raw.get("lease", {"device_seconds": 900, "start_seconds": 90, "overhead": 0.15})
+    lease_plan = raw.get("lease", LEASE)
     checks.append(
         (
             isinstance(lease_plan, dict)
-            and set(lease_plan) == {"device_seconds", "start_seconds", "overhead"}
-            and all(number(v) for v in lease_plan.values())
-            and 0 <= lease_plan["start_seconds"] < lease_plan["device_seconds"]
-            and 0 <= lease_plan["overhead"] < 1,
-            "lease must be {device_seconds: S, start_seconds: s < S, overhead: a fraction in [0, 1)}",
+            and set(lease_plan) == set(LEASE)
+            and all(number(v) and v >= 0 for v in lease_plan.values())
+            and lease_plan["start_seconds"] + lease_plan["command_seconds"] <= lease_plan["device_seconds"]
+            and lease_plan["command_overhead_seconds"] < lease_plan["command_seconds"],
+            "lease must be {device_seconds: S, start_seconds: s, command_seconds: c ≤ S − s, "
+            "between_commands_seconds: b, command_overhead_seconds: o < c}, all ≥ 0",
         )
     )
     not_in_leases = raw.get("not_in_leases") or {}
@@ -221,17 +235,28 @@ def units(campaign: DictConfig, root: Path) -> list[Unit]:
     return found
 
 
-def carry_in(unit: Unit, kept: Path, root: Path) -> str | None:
-    """Copy the unit's unfinished runs kept in ``kept`` into ``root`` (unless ``root`` holds them
-    as far or farther), each checkpoint checked first; returns why the unit is refused, or None."""
-    for job, source, target in zip(unit.jobs, unit.folders(kept), unit.folders(root)):
+def refusal(unit: Unit, kept: Path) -> str | None:
+    """Why the unit's unfinished runs kept in ``kept`` cannot be continued (a checkpoint of other
+    settings, or one that cannot be read), or None."""
+    for job, source in zip(unit.jobs, unit.folders(kept)):
         if not (source / "checkpoint.ckpt").is_file() or (source / "summary.json").is_file():
             continue
         problem = _foreign(source / "checkpoint.ckpt", compose(list(job.overrides)))
         if problem:
             return f"{source / 'checkpoint.ckpt'} {problem}: delete it to start that run over"
-        if lease.run_state(target, unit.rounds) < lease.run_state(source, unit.rounds):
-            _copy_run(source, target)
+    return None
+
+
+def carry_in(unit: Unit, kept: Path, root: Path) -> str | None:
+    """Copy the unit's unfinished runs kept in ``kept`` into ``root`` (unless ``root`` holds them
+    as far or farther), each checkpoint checked first; returns why the unit is refused, or None."""
+    problem = refusal(unit, kept)
+    if problem:
+        return problem
+    for source, target in zip(unit.folders(kept), unit.folders(root)):
+        if (source / "checkpoint.ckpt").is_file() and not (source / "summary.json").is_file():
+            if lease.run_state(target, unit.rounds) < lease.run_state(source, unit.rounds):
+                _copy_run(source, target)
     return None
 
 
@@ -388,6 +413,24 @@ def _units_to_run(
         else:
             todo.append(unit)
     return todo, refused
+
+
+def next_unit(
+    campaign: DictConfig, kept: Path, root: Path, carry_mib: float | None
+) -> tuple[str, list[str]] | None:
+    """The unit a job would run first — the first under way, else the next, whose data is here and
+    whose kept runs it can continue — as its label and the overrides of its first chunk of seeds,
+    stacked as that job would stack them (its output folders left out); None if there is none."""
+    unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
+    under_way = [unit for unit in unfinished if any(unit.rounds_done(kept))]
+    missing: dict[str, str | None] = {}  # per setting: its methods read the same data
+    for unit in under_way + [unit for unit in unfinished if unit not in under_way]:
+        if unit.setting not in missing:
+            missing[unit.setting] = missing_data(unit)
+        if missing[unit.setting] is None and refusal(unit, kept) is None:
+            first = grid.stacked(chunks(unit, campaign.carry_mib if carry_mib is None else carry_mib))[0]
+            return unit.label, [o for o in first.overrides if not o.startswith("output.")]
+    return None
 
 
 def missing_data(unit: Unit) -> str | None:
@@ -586,23 +629,25 @@ def _hardware() -> str:
 
 
 def status(campaign: DictConfig, kept: Path) -> str:
-    """``results/campaign.md``: every unit's state, the speed it was measured at, what is left in
-    card time and in short leases (configs/campaign.yaml: ``lease``), and which units no lease can
-    run; then the jobs so far."""
+    """``results/campaign.md``: every unit's state, its speed measured alone, what is left in card
+    time and in leases of one and of two commands (configs/campaign.yaml: ``lease``), and which units
+    no lease can run; then the jobs so far."""
     jobs = _jobs(kept)
     rows, left = _unit_rows(campaign, kept, jobs)
     lines = [
         "# The paper's table as a campaign of short jobs",
         "",
         f"Written by `fedmeta campaign` from `{kept}` (configs/campaign.yaml: the order). A unit is a "
-        "setting × method over the preset's seeds, stacked in one process; *s/seed-round* is the median "
-        "of its rounds' seconds per seed, as measured by its own runs (with the other units of its "
-        "job sharing the machine, see the jobs below); *card h* is what is left of it at that speed, "
-        "divided by the units its job ran at once (a card shared by n processes gives each about 1/n of "
-        "its time).",
+        "setting × method over the preset's seeds, stacked in one process. *s/seed-round alone* is the "
+        "median of a lockstep round's seconds per seed with nothing else on the machine: the unit's own "
+        "rounds in jobs that ran one unit at a time, else a job's profile step or a measurement by hand "
+        f"(`{JOB_LOGS}/`, `{ALONE_RECORDS}`); ≈ marks a unit that takes its method's speed on the same "
+        "data set. Rounds trained beside other units are not used: a card time-slices processes. "
+        "*evals left* are the new-client evaluations still due (the preset's `evaluations`); *card h* "
+        "is what is left of the unit's training and evaluations at those speeds.",
         "",
-        "| # | setting | method | state | s/seed-round | card h |",
-        "|---|---|---|---|---|---|",
+        "| # | setting | method | state | s/seed-round alone | evals left | card h |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         *_projection(campaign, left),
@@ -625,10 +670,11 @@ def status(campaign: DictConfig, kept: Path) -> str:
 
 def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list[str], dict]:
     """A table row per unit, and what is left: card seconds and units per part of the preset (the
-    paper's table, the figures' runs), units not measured yet, units no lease reaches, and the
-    units' states counted."""
+    paper's table, the figures' runs), units and evaluations not measured yet, units no lease
+    reaches, and the units' states counted."""
     all_units = units(campaign, Path("runs") / campaign.preset)
-    speeds = {unit.label: _seconds_per_seed_round(unit, kept) for unit in all_units}
+    records = alone_records(campaign.preset)
+    speeds = {unit.label: _alone(unit, kept, jobs, records) for unit in all_units}
     preset = grid.load_preset(campaign.preset)
     not_in_leases = dict(campaign.get("not_in_leases") or {})
     left = {"parts": {}, "states": {"done": 0, "under way": 0, "to do": 0}, "unreachable": {}}
@@ -637,46 +683,67 @@ def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list
         done = unit.rounds_done(kept)
         state = "done" if min(done) == unit.rounds else ("under way" if any(done) else "to do")
         left["states"][state] += 1
-        measured = unit if speeds[unit.label] is not None else _same_method(unit, all_units, speeds)
-        speed = None if measured is None else speeds[measured.label]
+        own = speeds[unit.label]
+        speed = own if own.get("seconds_per_seed_round") else _same_method(unit, all_units, speeds)
+        per_seed_round = speed.get("seconds_per_seed_round")
         remaining = sum(unit.rounds - d for d in done)
-        # a card shared by n processes gives each about 1/n of its time: the card's time is speed / n
-        seconds = None if speed is None else remaining * speed / _sharing(measured, jobs)
+        evaluations = _evaluations_left(unit, min(done))
+        evaluation_seconds = speed.get("evaluation_seconds")
+        seconds = None
+        if per_seed_round:
+            seconds = remaining * per_seed_round + evaluations * (evaluation_seconds or 0)
         part = left["parts"].setdefault(
             "the paper's table" if preset.settings[unit.setting].grid == "table" else "the figures' runs",
-            {"seconds": 0.0, "units": 0, "unmeasured": []},
+            {"seconds": 0.0, "units": 0, "unmeasured": [], "evaluations_unmeasured": 0},
         )
         dataset = unit.setting.split("-")[0]
         if remaining and dataset in not_in_leases:
             left["unreachable"].setdefault(dataset, []).append(unit)
-        elif remaining and speed is None:
+        elif remaining and seconds is None:
             part["unmeasured"].append(unit)
         elif remaining:
             part["seconds"] += seconds
             part["units"] += 1
+            part["evaluations_unmeasured"] += evaluations if evaluation_seconds is None else 0
         shown = state if state != "under way" else f"rounds {', '.join(map(str, done))} of {unit.rounds}"
+        speed_shown = "-" if not per_seed_round else f"{'' if speed is own else '≈'}{per_seed_round:.4f}"
         rows.append(
-            f"| {i} | {unit.setting} | {unit.method} | {shown} | "
-            f"{'-' if speeds[unit.label] is None else f'{speeds[unit.label]:.4f}'} | "
+            f"| {i} | {unit.setting} | {unit.method} | {shown} | {speed_shown} | {evaluations} | "
             f"{'-' if seconds is None else f'{seconds / 3600:.2f}'} |"
         )
     return rows, left
 
 
+def training_per_lease(lease_plan: dict) -> tuple[float, float]:
+    """Training seconds in a lease of one command and in one of two: a command less its job's own
+    work (setup, the first unit's start, the last pack); the second command gets the device time
+    the first and the moves between them leave."""
+    one = lease_plan["command_seconds"] - lease_plan["command_overhead_seconds"]
+    second = (
+        lease_plan["device_seconds"]
+        - lease_plan["start_seconds"]
+        - lease_plan["command_seconds"]
+        - lease_plan["between_commands_seconds"]
+        - lease_plan["command_overhead_seconds"]
+    )
+    return one, one + max(0.0, second)
+
+
 def _projection(campaign: DictConfig, left: dict) -> list[str]:
-    """What is left, in leases of ``campaign.lease``'s training seconds, part by part; then the
-    units no lease can run, and why."""
-    lease_plan = campaign.get("lease") or {}
+    """What is left, in leases of one and of two commands, part by part; then the units no lease
+    can run, and why."""
+    lease_plan = {**LEASE, **(campaign.get("lease") or {})}
+    one, two = training_per_lease(lease_plan)
     not_in_leases = dict(campaign.get("not_in_leases") or {})
-    usable = float(lease_plan.get("device_seconds", 900)) - float(lease_plan.get("start_seconds", 90))
-    usable *= 1 - float(lease_plan.get("overhead", 0.15))
     states = left["states"]
     lines = [
-        f"**{states['done']} units done, {states['under way']} under way, {states['to do']} to do.** In 15-minute "
-        f"leases, each {usable:.0f} s of training ({lease_plan.get('device_seconds', 900)} s of device time, less a "
-        f"{lease_plan.get('start_seconds', 90)} s start and {float(lease_plan.get('overhead', 0.15)):.0%} overhead: "
-        "configs/campaign.yaml, lease), at the measured speeds (a unit not measured yet takes its method's on "
-        "the same data set, where measured):",
+        f"**{states['done']} units done, {states['under way']} under way, {states['to do']} to do.** A "
+        f"lease ({lease_plan['device_seconds']} s of device time, the machine's start "
+        f"{lease_plan['start_seconds']} s) trains {one:.0f} s in one command of {lease_plan['command_seconds']} s "
+        f"(less {lease_plan['command_overhead_seconds']} s of the job's own: setup, the first unit's start, the "
+        f"last pack) and {two:.0f} s in two (the second gets what is left after "
+        f"{lease_plan['between_commands_seconds']} s of collecting between them): configs/campaign.yaml, lease. "
+        "At the speeds measured alone:",
         "",
     ]
     for name, part in left["parts"].items():
@@ -685,11 +752,16 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
             lines.append(f"- **{name}:** nothing is left that a lease can reach.")
             continue
         projection = (
-            f"{part['units']} units need {part['seconds'] / 3600:.2f} h of a card, about "
-            f"**{math.ceil(part['seconds'] / usable)} leases**"
-            if part["units"] and usable > 0
-            else "no unit measured yet: no projection"
+            f"{part['units']} units need {part['seconds'] / 3600:.2f} h of a card: "
+            f"**{math.ceil(part['seconds'] / one)} leases of one command, {math.ceil(part['seconds'] / two)} of two**"
+            if part["units"]
+            else "no unit measured alone yet: no projection"
         )
+        if part["evaluations_unmeasured"]:
+            projection += (
+                f" (and {part['evaluations_unmeasured']} evaluations whose time is not measured yet, "
+                "not counted)"
+            )
         more = (
             f"; {len(unmeasured)} more not measured yet ({', '.join(u.label for u in unmeasured[:3])}"
             f"{' …' if len(unmeasured) > 3 else ''})"
@@ -706,11 +778,14 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
     return lines
 
 
-def _sharing(unit: Unit, jobs: list[dict]) -> float:
-    """How many units shared the machine when the unit was last measured: the units at once of the
-    last job that moved it (1 if none did)."""
-    moved = [job for job in jobs if unit.label in job["units"] and _number(job.get("parallel"))]
-    return max(1.0, float(moved[-1]["parallel"])) if moved else 1.0
+def _evaluations_left(unit: Unit, done: int) -> int:
+    """The new-client evaluations of the unit's runs after round ``done``: every ``eval_every``
+    rounds and at the last."""
+    every = next(
+        (int(o.split("=", 1)[1]) for o in unit.jobs[0].overrides if o.startswith("federation.eval_every=")), 0
+    )
+    points = set(range(every, unit.rounds + 1, every)) if every > 0 else set()
+    return len({p for p in points | {unit.rounds} if p > done})
 
 
 def _number(value) -> bool:
@@ -744,33 +819,81 @@ def _jobs(kept: Path) -> list[dict]:
     return records
 
 
-def _seconds_per_seed_round(unit: Unit, kept: Path) -> float | None:
+def alone_records(preset: str, records: Path | None = None, logs: Path | None = None) -> list[dict]:
+    """The speeds of ``preset``'s units measured alone: the lines of ``records`` (default
+    ``ALONE_RECORDS``) and the ``MEASURED`` lines of the job logs in ``logs`` (``JOB_LOGS``), oldest
+    first; a line that is not one (cut short, edited) is skipped."""
+    records, logs = records or ALONE_RECORDS, logs or JOB_LOGS
+    lines = []
+    if records.is_file():
+        lines += records.read_text(encoding="utf-8", errors="replace").splitlines()
+    for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        text = log.read_text(encoding="utf-8", errors="replace")
+        lines += [line[len(MEASURED) :] for line in text.splitlines() if line.startswith(MEASURED)]
+    found = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("unit"), str):
+            continue
+        if record.get("preset", "paper") != preset:
+            continue
+        speed = record.get("seconds_per_seed_round")
+        if not (_number(speed) and 0 < speed <= ROUND_SECONDS):
+            continue
+        evaluation = record.get("evaluation_seconds")
+        found.append(
+            {
+                "unit": record["unit"],
+                "date": str(record.get("date", "")),
+                "seconds_per_seed_round": float(speed),
+                "evaluation_seconds": float(evaluation) if _number(evaluation) and evaluation >= 0 else None,
+            }
+        )
+    return sorted(found, key=lambda r: r["date"])
+
+
+def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dict:
+    """The unit's speed alone and an evaluation's seconds: its own rounds outside jobs that ran
+    several units at once, else the latest measurement of it (``alone_records``); {} if none."""
+    shared = [
+        (min(moved[0]), max(moved[1]))
+        for job in jobs
+        if job["parallel"] > 1 and (moved := job["units"].get(unit.label))
+    ]
     seconds = []
     for folder in unit.folders(kept):
         try:
             with open(folder / "metrics.csv", encoding="utf-8") as f:
                 for row in csv.DictReader(f):
                     try:
-                        value = float(row.get("round_seconds") or "nan")
+                        round_, value = int(row.get("round") or 0), float(row.get("round_seconds") or "nan")
                     except ValueError:
                         continue
-                    if 0 < value <= ROUND_SECONDS:  # 1e308 would overflow what is left, nan compare false
+                    # 1e308 would overflow what is left, nan compares false
+                    if 0 < value <= ROUND_SECONDS and not any(lo < round_ <= hi for lo, hi in shared):
                         seconds.append(value)
         except (OSError, UnicodeDecodeError, csv.Error):
             continue
-    return statistics.median(seconds) if seconds else None
+    mine = [r for r in records if r["unit"] == unit.label]
+    speed = dict(mine[-1]) if mine else {}
+    if seconds:
+        speed["seconds_per_seed_round"] = statistics.median(seconds)
+    return speed
 
 
-def _same_method(unit: Unit, all_units: list[Unit], speeds: dict) -> Unit | None:
-    """A measured unit of the same method on the same data set, or None."""
+def _same_method(unit: Unit, all_units: list[Unit], speeds: dict) -> dict:
+    """The speed of a measured unit of the same method on the same data set, or {}."""
     dataset = unit.setting.split("-")[0]
     return next(
         (
-            other
+            speeds[other.label]
             for other in all_units
             if other.method == unit.method
             and other.setting.split("-")[0] == dataset
-            and speeds[other.label] is not None
+            and speeds[other.label].get("seconds_per_seed_round")
         ),
-        None,
+        {},
     )

@@ -234,6 +234,13 @@ def _campaign_parser(commands) -> None:
         help="take back what a job packed into FOLDER (the folder its files came back to), then write the state",
     )
     campaign_cmd.add_argument(
+        "--profile",
+        type=float,
+        metavar="SECONDS",
+        help="within SECONDS, measure the unit a job would run next alone: its speed, an evaluation, its top "
+        "kernels and achieved GB/s and TFLOP/s (fedmeta.profiling); its kept runs are not touched",
+    )
+    campaign_cmd.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every run, e.g. federation.capture=none"
     )
 
@@ -703,6 +710,24 @@ def _campaign_command(args: argparse.Namespace) -> int:
             raise FedmetaError("--collect takes back a job's files: run it without --budget")
         for line in campaign.collect(plan, Path(args.collect), kept, logs=Path("results") / "gpu"):
             print(line)
+    if args.profile is not None:
+        if args.budget is not None or args.collect is not None:
+            raise FedmetaError(
+                "--profile measures the next unit on its own: run it without --budget or --collect"
+            )
+        if not (math.isfinite(args.profile) and args.profile > 0):
+            raise FedmetaError(f"--profile must be a number of seconds > 0, got {args.profile}")
+        plan.overrides = [*plan.overrides, *args.overrides]
+        compose(list(plan.overrides))  # a bad override: one line before anything runs
+        found = campaign.next_unit(plan, kept, Path("runs") / plan.preset, args.carry_mib)
+        if found is None:
+            print("profile: no unfinished unit whose data is here")
+            return 0
+        from fedmeta.profiling import profile_unit
+
+        label, overrides = found
+        profile_unit(label, plan.preset, overrides, args.profile)
+        return 0
     if args.carry_mib is not None and not (math.isfinite(args.carry_mib) and args.carry_mib >= 0):
         raise FedmetaError(f"--carry-mib must be a size in MiB ≥ 0, got {args.carry_mib}")
     if args.budget is not None:

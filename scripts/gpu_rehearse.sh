@@ -6,7 +6,8 @@
 #   2. The tree as the device machine receives it (git ls-files -co --exclude-standard, plus .gpu/) in a
 #      fresh folder, and there `CUDA_VISIBLE_DEVICES= PY=<venv python> OUT=outN scripts/gpu_job.sh SECONDS`
 #      under `timeout -s KILL LIMIT`, as the device's per-command limit kills a command:
-#        out1  killed with SIGKILL in the middle of its campaign (at KILL_AT s, default 2/3 of SECONDS);
+#        out1  killed with SIGKILL in the middle of its campaign (at KILL_AT s: 2/3 of SECONDS or, on a
+#              loaded machine, later, once it has checkpointed);
 #        out2  a whole job: it must exit 0 within SECONDS, its last archive the final one.
 #   3. Collected out of order into a stand-in of the developer's tree: out2, then the older out1, out2
 #      again, then a copy of out2 with a part cut short (refused, exit 2). After each: no kept run moved
@@ -14,17 +15,18 @@
 #   4. The collected tree shipped again: a third job (out3) continues the units under way ("resuming").
 # The units run as on a card: vmapped, each unit's seeds stacked, PARALLEL at once and AHEAD more setting
 # up beside them, waiting for a turn (defaults: configs/campaign.yaml's for a card, not for a CPU); on 2 cores that is slow, so CAMPAIGN_ARGS (default: 2 clients a round, 2 new clients, 2 steps each, a
-# smaller CNN, a checkpoint every 5 rounds) makes the rounds small, and a loaded machine only means fewer rounds: the deadline holds whatever the load.
-# Environment: SECONDS_GIVEN (default 150), KILL_AT, PARALLEL, AHEAD, CAMPAIGN_ARGS, JOB (a stand-in for
+# smaller CNN, a checkpoint every round) makes the rounds small, and a loaded machine only means fewer rounds: the deadline holds whatever the load.
+# Each job's SECONDS (at least 150) comes from a round and a process start measured here first, under
+# the machine's present load, so that each job trains at least 2 rounds and job 1 checkpoints before
+# its kill; a machine too loaded for a job within a lease's limit is said in one line.
+# Environment: SECONDS_GIVEN (default: so measured), KILL_AT, PARALLEL, AHEAD, CAMPAIGN_ARGS, JOB (a stand-in for
 # scripts/gpu_job.sh, copied into the copies in its place), CARRY (default .gpu), PY312. The log: stdout
 # and .cache/rehearse/rehearsal.log. Exits 1 if any check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 JOB=${JOB:-scripts/gpu_job.sh}
-SECONDS_GIVEN=${SECONDS_GIVEN:-150}
-KILL_AT=${KILL_AT:-$(( SECONDS_GIVEN * 2 / 3 ))}
-SMALL="federation.clients_per_round=2 federation.num_new_clients=2 personalization.steps=2 model.conv_channels=[8,16] model.dense_units=[32] federation.checkpoint_every=5"
+SMALL="federation.clients_per_round=2 federation.num_new_clients=2 personalization.steps=2 model.conv_channels=[8,16] model.dense_units=[32] federation.checkpoint_every=1"
 CARRY=${CARRY:-.gpu}
 PY312=${PY312:-}
 for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
@@ -173,6 +175,37 @@ plan = yaml.safe_load(open(path))
 plan["overrides"] += extra
 open(path, "w").write(yaml.safe_dump(plan, sort_keys=False, allow_unicode=True))
 PY
+
+# The jobs sized from a round measured now, under whatever load the machine has: the unit job 1 runs
+# first, set up and timed alone (fedmeta campaign --profile). A job must start (the wheels, the
+# campaign's import, the unit's process: about three process starts), train at least 2 rounds (at
+# the stop's margin, 1.5 rounds each) and keep its reserve; job 1, killed at 2/3 of its time or
+# later, must have checkpointed first (a checkpoint every round). Unless SECONDS_GIVEN is set.
+if [ -z "${SECONDS_GIVEN:-}" ]; then
+  # shellcheck disable=SC2086  # the overrides are words
+  measured=$(cd "$DEV" && timeout 150 "$DEV_PY" -m fedmeta.cli campaign --profile 120 ${CAMPAIGN_ARGS-$SMALL} 2>/dev/null \
+    | sed -n 's/^measured alone: //p' | tail -n 1)
+  read -r START ROUND < <("$DEV_PY" -c "import json, sys
+m = json.loads(sys.argv[1] or '{}')
+print(m.get('start_seconds', 0), m.get('seconds_per_seed_round', 0) * m.get('seeds', 1))" "$measured" 2>/dev/null)
+  if [ -z "${ROUND:-}" ] || [ "$ROUND" = 0 ]; then
+    say "the rehearsal could not time a round here within 150 s (fedmeta campaign --profile 120 in $DEV): the machine is too loaded to rehearse a lease; try again when it is quieter, or set SECONDS_GIVEN"
+    exit 1
+  fi
+  read -r SECONDS_GIVEN KILL_AT < <(awk -v s="$START" -v r="$ROUND" 'BEGIN {
+    job = 1.3 * (3 * s + 2 * 1.5 * r + 30); kill = 1.3 * (3 * s + 2 * r)
+    if (job < kill / 0.85) job = kill / 0.85
+    if (job < 150) job = 150
+    if (kill < job * 2 / 3) kill = job * 2 / 3
+    printf "%d %d\n", job + 0.999, kill }')
+  say "measured here, now (load $(cut -d' ' -f1 /proc/loadavg)): a process starts in $START s, a round takes $ROUND s: jobs of $SECONDS_GIVEN s, the first killed at $KILL_AT s"
+  LIMIT=$(( ${COMMAND_LIMIT:-600} - 10 ))
+  if [ "$SECONDS_GIVEN" -gt "$LIMIT" ]; then
+    say "a job here would need $SECONDS_GIVEN s to train 2 rounds, past a lease's $LIMIT s: the machine is too loaded to rehearse one; try again when it is quieter"
+    exit 1
+  fi
+fi
+KILL_AT=${KILL_AT:-$(( SECONDS_GIVEN * 2 / 3 ))}
 
 RECORDS_BEFORE=$(grep -c . "$DEV/results/runs/paper/jobs.jsonl" 2>/dev/null || true)
 run_job out1 "$DEV" "$KILL_AT"

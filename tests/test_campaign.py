@@ -3,6 +3,7 @@ boundary, checkpointed, and continues to the result it would have had; a campaig
 its order within what a job may carry, refuses a checkpoint of other settings, and a job on another
 machine continues a carried checkpoint."""
 
+import json
 import math
 import multiprocessing
 import os
@@ -264,21 +265,72 @@ def test_a_carried_checkpoint_continues_in_the_next_job_on_another_machine(
     assert "| 1 | rmnist-shards | local | done |" in campaign.status(plan, kept)
 
 
-def test_the_state_speaks_in_leases_and_names_the_units_no_lease_reaches(tmp_path, mnist_dir):
-    plan = tiny_campaign(mnist_dir, lease={"device_seconds": 900, "start_seconds": 100, "overhead": 0.2})
+def test_the_state_speaks_in_leases_of_one_and_two_commands_from_speeds_measured_alone(
+    tmp_path, mnist_dir, monkeypatch
+):
+    """Each unit's rounds measured alone (not those of a job that ran several units at once), and an
+    evaluation's seconds from a job's profile line, give the card time left and the leases of one
+    and of two commands; the units no lease reaches are named."""
+    from fedmeta.profiling import MEASURED
+
+    monkeypatch.chdir(tmp_path)  # results/gpu/ here: the repository's measurements are not read
+    lease = {
+        "device_seconds": 900,
+        "start_seconds": 100,
+        "command_seconds": 500,
+        "between_commands_seconds": 50,
+        "command_overhead_seconds": 100,
+    }
+    plan = tiny_campaign(mnist_dir, lease=lease)
     kept = tmp_path / "kept"
-    for unit in campaign.units(plan, kept):  # every seed measured at 2 s a round, none begun
+    units = campaign.units(plan, kept)
+    for unit in units:  # every seed at 2 s a round alone, 9 s beside other units (round 1), none begun
         for folder in unit.folders(kept):
             folder.mkdir(parents=True)
-            (folder / "metrics.csv").write_text("round,round_seconds\n1,2.0\n2,zz\n")  # 'zz': skipped
-    state = campaign.status(plan, kept)
-    units = campaign.units(plan, kept)
-    seconds = sum(len(u.jobs) * u.rounds * 2.0 for u in units)  # one unit at a time (no job yet)
-    assert f"{len(units)} units need {seconds / 3600:.2f} h of a card" in state
-    assert (
-        f"about **{math.ceil(seconds / ((900 - 100) * 0.8))} leases**" in state
-        and "each 640 s of training" in state
+            (folder / "metrics.csv").write_text(
+                "round,round_seconds\n1,9.0\n2,2.0\n3,zz\n4,2.0\n"
+            )  # zz: skipped
+    kept.joinpath("jobs.jsonl").write_text(
+        json.dumps(
+            {
+                "id": "0123456789ab",
+                "started": "2026-12-01T00:00:00+00:00",
+                "hardware": "a card",
+                "budget_seconds": 500.0,
+                "seconds": 400.0,
+                "parallel": 2,
+                "units": {u.label: [[0] * len(u.jobs), [1] * len(u.jobs)] for u in units},
+                "carry_mib": 28.0,
+                "overrides": [],
+                "not_done": [],
+                "ended": True,
+            }
+        )
+        + "\n"
     )
+    logs = tmp_path / "results" / "gpu" / "jobs"
+    logs.mkdir(parents=True)
+    profiled = {
+        "unit": units[0].label,
+        "preset": "quick",
+        "date": "2026-12-01",
+        "seconds_per_seed_round": 5.0,
+    }
+    logs.joinpath("0123456789ab.log").write_text(
+        "machine: a card\n" + MEASURED + json.dumps(profiled | {"evaluation_seconds": 30.0}) + "\n"
+    )
+    state = campaign.status(plan, kept)
+    evaluations = [campaign._evaluations_left(u, 0) for u in units]  # the quick preset's, per unit
+    assert evaluations[0] >= 1
+    assert f"| 1 | rmnist-shards | {units[0].method} | to do | 2.0000 | {evaluations[0]} |" in state
+    seconds = sum(len(u.jobs) * u.rounds * 2.0 for u in units) + evaluations[0] * 30.0  # its own rounds
+    one, two = 500 - 100, 500 - 100 + (900 - 100 - 500 - 50 - 100)
+    assert (
+        f"{len(units)} units need {seconds / 3600:.2f} h of a card: **{math.ceil(seconds / one)} leases of one "
+        f"command, {math.ceil(seconds / two)} of two**" in state
+    )
+    assert f"trains {one} s in one command of 500 s" in state and f"and {two} s in two" in state
+    assert f"and {sum(evaluations[1:])} evaluations whose time is not measured yet" in state
     assert "Not reachable" not in state
     plan.not_in_leases = {"rmnist": "its data cannot travel"}
     state = campaign.status(plan, kept)
@@ -287,6 +339,51 @@ def test_the_state_speaks_in_leases_and_names_the_units_no_lease_reaches(tmp_pat
         in state
     )
     assert "nothing is left that a lease can reach" in state
+
+
+def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back(
+    tmp_path, mnist_dir, monkeypatch, capsys
+):
+    """``fedmeta campaign --profile``: the unit a job would run first (the one under way) is timed
+    alone, evaluated once and profiled; its ``measured alone`` line, kept in a job's log, is the
+    speed and evaluation time the state counts with; its kept runs are not touched."""
+    from fedmeta.profiling import MEASURED, profile_unit
+
+    monkeypatch.chdir(tmp_path)
+    plan = tiny_campaign(mnist_dir, methods=["local", "fedavg"])
+    kept = tmp_path / "kept"
+    local, fedavg = campaign.units(plan, kept)
+    folder = fedavg.folders(kept)[0]
+    folder.mkdir(parents=True)
+    (folder / "metrics.csv").write_text(
+        "round,round_seconds\n"
+    )  # under way, no checkpoint yet: nothing to refuse
+    torch.save({"round": 1}, tmp_path / "not-a-checkpoint")
+    before = sorted((p, p.stat().st_mtime_ns) for p in kept.rglob("*"))
+    label, overrides = campaign.next_unit(plan, kept, tmp_path / "runs", carry_mib=None)
+    profile_unit(label, plan.preset, overrides, seconds=600)
+    out = capsys.readouterr().out
+    assert sorted((p, p.stat().st_mtime_ns) for p in kept.rglob("*")) == before
+    assert not (tmp_path / "runs").exists()  # set up in memory: no run folder written
+    [line] = [line for line in out.splitlines() if line.startswith(MEASURED)]
+    measured = json.loads(line[len(MEASURED) :])
+    assert measured["unit"] == local.label  # the first unit: nothing is under way with a checkpoint
+    assert (
+        measured["seeds"] == 3
+        and measured["seconds_per_seed_round"] > 0
+        and measured["evaluation_seconds"] > 0
+    )
+    assert f"profile {local.label}: one round" in out and "TFLOP/s achieved" in out
+    logs = tmp_path / "results" / "gpu" / "jobs"
+    logs.mkdir(parents=True)
+    (logs / "0123456789ab.log").write_text(out)
+    [record] = campaign.alone_records("quick")
+    assert record["seconds_per_seed_round"] == measured["seconds_per_seed_round"]
+    assert campaign.alone_records("paper") == []  # another preset's units are other runs
+    assert (
+        f"| 1 | rmnist-shards | local | to do | {measured['seconds_per_seed_round']:.4f} |"
+        in campaign.status(plan, kept)
+    )
 
 
 @pytest.mark.parametrize(
@@ -302,6 +399,11 @@ def test_the_state_speaks_in_leases_and_names_the_units_no_lease_reaches(tmp_pat
         ("carry_mib: .nan", "carry_mib must be a size in MiB ≥ 0"),
         ("orders: [rmnist-shards]", "unknown setting 'orders'"),
         ("lease: {device_seconds: 60, start_seconds: 90, overhead: 0.1}", "lease must be"),
+        (
+            "lease: {device_seconds: 900, start_seconds: 45, command_seconds: 900, between_commands_seconds: 40, "
+            "command_overhead_seconds: 100}",
+            "lease must be",
+        ),
         ("methods: [bogus]", "names methods the preset paper lacks: ['bogus']"),
         ("methods: [local, local]", "methods lists local twice"),
     ],

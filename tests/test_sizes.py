@@ -21,6 +21,7 @@ LAYERS = (
     "grid",
     "bench",
     "census",
+    "profiling",
     "report",
     "tune",
     "config",
