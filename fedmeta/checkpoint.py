@@ -27,6 +27,7 @@ RESUMABLE = {
         "rounds",
         "eval_every",
         "checkpoint_every",
+        "checkpoint_minutes",
         "client_threads",
         "vectorize",
         "vectorize_lanes",

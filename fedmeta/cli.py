@@ -498,8 +498,11 @@ def _main(argv: list[str] | None) -> int:
         if args.command in ("table", "figures"):
             return _grid_command(args, argv if argv is not None else sys.argv[1:])
         return COMMANDS[args.command](args)
-    except RunStopped as exc:  # SIGTERM or output.stop_at: checkpointed, to be continued
-        print(f"fedmeta: {exc}", file=sys.stderr)
+    except RunStopped as exc:  # SIGTERM, Ctrl-C or output.stop_at: checkpointed, to be continued
+        said = str(exc)
+        if args.command == "train":
+            said = said.replace("output.resume=true", "output.resume=true (make train RESUME=1)")
+        print(f"fedmeta: {said}", file=sys.stderr)
         return RunStopped.EXIT_STATUS
     except FedmetaError as exc:
         print(f"fedmeta: error: {exc}", file=sys.stderr)
@@ -526,9 +529,12 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _train_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from omegaconf import OmegaConf
 
-    from fedmeta.config import compose
+    from fedmeta.assemble import seed_configs
+    from fedmeta.config import compose, run_name
 
     signal.signal(signal.SIGTERM, _stopped_while_starting)  # until the run's own Stopper takes over
     cfg = compose(args.overrides)
@@ -555,6 +561,8 @@ def _train_command(args: argparse.Namespace) -> int:
             )
             + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else "")
         )
+    folders = [Path(cfg.output.root) / run_name(one) for one in seed_configs(cfg)]
+    print(f"run folder: {folders[0]}" + (f" and {len(folders) - 1} more" if len(folders) > 1 else ""))
     return 0
 
 

@@ -599,6 +599,10 @@ def _validate_federation(cfg: DictConfig) -> None:
         f"federation.checkpoint_every must be ≥ 0 (0: only at the end), got {fed.checkpoint_every}",
     )
     _require(
+        fed.checkpoint_minutes >= 0,
+        f"federation.checkpoint_minutes must be ≥ 0 (0: by rounds only), got {fed.checkpoint_minutes}",
+    )
+    _require(
         0 < fed.held_out_fraction < 1,
         f"federation.held_out_fraction must be in (0, 1), got {fed.held_out_fraction}",
     )

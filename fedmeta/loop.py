@@ -134,15 +134,15 @@ def _evaluate_or_stop(
     trained: list[tuple[Run, dict]],
     runs: list[Run],
 ) -> list:
-    """The round's evaluation of ``evaluating`` — unless SIGTERM came during the round or comes
-    during the evaluation: then each trained run is checkpointed at this round with its row held
+    """The round's evaluation of ``evaluating`` — unless a stop (SIGTERM, Ctrl-C) came during the round
+    or comes during the evaluation: then each trained run is checkpointed at this round with its row held
     back (``pending_row``), the evaluation is left to the resume, and the run stops."""
     if not evaluating:
         return []
     tick = time.perf_counter()
     try:
         if stopper.signalled:
-            raise RunStopped("SIGTERM")
+            raise RunStopped(stopper.signalled)
         stopper.evaluating = True
         results = _evaluate(fabric, [run.federated for run in evaluating], cfg, engine, show_progress, round_)
     except RunStopped:
@@ -150,7 +150,7 @@ def _evaluate_or_stop(
         for run, row in trained:
             run.pending_row = row
             run.save_checkpoint(round_)
-        stop_runs(runs, round_, cfg.federation.rounds, "SIGTERM, before its evaluation", stopper)
+        stop_runs(runs, round_, cfg.federation.rounds, f"{stopper.signalled}, before its evaluation", stopper)
     stopper.evaluating = False
     stopper.evaluation_seconds = time.perf_counter() - tick
     return results
@@ -201,7 +201,11 @@ def _train(
         )
         for (run, row), result in zip(trained, results or [None] * len(trained)):
             _record(run, row, result, on_evaluation if len(runs) == 1 else None)
-            if round_ == fed.rounds or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0):
+            if (
+                round_ == fed.rounds
+                or (fed.checkpoint_every and round_ % fed.checkpoint_every == 0)
+                or (fed.checkpoint_minutes and time.monotonic() - run.saved_at >= 60 * fed.checkpoint_minutes)
+            ):
                 tick = time.perf_counter()
                 run.save_checkpoint(round_)
                 stopper.checkpoint_seconds = time.perf_counter() - tick

@@ -75,6 +75,7 @@ class Run:
         self.resumed_at = state["round"] if state else None
         self.first_round = (state["round"] + 1) if state else 1
         self.saved_round = state["round"] if state else None
+        self.saved_at = time.monotonic()  # checkpoints come by time too (federation.checkpoint_minutes)
         # the row of a round checkpointed before its evaluation, which the resume evaluates first
         self.pending_row: dict | None = self.history.get("pending_row")
         self.error: str | None = None
@@ -101,7 +102,7 @@ class Run:
                 "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
             },
         )
-        self.saved_round = round_
+        self.saved_round, self.saved_at = round_, time.monotonic()
 
     def fail(self, error: str) -> None:
         kept = (

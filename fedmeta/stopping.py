@@ -1,11 +1,12 @@
 """Stopping a run early at a round boundary, checkpointed, so that it resumes where it stopped:
-on SIGTERM and before a round that would end past ``output.stop_at`` (fedmeta.loop asks
+on SIGTERM, on Ctrl-C, and before a round that would end past ``output.stop_at`` (fedmeta.loop asks
 ``Stopper.reason`` before each round and calls ``stop_runs``)."""
 
 from __future__ import annotations
 
 import signal
 import statistics
+import sys
 import threading
 import time
 
@@ -42,39 +43,51 @@ class Stopper:
     complete, so nothing is lost."""
 
     MARGIN = 1.5  # a round may take longer than the median of the last ones
+    SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
 
     def __init__(self, stop_at: float | None):
-        self.stop_at, self.signalled, self.rounds_started = stop_at, False, False
-        self.evaluating = False  # a round's evaluation is under way: SIGTERM ends it, the round is kept
+        self.stop_at, self.rounds_started = stop_at, False
+        self.signalled: str | None = None  # the stop asked for: "SIGTERM" or "Ctrl-C"
+        self.evaluating = False  # a round's evaluation is under way: a stop ends it, the round is kept
         self.round_seconds: list[float] = []
         self.evaluation_seconds = self.checkpoint_seconds = 0.0
-        self._previous = None
+        self._previous: dict = {}
 
     def __enter__(self) -> Stopper:
         if threading.current_thread() is threading.main_thread():  # only the main thread takes signals
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous = {number: signal.signal(number, self._on_signal) for number in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
         self.restore()
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous = {}
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        name = self.SIGNALS[signum]
+        if signum == signal.SIGINT and self.signalled:  # a second Ctrl-C: at once, the round under way lost
+            self.restore()
+            raise KeyboardInterrupt
         if not self.rounds_started or self.signalled or self.evaluating:
-            self.signalled = True
+            self.signalled = name
             raise RunStopped(
-                "stopped by SIGTERM; the last checkpoint is kept: continue with output.resume=true"
+                f"stopped by {name}; the last checkpoint is kept: continue with output.resume=true"
             )
-        self.signalled = True  # the round under way finishes and is checkpointed
+        self.signalled = name  # the round under way finishes and is checkpointed
+        if signum == signal.SIGINT:
+            print(
+                "\nfedmeta: Ctrl-C: the round under way finishes and is checkpointed (Ctrl-C again: stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def reason(self, evaluating: bool) -> str | None:
         """Why the next round must not start, or None."""
         if self.signalled:
-            return "SIGTERM"
+            return self.signalled
         if self.stop_at is None:
             return None
         recent = self.round_seconds[-5:]

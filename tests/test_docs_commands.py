@@ -74,6 +74,7 @@ def make_runs(command: str) -> list[list[str]]:
     )
     assert dry.returncode == 0, dry.stderr
     lines = [shlex.split(line) for line in dry.stdout.replace("\\\n", " ").splitlines() if line.strip()]
+    lines = [line[: line.index("||")] if "||" in line else line for line in lines]  # `… || [ $? -eq 75 ]`
     return [line[1:] for line in lines if line and line[0].endswith("bin/fedmeta")]
 
 

@@ -3,6 +3,7 @@
 import contextlib
 import errno
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -18,7 +19,7 @@ from fedmeta.cli import main
 from fedmeta.config import compose
 from fedmeta.data.convert import _load_pickle
 from fedmeta.data.sources import _fingerprint, read_canonical
-from fedmeta.errors import FedmetaError
+from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.loop import train
 from fedmeta.runs import WANDB_INIT_TIMEOUT, atomic_write_text
 
@@ -330,6 +331,65 @@ def test_ctrl_c_is_one_line_exit_130_and_the_lock_is_released(tmp_path, mnist_di
         == "fedmeta: interrupted; resume with the same command and output.resume=true (make train RESUME=1)"
     )
     assert not list(tmp_path.rglob("*.lock"))
+
+
+def test_ctrl_c_finishes_the_round_checkpoints_it_and_the_resume_continues_from_there(
+    tmp_path, mnist_dir, capsys, monkeypatch
+):
+    """Ctrl-C (SIGINT) during a round: the round finishes and is checkpointed, as SIGTERM's stop is;
+    the stop line gives the make form; the same command with output.resume=true continues at the
+    next round and names the run folder at the end."""
+    import os
+    import signal
+
+    import fedmeta.loop
+
+    honest = fedmeta.loop.federated_rounds
+
+    def ctrl_c_in_round_2(runs, round_, *args, **kwargs):
+        if round_ == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered to the Stopper's handler, mid-round
+        return honest(runs, round_, *args, **kwargs)
+
+    monkeypatch.setattr(fedmeta.loop, "federated_rounds", ctrl_c_in_round_2)
+    args = run_args(
+        tmp_path, mnist_dir, "federation.rounds=4", "federation.eval_every=4", "federation.checkpoint_every=0"
+    )
+    assert main(args) == RunStopped.EXIT_STATUS
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("Ctrl-C: the round under way finishes and is checkpointed" in line for line in err)
+    assert err[-1].startswith("fedmeta: stopped after round 2 of 4 (Ctrl-C); checkpointed in ")
+    assert err[-1].endswith("continue with output.resume=true (make train RESUME=1)")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    monkeypatch.setattr(fedmeta.loop, "federated_rounds", honest)
+    assert main([*args, "output.resume=true"]) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "rmnist-shards" / "local" / "seed0"
+    assert json.loads((run / "summary.json").read_text())["resumed_at_round"] == 2
+    assert out.strip().splitlines()[-1] == f"run folder: {run}"
+
+
+@pytest.mark.parametrize("minutes, resumed_at", [(1e-9, 2), (0, None)])
+def test_checkpoints_come_by_time_as_well_as_by_rounds(tmp_path, mnist_dir, monkeypatch, minutes, resumed_at):
+    """With checkpoints every 50 rounds, a run stopped at once in round 3 (a second Ctrl-C) resumes
+    from round 2 when a checkpoint is due by time after every round, from nothing without."""
+    import fedmeta.loop
+
+    honest = fedmeta.loop.federated_rounds
+
+    def stopped_in_round_3(runs, round_, *args, **kwargs):
+        if round_ == 3:
+            raise KeyboardInterrupt
+        return honest(runs, round_, *args, **kwargs)
+
+    args = [*QUICK, f"dataset.dir={mnist_dir}", f"output.root={tmp_path}", "federation.rounds=4"]
+    args += [f"federation.checkpoint_minutes={minutes}", "federation.checkpoint_every=50"]
+    monkeypatch.setattr(fedmeta.loop, "federated_rounds", stopped_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(compose(args), show_progress=False)
+    monkeypatch.setattr(fedmeta.loop, "federated_rounds", honest)
+    summary = train(compose([*args, "output.resume=true"]), show_progress=False)
+    assert summary["resumed_at_round"] == resumed_at and summary["rounds"] == 4
 
 
 def test_files_others_read_are_refused_or_skipped_in_one_line(tmp_path, capsys, caplog, monkeypatch):
