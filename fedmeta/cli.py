@@ -500,6 +500,9 @@ def _main(argv: list[str] | None) -> int:
         return COMMANDS[args.command](args)
     except RunStopped as exc:  # SIGTERM, Ctrl-C or output.stop_at: checkpointed, to be continued
         said = str(exc)
+        if args.command == "tune":  # a trial's run stopped: the study continues from its database
+            print("\nfedmeta: interrupted; run the same command again: the study continues", file=sys.stderr)
+            return RunStopped.EXIT_STATUS
         if args.command == "train":
             said = said.replace("output.resume=true", "output.resume=true (make train RESUME=1)")
         print(f"fedmeta: {said}", file=sys.stderr)
