@@ -55,7 +55,12 @@ class Stopper:
 
     def __enter__(self) -> Stopper:
         if threading.current_thread() is threading.main_thread():  # only the main thread takes signals
-            self._previous = {number: signal.signal(number, self._on_signal) for number in self.SIGNALS}
+            self._previous = {
+                number: signal.signal(number, self._on_signal)
+                for number in self.SIGNALS
+                if signal.getsignal(number)
+                is not signal.SIG_IGN  # a process told to ignore Ctrl-C keeps to it
+            }
         return self
 
     def __exit__(self, *exc) -> None:

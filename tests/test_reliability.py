@@ -352,6 +352,9 @@ def test_ctrl_c_finishes_the_round_checkpoints_it_and_the_resume_continues_from_
         return honest(runs, round_, *args, **kwargs)
 
     monkeypatch.setattr(fedmeta.loop, "federated_rounds", ctrl_c_in_round_2)
+    before = signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # a terminal's (a test worker ignores it)
     args = run_args(
         tmp_path, mnist_dir, "federation.rounds=4", "federation.eval_every=4", "federation.checkpoint_every=0"
     )
@@ -361,6 +364,7 @@ def test_ctrl_c_finishes_the_round_checkpoints_it_and_the_resume_continues_from_
     assert err[-1].startswith("fedmeta: stopped after round 2 of 4 (Ctrl-C); checkpointed in ")
     assert err[-1].endswith("continue with output.resume=true (make train RESUME=1)")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    signal.signal(signal.SIGINT, before)
     monkeypatch.setattr(fedmeta.loop, "federated_rounds", honest)
     assert main([*args, "output.resume=true"]) == 0
     out = capsys.readouterr().out
