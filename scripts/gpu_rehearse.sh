@@ -177,28 +177,29 @@ open(path, "w").write(yaml.safe_dump(plan, sort_keys=False, allow_unicode=True))
 PY
 
 # The jobs sized from a round measured now, under whatever load the machine has: the unit job 1 runs
-# first, set up and timed alone (fedmeta campaign --profile). A job must start (the wheels, the
-# campaign's import, the unit's process: about three process starts), train at least 2 rounds (at
-# the stop's margin, 1.5 rounds each) and keep its reserve; job 1, killed at 2/3 of its time or
+# first, set up and timed alone on one thread, as a job's runs are (fedmeta campaign --profile). A
+# job must start (the wheels, the campaign's import, the unit's process: about three process
+# starts), make its recording (the first round), train at least 2 more rounds (at the stop's
+# margin, 1.5 rounds each) and keep its reserve; job 1, killed at 2/3 of its time or
 # later, must have checkpointed first (a checkpoint every round). Unless SECONDS_GIVEN is set.
 if [ -z "${SECONDS_GIVEN:-}" ]; then
   # shellcheck disable=SC2086  # the overrides are words
-  measured=$(cd "$DEV" && timeout 150 "$DEV_PY" -m fedmeta.cli campaign --profile 120 ${CAMPAIGN_ARGS-$SMALL} 2>/dev/null \
-    | sed -n 's/^measured alone: //p' | tail -n 1)
-  read -r START ROUND < <("$DEV_PY" -c "import json, sys
+  measured=$(cd "$DEV" && OMP_NUM_THREADS=1 timeout 150 "$DEV_PY" -m fedmeta.cli campaign --profile 120 \
+    ${CAMPAIGN_ARGS-$SMALL} 2>/dev/null | sed -n 's/^measured alone: //p' | tail -n 1)
+  read -r START FIRST ROUND < <("$DEV_PY" -c "import json, sys
 m = json.loads(sys.argv[1] or '{}')
-print(m.get('start_seconds', 0), m.get('seconds_per_seed_round', 0) * m.get('seeds', 1))" "$measured" 2>/dev/null)
+print(m.get('start_seconds', 0), m.get('first_round_seconds', 0), m.get('seconds_per_seed_round', 0) * m.get('seeds', 1))" "$measured" 2>/dev/null)
   if [ -z "${ROUND:-}" ] || [ "$ROUND" = 0 ]; then
     say "the rehearsal could not time a round here within 150 s (fedmeta campaign --profile 120 in $DEV): the machine is too loaded to rehearse a lease; try again when it is quieter, or set SECONDS_GIVEN"
     exit 1
   fi
-  read -r SECONDS_GIVEN KILL_AT < <(awk -v s="$START" -v r="$ROUND" 'BEGIN {
-    job = 1.3 * (3 * s + 2 * 1.5 * r + 30); kill = 1.3 * (3 * s + 2 * r)
+  read -r SECONDS_GIVEN KILL_AT < <(awk -v s="$START" -v f="$FIRST" -v r="$ROUND" 'BEGIN {
+    job = 1.3 * (3 * s + f + 2 * 1.5 * r + 30); kill = 1.3 * (3 * s + f + r)
     if (job < kill / 0.85) job = kill / 0.85
     if (job < 150) job = 150
     if (kill < job * 2 / 3) kill = job * 2 / 3
     printf "%d %d\n", job + 0.999, kill }')
-  say "measured here, now (load $(cut -d' ' -f1 /proc/loadavg)): a process starts in $START s, a round takes $ROUND s: jobs of $SECONDS_GIVEN s, the first killed at $KILL_AT s"
+  say "measured here, now (load $(cut -d' ' -f1 /proc/loadavg)): a process sets up in $START s, its first round takes $FIRST s and the next $ROUND s: jobs of $SECONDS_GIVEN s, the first killed at $KILL_AT s"
   LIMIT=$(( ${COMMAND_LIMIT:-600} - 10 ))
   if [ "$SECONDS_GIVEN" -gt "$LIMIT" ]; then
     say "a job here would need $SECONDS_GIVEN s to train 2 rounds, past a lease's $LIMIT s: the machine is too loaded to rehearse one; try again when it is quieter"
