@@ -585,6 +585,7 @@ def _run_pool(
 
     def execute(job: Job) -> str | None:
         log = logs / f"{job.label.replace('/', '-')}.log"
+        tqdm.write(f"started {job.label}: its output in {log}")  # a run may take minutes to its first round
         with open(log, "w") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
