@@ -737,7 +737,7 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
     not_in_leases = dict(campaign.get("not_in_leases") or {})
     states = left["states"]
     lines = [
-        f"**{states['done']} units done, {states['under way']} under way, {states['to do']} to do.** A "
+        f"**{_count(states['done'], 'unit')} done, {states['under way']} under way, {states['to do']} to do.** A "
         f"lease ({lease_plan['device_seconds']} s of device time, the machine's start "
         f"{lease_plan['start_seconds']} s) trains {one:.0f} s in one command of {lease_plan['command_seconds']} s "
         f"(less {lease_plan['command_overhead_seconds']} s of the job's own: setup, the first unit's start, the "
@@ -752,8 +752,9 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
             lines.append(f"- **{name}:** nothing is left that a lease can reach.")
             continue
         projection = (
-            f"{part['units']} units need {part['seconds'] / 3600:.2f} h of a card: "
-            f"**{math.ceil(part['seconds'] / one)} leases of one command, {math.ceil(part['seconds'] / two)} of two**"
+            f"{_count(part['units'], 'unit')} need {part['seconds'] / 3600:.2f} h of a card: "
+            f"**{_count(math.ceil(part['seconds'] / one), 'lease')} of one command, "
+            f"{math.ceil(part['seconds'] / two)} of two**"
             if part["units"]
             else "no unit measured alone yet: no projection"
         )
@@ -776,6 +777,10 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
             f"({', '.join(sorted({u.setting for u in left_units}))}): {not_in_leases[dataset]}.",
         ]
     return lines
+
+
+def _count(count: int, thing: str) -> str:
+    return f"{count} {thing}{'' if count == 1 else 's'}"
 
 
 def _evaluations_left(unit: Unit, done: int) -> int:

@@ -326,8 +326,9 @@ def test_the_state_speaks_in_leases_of_one_and_two_commands_from_speeds_measured
     seconds = sum(len(u.jobs) * u.rounds * 2.0 for u in units) + evaluations[0] * 30.0  # its own rounds
     one, two = 500 - 100, 500 - 100 + (900 - 100 - 500 - 50 - 100)
     assert (
-        f"{len(units)} units need {seconds / 3600:.2f} h of a card: **{math.ceil(seconds / one)} leases of one "
-        f"command, {math.ceil(seconds / two)} of two**" in state
+        f"{len(units)} units need {seconds / 3600:.2f} h of a card: "
+        f"**{campaign._count(math.ceil(seconds / one), 'lease')} of one command, {math.ceil(seconds / two)} of two**"
+        in state
     )
     assert f"trains {one} s in one command of 500 s" in state and f"and {two} s in two" in state
     assert f"and {sum(evaluations[1:])} evaluations whose time is not measured yet" in state
