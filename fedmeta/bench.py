@@ -19,6 +19,7 @@ import os
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -178,6 +179,20 @@ def profile_round(run_round) -> list[dict]:
     ]
 
 
+def device_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Seconds a call takes, the device's queued work included (synchronized on a GPU)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        sync()
+        tick = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - tick
+
+    return timed
+
+
 def stacked_runs(overrides: list[str]) -> tuple[DictConfig, object, list]:
     """The config of ``overrides`` (loggers off), its Fabric, and one ``Federated`` per seed, set up
     as ``fedmeta train`` sets them up (``seeds=[…]``: several, stepped in lockstep)."""
@@ -212,15 +227,8 @@ def measure_round(
     from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds
 
     cfg, fabric, runs = stacked_runs(overrides)
-    synchronize = torch.cuda.synchronize if fabric.device.type == "cuda" else (lambda: None)
     fed, engine = cfg.federation, make_engine(cfg, fabric.device)
-
-    def timed(fn) -> float:
-        synchronize()
-        tick = time.perf_counter()
-        fn()
-        synchronize()
-        return time.perf_counter() - tick
+    timed = device_timer(fabric.device)
 
     def round_(r: int, run_engine: Engine = engine) -> None:
         federated_rounds(runs, r, fed.clients_per_round, engine=run_engine)

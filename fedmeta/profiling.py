@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 
 import torch
 
-from fedmeta.bench import stacked_runs
+from fedmeta.bench import device_timer, stacked_runs
 from fedmeta.campaign import MEASURED
 
 TOP_KERNELS = 20
@@ -64,7 +64,7 @@ def profile_unit(
     cfg, fabric, runs = stacked_runs(overrides)
     engine = make_engine(cfg, fabric.device)
     cuda = fabric.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    timed = device_timer(fabric.device)
     clients, seeds = cfg.federation.clients_per_round, len(runs)
     measured = {
         "unit": label,
@@ -75,13 +75,6 @@ def profile_unit(
     }
     started = process_seconds()
     round_number = 0
-
-    def timed(fn) -> float:
-        sync()
-        tick = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - tick
 
     def next_round(run_engine=engine) -> None:
         nonlocal round_number
