@@ -734,10 +734,10 @@ def _campaign_command(args: argparse.Namespace) -> int:
         if found is None:
             print("profile: no unfinished unit whose data is here")
             return 0
-        from fedmeta.profiling import profile_unit
+        from fedmeta.profiling import process_seconds, profile_unit
 
         label, overrides = found
-        profile_unit(label, plan.preset, overrides, args.profile)
+        profile_unit(label, plan.preset, overrides, args.profile - process_seconds())  # the start is in it
         return 0
     if args.carry_mib is not None and not (math.isfinite(args.carry_mib) and args.carry_mib >= 0):
         raise FedmetaError(f"--carry-mib must be a size in MiB ≥ 0, got {args.carry_mib}")
