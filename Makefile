@@ -27,7 +27,7 @@ $(VENV)/.ready: pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	touch $@
 
-train: install  # a stop on purpose (Ctrl-C, SIGTERM), checkpointed (exit 75), is not make's error
+train: install  # the run stopped on purpose (SIGTERM, its deadline), checkpointed (exit 75), is not make's error
 	$(BIN)/fedmeta train $(TRAIN_ARGS) || [ $$? -eq 75 ]
 
 config: install
