@@ -510,26 +510,59 @@ def log_report(
 
 
 MIN_EVALUATIONS = 3  # a convergence curve needs this many evaluated rounds to be drawn
+PANEL_METHODS = 8  # more methods than this in one figure: one row of panels per family
 MARKERS = "osD^vP*Xh<>p"
+# the project's method: drawn in every family's row, in one look, as the common yardstick
+REFERENCE = "cafeme"
+REFERENCE_LOOK = {"color": "black", "marker": "o", "linestyle": "-"}
+OTHER = "other"  # the family of a method FAMILIES does not name: drawn in a row of its own, never left out
+FAMILIES = {  # family → its methods (a variant, "fedrep-tuned", is its method's); the rows of a crowded figure
+    "meta-learning": ("cafeme", "perfedavg", "fedmeta_maml", "fedmeta_metasgd", "pfedme"),
+    "a global model, fine-tuned or regularized, or none (Local)": (
+        "fedavg",
+        "fedavg_ft",
+        "fedprox",
+        "scaffold",
+        "feddyn",
+        "ditto",
+        "local",
+    ),
+    "a shared body, personal layers or prototypes": (
+        "fedrep",
+        "fedper",
+        "fedbabu",
+        "lgfedavg",
+        "fedbn",  # its batch norm stays with each client: personal layers, as FedPer's head
+        "fedrod",
+        "fedpac",
+        "fedproto",
+    ),
+    "clusters and interpolation": ("ifca", "ifca_ft", "apfl", "fedala"),
+}
 LINE_AND_BAND = (
-    "Line: the mean over seeds; band: ± 1 standard deviation over seeds (none where a method has one seed)."
+    "Line: the mean over seeds (a method with one point: a marker alone); band: ± 1 standard deviation over "
+    "seeds, drawn only where a method has n ≥ 2 seeds (at a single point: a bar)."
 )
+POINT_AND_BAR = "Point: the mean over seeds; bar: ± 1 standard deviation over seeds, drawn only where n ≥ 2."
+
+
+def family(method: str) -> str:
+    """The family FAMILIES gives ``method`` (or the method it is a variant of); OTHER where none does."""
+    name = method.partition("-")[0]
+    return next((group for group, members in FAMILIES.items() if name in members), OTHER)
 
 
 def style(index: int) -> dict:
-    """Method ``index``'s colour, marker and line: 20 colours (tab20) × 12 markers, then dashes —
-    no two of a preset's methods alike, and curves that coincide still show both markers."""
-    return {
-        "color": matplotlib_colors()[index % 20],
-        "marker": MARKERS[index % len(MARKERS)],
-        "linestyle": ("-", "--", ":")[index // 20 % 3],
-    }
-
-
-def matplotlib_colors() -> list:
+    """The look of a panel's ``index``-th method besides the reference: 10 colours (tab10) × 12
+    markers, so no two of a panel's first 60 methods share both, and curves that coincide still
+    show both markers."""
     import matplotlib
 
-    return list(matplotlib.colormaps["tab20"].colors)
+    return {
+        "color": matplotlib.colormaps["tab10"].colors[index % 10],
+        "marker": MARKERS[index % len(MARKERS)],
+        "linestyle": ("-", "--", ":")[index // 60 % 3],
+    }
 
 
 def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path, kept: Path) -> list[Path]:
@@ -537,6 +570,20 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
     exist, and README.md beside them: each figure's caption (setting, budget, seeds, what the line
     and the band are, the runs that drew it). Returns the files written. A figure whose runs are
     gone is not drawn, and an old copy of it in ``out_dir`` is deleted."""
+    figures = draw(preset_name, preset, runs, out_dir, kept)
+    (out_dir / "README.md").unlink(missing_ok=True)
+    if figures.written:
+        (out_dir / "README.md").write_text(
+            f"# Figures of the preset `{preset_name}`\n\nWritten by `fedmeta figures --preset {preset_name}` from "
+            f"the kept runs in `{kept}/`.\n\n" + "\n".join(figures.captions)
+        )
+        figures.written.append(out_dir / "README.md")
+    return figures.written
+
+
+def draw(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path, kept: Path) -> _Figures:
+    """Every figure the preset's ``runs`` can draw, saved into ``out_dir``; returns them, each as its
+    matplotlib figure too (``figures``: file name → figure), with their captions."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -549,14 +596,7 @@ def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path
         figures.points(figure, xlabel)
     for figure, spec in SERIES.items():
         figures.series(figure, *spec)
-    (out_dir / "README.md").unlink(missing_ok=True)
-    if figures.written:
-        (out_dir / "README.md").write_text(
-            f"# Figures of the preset `{preset_name}`\n\nWritten by `fedmeta figures --preset {preset_name}` from "
-            f"the kept runs in `{kept}/`.\n\n" + "\n".join(figures.captions)
-        )
-        figures.written.append(out_dir / "README.md")
-    return figures.written
+    return figures
 
 
 SERIES = {  # figure → (x label, y label, a run's (x, y) sequence, which runs can draw it, what it shows)
@@ -594,9 +634,12 @@ class _Figures:
             kept,
         )
         self.methods = [m for m in preset.methods if any(m == method for _, method in runs)]
+        # the preset's CAFeMe, or its first variant of it where it has no plain one (published: the authors')
+        self.reference = next((m for m in self.methods if m.partition("-")[0] == REFERENCE), None)
         self.table_settings = [name for name, s in preset.settings.items() if s.grid == "table"]
         self.captions: list[str] = []
         self.written: list[Path] = []
+        self.figures: dict = {}  # file name → its matplotlib figure, closed but whole: what tests read
 
     def drawn(self, settings: list[str], among=None) -> list[tuple[str, str, list[dict]]]:
         return [
@@ -606,7 +649,39 @@ class _Figures:
             if self.runs.get((setting, method)) and (among is None or among(self.runs[(setting, method)]))
         ]
 
-    def caption(self, name: str, what: str, cells: list[tuple[str, str, list[dict]]], shown: str) -> str:
+    def rows(self, cells) -> list[tuple[str, list[str]]]:
+        """(family, its methods) per row of panels: one row of every method when they fit one panel,
+        else a row per family present, the reference first in each."""
+        methods = [m for m in self.methods if any(m == method for _, method, _ in cells)]
+        if len(methods) <= PANEL_METHODS:
+            return [("", methods)]
+        grouped = defaultdict(list)
+        for method in methods:
+            if method != self.reference:
+                grouped[family(method)].append(method)
+        first = [self.reference] if self.reference in methods else []
+        return [(name, first + grouped[name]) for name in (*FAMILIES, OTHER) if grouped[name]]
+
+    def look(self, method: str, members: list[str]) -> dict:
+        if method == self.reference:
+            return dict(REFERENCE_LOOK)
+        return style([m for m in members if m != self.reference].index(method))
+
+    def grid(self, rows, columns: int, width: float = 4.8):
+        """A panel per row and column, ``width`` inches wide; save() widens the figure for the legends."""
+        import matplotlib.pyplot as plt
+
+        # a row holds its legend beside it: tall enough for every entry (0.19 in at 8 pt)
+        height = max(3.4, 0.19 * max(len(members) for _, members in rows) + 1.2)
+        return plt.subplots(
+            len(rows),
+            columns,
+            figsize=(width * columns, height * len(rows) + 0.5),
+            squeeze=False,
+            layout="constrained",
+        )
+
+    def caption(self, name: str, what: str, cells, shown: str, rows) -> str:
         rounds = sorted({s["rounds"] for _, _, summaries in cells for s in summaries})
         clients = sorted({s.get("new_clients") for _, _, summaries in cells for s in summaries} - {None})
         seeds = "; ".join(
@@ -622,37 +697,111 @@ class _Figures:
         return (
             f"## {name}\n\n{what} Budget: {', '.join(map(str, rounds))} rounds"
             f"{'' if len(rounds) == 1 else ' (as each run states)'}; each run's accuracy is the mean over its "
-            f"{'/'.join(map(str, clients))} new clients. {shown} Seeds per method — "
+            f"{'/'.join(map(str, clients))} new clients. {shown}{self.notes(cells, rows)} Seeds per method — "
             f"{seeds}.\n\nDrawn from {total} runs in `{self.kept}/<setting>/<method>/seed*/` by "
             f"`fedmeta figures --preset {self.preset_name}`.\n"
         )
 
-    def save(self, fig, name: str, axes, what: str, cells, shown: str = LINE_AND_BAND) -> None:
+    def notes(self, cells, rows) -> str:
+        """The caption's sentences on the rows of families, the methods with one seed and those not drawn."""
+        said = ""
+        if len(rows) > 1 or rows[0][0]:
+            families = "; ".join(
+                f"{name}: {', '.join(self.label(m) for m in members if m != self.reference)}"
+                for name, members in rows
+            )
+            said += (
+                f" More than {PANEL_METHODS} methods: one row of panels per family of methods — {families}"
+            )
+            if self.reference:
+                said += f" — with {self.label(self.reference)} (black circles) in every row as the common reference"
+            said += "; colours and markers are a row's own, no two methods of a panel alike in both."
+        single = [f"{self.label(m)} ({st})" for st, m, done in cells if len(done) == 1]
+        if single:
+            said += f" One seed (n = 1: no band or bar): {', '.join(single)}."
+        drawn = {m for _, m, _ in cells}
+        absent = [self.label(m) for m in self.preset.methods if m not in drawn]
+        if absent:
+            said += f" Not drawn (no finished run here, or left out as said above): {', '.join(absent)}."
+        return said
+
+    def headline(self, cells, mark: str) -> str:
+        """The figure's title: the preset and budget, the methods drawn where only a few of the preset's
+        are, and what the spread is, with how many methods have one seed (the caption names them)."""
+        drawn = list(dict.fromkeys(m for _, m, _ in cells))
+        title = f"{self.preset_name}: {self.budget_of(cells)}"
+        others = len(self.preset.methods) - len(drawn)
+        if len(drawn) <= 2 and others:  # a figure of one or two methods says so, lest it read as the preset's
+            title += (
+                f"; {' and '.join(self.label(m) for m in drawn)} only, the preset's other "
+                f"{others} method{'s' if others > 1 else ''} not drawn"
+            )
+        single = list(dict.fromkeys(m for _, m, done in cells if len(done) == 1))
+        if all(len(done) == 1 for _, _, done in cells):
+            spread = f"one seed each (n = 1): the mean of one run, no {mark}"
+        elif single:
+            names = (
+                ", ".join(map(self.label, single))
+                if len(single) <= 2
+                else f"{len(single)} methods, in the caption"
+            )
+            spread = f"mean ± 1 std over seeds ({mark} where n ≥ 2; n = 1, no {mark}: {names})"
+        else:
+            spread = f"mean ± 1 std over seeds ({mark} where n ≥ 2: every method here)"
+        return f"{title}\n{spread}"
+
+    def save(self, fig, name: str, axes, rows, what: str, cells, shown: str = LINE_AND_BAND) -> None:
         import matplotlib.pyplot as plt
 
-        fig.suptitle(f"{self.preset_name}: {self.budget_of(cells)}, mean ± 1 std over seeds", fontsize=10)
-        fig.tight_layout()
-        handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
-        # beside the panels, never over the data; the saved image widens to hold it
-        fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+        longest = 0
+        for (family_name, _), row in zip(rows, axes):
+            handles = {label: h for ax in row for h, label in zip(*ax.get_legend_handles_labels())}
+            # each row's legend beside its last panel: never over the data, never taller than its row
+            row[-1].legend(
+                handles.values(),
+                handles.keys(),
+                loc="center left",
+                bbox_to_anchor=(1.02, 0.5),
+                fontsize=8,
+                title=family_name or None,
+                title_fontsize=8,
+                alignment="left",
+            )
+            longest = max(longest, len(family_name), *map(len, handles))
+        # the figure widens by the legend's width (≈ 0.06 in a character at 8 pt), the panels keep theirs
+        fig.set_size_inches(fig.get_size_inches()[0] + 0.06 * longest + 0.6, fig.get_size_inches()[1])
+        fig.suptitle(self.headline(cells, "bar" if shown == POINT_AND_BAR else "band"), fontsize=10)
         fig.savefig(self.out_dir / name, dpi=120, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
+        self.figures[name] = fig
         self.written.append(self.out_dir / name)
-        self.captions.append(self.caption(name, what, cells, shown))
+        self.captions.append(self.caption(name, what, cells, shown, rows))
 
     def label(self, method: str, note: str = "") -> str:
         folders = [s["folder"] for (_, m), done in self.runs.items() if m == method for s in done]
         return method_label(method, folders) + note
 
-    def band(self, ax, xs, samples_per_x, method, note: str = "") -> None:
-        """Mean over seeds with a ±1 std band (none where one seed is all there is)."""
+    def band(self, ax, xs, samples_per_x, method, look: dict, note: str = "") -> None:
+        """The mean over seeds: a line through two points or more, a marker alone at one (its legend a
+        marker too); ±1 std around it only where there are two seeds or more."""
         means = np.array([100 * np.mean(v) for v in samples_per_x])
-        stds = np.array([100 * np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in samples_per_x])
-        index = self.methods.index(method)
-        look = style(index)
-        every = max(1, len(xs) // 8)  # markers staggered: methods whose curves coincide stay visible
-        ax.plot(xs, means, ms=4, markevery=(index % every, every), label=self.label(method, note), **look)
-        ax.fill_between(xs, means - stds, means + stds, color=look["color"], alpha=0.12)
+        label = self.label(method, note)
+        if len(xs) < 2:
+            ax.plot(xs, means, ms=6, label=label, gid=method, **{**look, "linestyle": "none"})
+        else:
+            every = max(1, len(xs) // 8)  # markers staggered: methods whose curves coincide stay visible
+            offset = self.methods.index(method) % every
+            ax.plot(xs, means, ms=4, markevery=(offset, every), label=label, gid=method, **look)
+        if min(len(v) for v in samples_per_x) < 2:
+            return
+        stds = np.array([100 * np.std(v, ddof=1) for v in samples_per_x])
+        if len(xs) < 2:  # a band around one point would be a line of no width
+            bars = ax.errorbar(xs, means, yerr=stds, fmt="none", ecolor=look["color"], capsize=3)
+            bars.lines[2][0].set_gid(f"spread {method}")
+        else:
+            ax.fill_between(
+                xs, means - stds, means + stds, color=look["color"], alpha=0.12, gid=f"spread {method}"
+            )
 
     @staticmethod
     def budget_of(cells) -> str:
@@ -662,72 +811,81 @@ class _Figures:
     def points(self, figure: str, xlabel: str) -> None:
         """A figure over the preset's categories (heterogeneity, images per client): a point with its
         spread per method and setting, side by side, never joined by lines."""
-        import matplotlib.pyplot as plt
-
-        runs, methods = self.runs, self.methods
-        axis = {k: v for k, v in self.preset[figure].items() if any((k, m) in runs for m in methods)}
+        axis = {
+            k: v for k, v in self.preset[figure].items() if any((k, m) in self.runs for m in self.methods)
+        }
         if len(axis) < 2:
             (self.out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
             return
-        fig, ax = plt.subplots(figsize=(7, 4.5))
         cells = self.drawn(list(axis))
-        for index, method in enumerate(methods):
-            points = [
-                (i, value, runs[(setting, method)])
-                for i, (setting, value) in enumerate(axis.items())
-                if (setting, method) in runs
-            ]
-            if not points:
-                continue
-            dodge = (index - (len(methods) - 1) / 2) * 0.6 / max(len(methods), 1)
-            xs = [i + dodge for i, _, _ in points]
-            accuracies = [[100 * s["accuracy"] for s in done] for _, _, done in points]
-            look = style(index)
-            ax.errorbar(
-                xs,
-                [np.mean(a) for a in accuracies],
-                yerr=[np.std(a, ddof=1) if len(a) > 1 else 0.0 for a in accuracies],
-                fmt=look["marker"],
-                color=look["color"],
-                ms=5,
-                capsize=2,
-                label=self.label(method),
-            )
-        ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
-        ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
-        ax.grid(alpha=0.3, axis="y")
+        rows = self.rows(cells)
+        fig, axes = self.grid(rows, 1, width=7)  # the categories side by side, each with a point per method
+        for (_, members), (ax,) in zip(rows, axes):
+            for index, method in enumerate(members):
+                dodge = (index - (len(members) - 1) / 2) * 0.6 / len(members)
+                self.point(ax, list(axis), method, dodge, self.look(method, members))
+            ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
+            ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
+            ax.grid(alpha=0.3, axis="y")
         self.save(
             fig,
             f"fig_{figure}.png",
-            [ax],
+            axes,
+            rows,
             f"New-client accuracy (%) after the shared personalization, against the {xlabel}: one point per "
             "method and setting, set side by side.",
             cells,
-            "Point: the mean over seeds; bar: ± 1 standard deviation over seeds (none where a method has one seed).",
+            POINT_AND_BAR,
         )
 
+    def point(self, ax, settings: list[str], method: str, dodge: float, look: dict) -> None:
+        """One method's points over the categories: a marker at the mean over seeds, a bar of ±1 std
+        where it has two seeds or more."""
+        done = [
+            (i + dodge, self.runs[(s, method)]) for i, s in enumerate(settings) if (s, method) in self.runs
+        ]
+        if not done:
+            return
+        xs = [x for x, _ in done]
+        accuracies = [[100 * s["accuracy"] for s in summaries] for _, summaries in done]
+        means = [np.mean(a) for a in accuracies]
+        ax.plot(xs, means, ms=5, label=self.label(method), gid=method, **{**look, "linestyle": "none"})
+        spread = [(x, m, np.std(a, ddof=1)) for x, m, a in zip(xs, means, accuracies) if len(a) > 1]
+        if spread:
+            x, mean, std = zip(*spread)
+            bars = ax.errorbar(x, mean, yerr=std, fmt="none", ecolor=look["color"], capsize=2)
+            bars.lines[2][0].set_gid(f"spread {method}")
+
     def series(self, figure: str, xlabel: str, ylabel: str, xy, among, what: str) -> None:
-        """A figure of curves (personalization steps, rounds), one panel per setting of the table."""
-        import matplotlib.pyplot as plt
+        """A figure of curves (personalization steps, rounds): a column of panels per setting of the
+        table, a row per family of methods where they are too many for one panel."""
+        from matplotlib.ticker import MaxNLocator
 
         cells = self.drawn(self.table_settings, among)
         present = list(dict.fromkeys(setting for setting, _, _ in cells))
         if not present:
             (self.out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
             return
-        fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4), squeeze=False)
-        for ax, setting in zip(axes[0], present):
-            for _, method, done in (c for c in cells if c[0] == setting):
-                curves = [xy(s) for s in done]
-                length = min(len(x) for x, _ in curves)
-                note = (
-                    " (step 0 after its own adaptation)"
-                    if figure == "personalization" and _adapts_first([s["folder"] for s in done])
-                    else ""
-                )
-                self.band(
-                    ax, curves[0][0][:length], list(zip(*(y[:length] for _, y in curves))), method, note
-                )
-            ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
-            ax.grid(alpha=0.3)
-        self.save(fig, f"fig_{figure}.png", axes[0], what, cells)
+        rows = self.rows(cells)
+        fig, axes = self.grid(rows, len(present))
+        shown = {(setting, method) for setting, method, _ in cells}
+        for (_, members), row in zip(rows, axes):
+            for ax, setting in zip(row, present):
+                for method in members:
+                    if (setting, method) not in shown:
+                        continue
+                    done = self.runs[(setting, method)]
+                    curves = [xy(s) for s in done]
+                    length = min(len(x) for x, _ in curves)
+                    note = (
+                        " (step 0 after its own adaptation)"
+                        if figure == "personalization" and _adapts_first([s["folder"] for s in done])
+                        else ""
+                    )
+                    samples = list(zip(*(y[:length] for _, y in curves)))
+                    self.band(ax, curves[0][0][:length], samples, method, self.look(method, members), note)
+                ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
+                # steps and rounds are counts: a tick at 2.5 would name none
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+                ax.grid(alpha=0.3)
+        self.save(fig, f"fig_{figure}.png", axes, rows, what, cells)

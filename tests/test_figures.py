@@ -1,12 +1,16 @@
 """Every figure committed under results/figures/ is what `fedmeta figures` draws from the committed
 runs today: redrawn here into a scratch folder, each PNG must match pixel for pixel and each caption
-file word for word, and no figure may be committed whose runs are gone."""
+file word for word, and no figure may be committed whose runs are gone. Then the rules that keep a
+figure readable with every method, read from the matplotlib artists of figures drawn from made-up
+runs: families in rows, no two methods of a panel alike, a marker for one point, no spread for one
+seed, integer ticks on counts."""
 
 from pathlib import Path
 
 import matplotlib.image
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from fedmeta import grid, report
 
@@ -38,3 +42,172 @@ def test_a_presets_figures_are_redrawn_from_its_committed_runs(folder, tmp_path,
             )
         else:
             assert path.read_text() == (folder / path.name).read_text()
+
+
+# The figures' rules, read from the matplotlib artists of figures drawn from made-up runs: a method's
+# line and marker carry its name as gid, its spread (band or bar) "spread <method>".
+
+
+def made_up_runs(tmp_path, methods, seeds=None, steps=None, rounds=(2, 4, 6), settings=("a", "b")):
+    """(setting, method) → summaries as report.collect gives them: ``seeds[method]`` runs (default 3),
+    a personalization curve of ``steps[method]`` + 1 points (default 10), evaluated at ``rounds``."""
+    runs = {}
+    for setting in settings:
+        for index, method in enumerate(methods):
+            runs[(setting, method)] = [
+                {
+                    "seed": seed,
+                    "accuracy": 0.5 + 0.01 * index + 0.02 * seed,
+                    "rounds": max(rounds),
+                    "new_clients": 5,
+                    "folder": tmp_path / "kept" / setting / method / f"seed{seed}",
+                    "curve": [
+                        0.3 + 0.01 * index + 0.02 * seed + 0.01 * k
+                        for k in range((steps or {}).get(method, 10) + 1)
+                    ],
+                    "metrics": [{"round": str(r), "eval_accuracy": str(0.4 + 0.01 * r)} for r in rounds],
+                }
+                for seed in range((seeds or {}).get(method, 3))
+            ]
+    return runs
+
+
+def drawn(tmp_path, methods, runs, heterogeneity=None):
+    preset = OmegaConf.create(
+        {
+            "methods": methods,
+            "settings": {"a": {"grid": "table"}, "b": {"grid": "table"}},
+            "heterogeneity": heterogeneity or {},
+            "images_per_client": {},
+        }
+    )
+    return report.draw("made_up", preset, runs, tmp_path / "figures", tmp_path / "kept")
+
+
+def curves(ax) -> dict:
+    """The panel's methods → their Line2D (its mean, line or marker alone)."""
+    return {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
+
+
+def spreads(fig) -> set[str]:
+    """The methods a band or a bar of ±1 std is drawn for, in any panel of ``fig``."""
+    return {
+        artist.get_gid().removeprefix("spread ")
+        for ax in fig.axes
+        for artist in ax.get_children()
+        if (artist.get_gid() or "").startswith("spread ")
+    }
+
+
+def legend_entries(fig) -> dict:
+    """Every legend's labels → their handles."""
+    return {
+        text.get_text(): handle
+        for ax in fig.axes
+        if ax.get_legend()
+        for text, handle in zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)
+    }
+
+
+EVERY_METHOD = sorted(p.stem for p in (ROOT / "configs" / "method").glob("*.yaml"))
+
+
+def test_every_shipped_method_has_a_family_and_an_unknown_one_lands_in_other():
+    named = [m for members in report.FAMILIES.values() for m in members]
+    assert sorted(named) == EVERY_METHOD and len(set(named)) == len(named)
+    assert report.family("fedrep-tuned") == report.family("fedrep") != report.OTHER
+    assert report.family("no_such_method") == report.OTHER
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory):
+    """Every shipped method and one no family names: more than a panel holds."""
+    tmp_path = tmp_path_factory.mktemp("crowded")
+    methods = [*EVERY_METHOD, "no_such_method"]
+    return methods, drawn(tmp_path, methods, made_up_runs(tmp_path, methods), {"a": "A", "b": "B"})
+
+
+def test_a_crowded_preset_is_drawn_a_row_per_family_with_cafeme_in_each(crowded):
+    methods, figures = crowded
+    fig = figures.figures["fig_personalization.png"]
+    grid = np.array(fig.axes).reshape(-1, 2)  # a row per family, a column per setting
+    families = [*report.FAMILIES, report.OTHER]
+    assert [row[-1].get_legend().get_title().get_text() for row in grid] == families
+    seen = []
+    for family, row in zip(families, grid):
+        for ax in row:
+            lines = curves(ax)
+            assert len(lines) <= report.PANEL_METHODS + 1
+            assert lines["cafeme"].get_color() == "black"  # the common reference, one look in every row
+            assert [report.family(m) for m in lines if m != "cafeme"] == [family] * (len(lines) - 1)
+        seen += [m for m in curves(row[0]) if m != "cafeme"]
+    assert sorted([*seen, "cafeme"]) == sorted(methods)  # none left out, none twice
+    assert "no_such_method" in curves(grid[-1][0])
+    fig.canvas.draw()
+    boxes = [ax.get_window_extent() for ax in fig.axes]
+    for row in grid:
+        legend = row[-1].get_legend().get_window_extent()
+        assert not any(legend.overlaps(box) for box in boxes)  # beside the panels, never over the data
+        assert legend.height <= fig.bbox.height / len(grid)  # never taller than its row
+    caption = next(c for c in figures.captions if c.startswith("## fig_personalization.png"))
+    assert "one row of panels per family" in caption and "no_such_method" in caption
+
+
+def test_no_two_methods_in_a_panel_share_colour_and_marker(crowded, tmp_path):
+    few = EVERY_METHOD[: report.PANEL_METHODS]  # all in one panel
+    for figures in (crowded[1], drawn(tmp_path, few, made_up_runs(tmp_path, few), {"a": "A", "b": "B"})):
+        assert len(figures.figures) == 3
+        for fig in figures.figures.values():
+            for ax in fig.axes:
+                looks = [(str(line.get_color()), line.get_marker()) for line in curves(ax).values()]
+                assert looks and len(set(looks)) == len(looks)
+
+
+def test_a_one_point_method_is_a_marker_and_its_legend_a_marker(tmp_path):
+    methods = ["cafeme", "fedavg", "fedrep"]
+    figures = drawn(tmp_path, methods, made_up_runs(tmp_path, methods, steps={"fedavg": 0}))
+    fig = figures.figures["fig_personalization.png"]
+    for ax in fig.axes:
+        assert curves(ax)["fedavg"].get_linestyle() == "None" and curves(ax)["fedavg"].get_marker() != "None"
+        assert curves(ax)["fedrep"].get_linestyle() == "-"
+    entries = legend_entries(fig)
+    assert entries["FedAvg"].get_linestyle() == "None" and entries["FedAvg"].get_marker() != "None"
+    assert entries["FedRep"].get_linestyle() == "-"
+
+
+def test_no_band_or_bar_where_a_method_has_one_seed_and_the_title_says_which(tmp_path):
+    methods = ["cafeme", "fedavg_ft", "local"]
+    runs = made_up_runs(tmp_path, methods, seeds={"local": 1})
+    figures = drawn(tmp_path, methods, runs, {"a": "A", "b": "B"})
+    for name, mark in (
+        ("fig_personalization.png", "band"),
+        ("fig_convergence.png", "band"),
+        ("fig_heterogeneity.png", "bar"),
+    ):
+        fig = figures.figures[name]
+        assert spreads(fig) == {"cafeme", "fedavg_ft"}
+        assert f"{mark} where n ≥ 2; n = 1, no {mark}: Local" in fig.get_suptitle()
+    assert all("One seed (n = 1: no band or bar): Local (a), Local (b)." in c for c in figures.captions)
+    one_seed = drawn(tmp_path, methods, made_up_runs(tmp_path, methods, seeds=dict.fromkeys(methods, 1)))
+    assert not spreads(one_seed.figures["fig_personalization.png"])
+    assert "one seed each (n = 1)" in one_seed.figures["fig_personalization.png"].get_suptitle()
+
+
+def test_round_and_step_axes_have_integer_ticks(tmp_path):
+    methods = ["cafeme", "local"]
+    figures = drawn(tmp_path, methods, made_up_runs(tmp_path, methods, steps=dict.fromkeys(methods, 3)))
+    for name in ("fig_convergence.png", "fig_personalization.png"):  # rounds 2, 4, 6; steps 0 … 3
+        for ax in figures.figures[name].axes:
+            ticks = ax.get_xticks()
+            assert len(ticks) >= 2 and np.array_equal(ticks, np.round(ticks))
+
+
+def test_a_title_names_the_methods_when_only_a_few_of_the_presets_are_drawn(tmp_path):
+    methods = ["cafeme", "fedavg", "local"]
+    runs = {key: done for key, done in made_up_runs(tmp_path, methods).items() if key[1] == "local"}
+    figures = drawn(tmp_path, methods, runs)
+    title = figures.figures["fig_convergence.png"].get_suptitle()
+    assert "Local only, the preset's other 2 methods not drawn" in title
+    assert (
+        "Not drawn (no finished run here, or left out as said above): CAFeMe, FedAvg." in figures.captions[-1]
+    )
