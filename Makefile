@@ -63,9 +63,10 @@ download: install
 	$(BIN)/fedmeta data download $(NAME) $(ARGS)
 
 # One worker process per core, one torch thread each (tests/conftest.py); a test file's tests share
-# a worker, so its module fixtures are built once. TEST_WORKERS=0 runs them all in this process.
+# a worker, so its module fixtures are built once; the files go out in conftest's order.
+# TEST_WORKERS=0 runs them all in this process.
 TEST_WORKERS ?= auto
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install      # the quick tier
 	$(PYTEST) -m "not slow"

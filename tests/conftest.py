@@ -30,8 +30,10 @@ for _variable, _folder in (
 ):
     os.environ[_variable] = os.path.join(_home, _folder)
 # Small batches: one thread is as fast as two on a quiet machine and far faster on a busy one
-# (OpenMP threads spin against any other load).
+# (OpenMP threads spin against any other load) — here, and in every process a test starts (runs of
+# a grid, a campaign or the bench, which would take a thread per core beside the other worker's).
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 _REAL_DATA = {data_dir().resolve(), (Path(__file__).resolve().parent.parent / "data").resolve()}
 _loaded: dict = {}
@@ -110,9 +112,29 @@ def _checkout_untouched(request):
         pytest.fail(f"{request.node.nodeid} changed the checkout's own files: {', '.join(changed[:5])}")
 
 
-# The files that take longest (Flower's processes, real grids, the bench, campaigns) go to the
-# workers first: handed out last, one of them would run alone while the other worker idles.
-LONGEST_FIRST = ["test_flower.py", "test_grid.py", "test_campaign.py", "test_bench.py", "test_distributed.py"]
+# The files that take longest go to the workers first (handed out last, one of them would run alone
+# while the other worker idles), those that start processes of their own (Flower's, grids' and
+# campaigns' runs, the bench's rows, killed and resumed runs) between those that train in-process,
+# so that the two workers' processes seldom outnumber the cores. pytest-xdist keeps this order only
+# with --no-loadscope-reorder (the Makefile's): by default it hands out the files with most tests first.
+LONGEST_FIRST = [
+    "test_flower.py",  # processes
+    "test_vectorize.py",
+    "test_training.py",
+    "test_grid.py",  # processes
+    "test_bench.py",  # processes
+    "test_real_datasets.py",
+    "test_campaign.py",  # processes
+    "test_properties.py",
+    "test_checkpoint.py",  # processes
+    "test_lanes.py",
+    "test_extending.py",  # processes
+    "test_baselines.py",
+    "test_distributed.py",  # processes
+    "test_zoo_methods.py",
+    "test_trust.py",  # processes
+    "test_census.py",
+]
 
 
 # make test's quick tier holds one representative of each family of per-method repetitions; the

@@ -6,7 +6,6 @@ import csv
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +18,9 @@ from fedmeta.loop import train  # noqa: E402
 
 pytestmark = pytest.mark.slow  # make test-all; make test skips it
 
-SMALL = [
-    "federation.rounds=3",
-    "federation.eval_every=3",
+SMALL = [  # two rounds: the second reads what the first left on the nodes and the server
+    "federation.rounds=2",
+    "federation.eval_every=2",
     "personalization.steps=3",
     "federation.num_new_clients=4",
     "model.conv_channels=[8,16]",
@@ -89,7 +88,7 @@ def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_pa
 
     summary = json.loads((run / "summary.json").read_text())
     assert abs(summary["accuracy"] - alone["accuracy"]) < 1e-6 and summary["new_clients"] == 4
-    assert (run / "metrics.csv").read_text().count("\n") == 4 and (run / "curves.csv").exists()
+    assert (run / "metrics.csv").read_text().count("\n") == 3 and (run / "curves.csv").exists()
 
 
 TINY_FEDERATION = [
@@ -107,10 +106,10 @@ TINY_FEDERATION = [
 
 def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monkeypatch):
     """A SuperLink and three SuperNodes as real processes on 127.0.0.1: CAFeMe runs 2 rounds on
-    them; then FedAvg-FT, with one node killed during its last round — its clients drop out (no
-    reply within the timeout), the other nodes' clients carry the round, the run finishes and
-    writes its summary from the new clients that remain. (Two rounds each: every message starts a
-    ClientApp process, and each round after the kill waits out the timeout.)"""
+    them with one node killed during the second — its clients drop out (no reply within the
+    timeout), the other nodes' clients carry the round, the run finishes and writes its summary
+    from the new clients that remain. (One run of two rounds: every message starts a ClientApp
+    process, and each exchange after the kill waits out the timeout.)"""
     import json
     import time
 
@@ -121,53 +120,38 @@ def test_deployment_on_loopback_survives_a_killed_node(tmp_path, mnist_dir, monk
     deployment = Deployment(nodes=3, folder=tmp_path, port=29391)
     deployment.start()
     try:
-
-        def run(method: str, kill_in_round: int | None = None) -> Path:
-            folder = tmp_path / "runs" / "rmnist-shards" / method / "seed0"
-            run_id = deployment.submit(
-                [f"method={method}", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION, *TWO_ROUNDS],
-                timeout=75,
-            )  # a node starts a process per message: ~30 s on a busy 2-core machine
-            if kill_in_round is None:
-                deployment.wait(run_id, folder / "summary.json", limit=420)
-                return folder
-            deadline = time.monotonic() + 420  # bounded: the test stops by itself
-            while not (folder / "summary.json").exists():
-                assert time.monotonic() < deadline, (
-                    f"no summary after 420 s: {sorted(p.name for p in tmp_path.glob('*.log'))}"
-                )
-                rounds = (
-                    (folder / "metrics.csv").read_text().count("\n") - 1
-                    if (folder / "metrics.csv").exists()
-                    else 0
-                )
-                if rounds == kill_in_round - 1 and deployment.supernodes[2].poll() is None:
-                    deployment.kill(deployment.supernodes[2])  # during round kill_in_round
-                time.sleep(0.5)
-            return folder
-
-        cafeme = run("cafeme")
-        summary = json.loads((cafeme / "summary.json").read_text())
-        assert summary["rounds"] == 2 and summary["new_clients"] == 3 and summary["accuracy"] > 0
-        traffic = json.loads((cafeme / "flower.json").read_text())
-        assert (
-            traffic["messages"] == 2 * 3 + 3
-            and traffic["model_bytes_sent"] > traffic["update_bytes_received"] > 0
-        )
-
-        fedavg_ft = run("fedavg_ft", kill_in_round=2)
-        rows = list(csv.DictReader(open(fedavg_ft / "metrics.csv")))
+        folder = tmp_path / "runs" / "rmnist-shards" / "cafeme" / "seed0"
+        deployment.submit(
+            ["method=cafeme", f"output.root={tmp_path / 'runs'}", *TINY_FEDERATION, *TWO_ROUNDS],
+            timeout=75,
+        )  # a node starts a process per message: ~30 s on a busy 2-core machine
+        deadline = time.monotonic() + 480  # bounded: the test stops by itself
+        while not (folder / "summary.json").exists():
+            assert time.monotonic() < deadline, (
+                f"no summary after 480 s: {sorted(p.name for p in tmp_path.glob('*.log'))}"
+            )
+            rounds = (
+                (folder / "metrics.csv").read_text().count("\n") - 1
+                if (folder / "metrics.csv").exists()
+                else 0
+            )
+            if rounds == 1 and deployment.supernodes[2].poll() is None:
+                deployment.kill(deployment.supernodes[2])  # during round 2
+            time.sleep(0.5)
+        rows = list(csv.DictReader(open(folder / "metrics.csv")))
         assert [int(r["round"]) for r in rows] == [1, 2]
-        assert sum(int(r["clients_dropped"]) for r in rows[1:]) >= 1  # the killed node's clients
-        summary = json.loads((fedavg_ft / "summary.json").read_text())
+        assert int(rows[1]["clients_dropped"]) >= 1  # the killed node's clients
         from fedmeta.assemble import build, make_fabric
 
-        cfg = compose(["method=fedavg_ft", *TINY_FEDERATION, *TWO_ROUNDS])
+        cfg = compose(["method=cafeme", *TINY_FEDERATION, *TWO_ROUNDS])
         federation, _ = build(make_fabric(cfg), cfg)
-        alive = [
-            c.id for c in federation.new_clients if c.id % 3 != 2
-        ]  # node 2 held the clients with ids ≡ 2 (mod 3)
-        assert summary["new_clients"] == len(alive) and summary["accuracy"] > 0
+        alive = [c.id for c in federation.new_clients if c.id % 3 != 2]  # node 2 held ids ≡ 2 (mod 3)
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["rounds"] == 2 and summary["new_clients"] == len(alive) and summary["accuracy"] > 0
+        # one message per client and round, one per new client whose node was still listed
+        traffic = json.loads((folder / "flower.json").read_text())
+        assert 2 * 3 + len(alive) <= traffic["messages"] <= 2 * 3 + 3
+        assert traffic["model_bytes_sent"] > traffic["update_bytes_received"] > 0
     finally:
         deployment.stop()
     assert all(p.poll() is not None for p in deployment.processes)
@@ -184,8 +168,6 @@ def test_local_differential_privacy_clips_every_update(tmp_path, mnist_dir):
         "method=fedavg_ft",
         f"dataset.dir={mnist_dir}",
         *SMALL,
-        "federation.rounds=2",
-        "federation.eval_every=2",
         f"output.root={tmp_path}",
     ]
     cfg = compose(overrides)

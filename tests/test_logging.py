@@ -6,11 +6,10 @@ final model."""
 import csv
 import json
 import shutil
-import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from wandb_files import read_run
+from wandb_files import read_written_run
 
 from fedmeta import report
 from fedmeta.config import compose
@@ -43,12 +42,7 @@ def test_wandb_and_tensorboard_hold_every_item(tmp_path, mnist_dir, monkeypatch)
 
     # W&B: one run per federation, named and grouped so that a group × job type is one method's seeds
     (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
-    logged = read_run(next(wandb_dir.glob("run-*.wandb")))
-    for _ in range(20):  # W&B's service may still be writing the file out when finish() returns
-        if "name" in logged:
-            break
-        time.sleep(1)
-        logged = read_run(next(wandb_dir.glob("run-*.wandb")))
+    logged = read_written_run(wandb_dir)
     assert (logged["name"], logged["group"], logged["job_type"]) == (
         "fedavg_ft-tuned-seed0",
         "rmnist-shards",
@@ -122,7 +116,7 @@ def test_wandb_and_tensorboard_hold_every_item(tmp_path, mnist_dir, monkeypatch)
     ]
     report.log_report("quick", preset, runs, written, cfg.wandb)
     (report_dir,) = (tmp_path / "runs" / "wandb").glob("offline-run-*")
-    logged = read_run(next(report_dir.glob("run-*.wandb")))
+    logged = read_written_run(report_dir)
     assert (logged["name"], logged["job_type"]) == ("report-quick", "report")
     (artifact,) = [a for a in logged["artifacts"] if a["type"] == "report"]
     assert sorted(artifact["files"]) == sorted(p.name for p in written) and any(

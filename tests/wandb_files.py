@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -79,3 +80,14 @@ def read_run(path: Path) -> dict:
             for item in record.stats.item:
                 out["stats"][item.key].append(json.loads(item.value_json))
     return out
+
+
+def read_written_run(folder: Path, wait: float = 60) -> dict:
+    """:func:`read_run` of the run file in ``folder`` once it holds the run's own record: W&B's
+    service may still be writing the file out when ``finish()`` returns (seconds on a busy machine)."""
+    deadline = time.monotonic() + wait
+    while True:
+        logged = read_run(next(folder.glob("run-*.wandb")))
+        if "name" in logged or time.monotonic() > deadline:
+            return logged
+        time.sleep(1)
