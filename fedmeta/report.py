@@ -219,7 +219,11 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
 
     def budget(setting: str) -> str:
         rounds = sorted({s["rounds"] for m in methods for s in runs.get((setting, m), [])})
-        return f"{'/'.join(map(str, rounds))} rounds" if rounds else "no runs"
+        trained = [str(r) for r in rounds if r]
+        if not trained:
+            return "no runs" if not rounds else "no rounds trained"
+        # a chain's scoring stage trains none: it scores the model of the stage before it
+        return f"{'/'.join(trained)} rounds" + ("; stages that only score: 0" if 0 in rounds else "")
 
     def at_paper_budget(summaries: list[dict], setting: str) -> bool:
         return bool(summaries) and all(s["rounds"] == paper_rounds[setting] for s in summaries)
@@ -240,7 +244,8 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
             "Meta-Dataset), so the paper's numbers are not set beside them: the difference would mostly measure "
             "the budget. "
         )
-        + "In bold: the best mean of each column within its block; tuned methods are a block of their own.",
+        + "In bold: the best mean among the cells of a column and block that share their rounds, their n and "
+        "their test-time procedure (a cell with no such peer is not bold); tuned methods are a block of their own.",
         "",
         f"Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{root}/`. The commands that ran its cells:",
         "",
@@ -261,7 +266,8 @@ def _table_block(
     block: str, members: list[str], settings: list[str], runs: dict, paper, budget, at_paper_budget
 ) -> list[str]:
     """One block of the table (the methods as configured, or the tuned ones): a row per method, the
-    best mean of each column in bold, the paper's number beside a cell at the paper's budget."""
+    best of each column's like-for-like cells in bold, the paper's number beside a cell at the
+    paper's budget."""
     lines = []
     if block:
         lines += [
@@ -276,18 +282,22 @@ def _table_block(
         + " | new clients' test-time procedure |",
         "|---|" + "---|" * len(settings) + "---|",
     ]
-    # each column's best mean as printed, within the block: means that print the same are tied, all bold
-    best = {
-        setting: max(
-            (
-                round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
-                for m in members
-                if runs.get((setting, m))
-            ),
-            default=None,
-        )
-        for setting in settings
-    }
+
+    # a cell is compared only with the cells of its column and block that share its rounds, its
+    # number of seeds and its test-time procedure; the best mean as printed of two or more is bold
+    # (means that print the same are tied, all bold)
+    def peers(setting: str, method: str) -> tuple:
+        summaries = runs[(setting, method)]
+        rounds = tuple(sorted({s["rounds"] for s in summaries}))
+        return setting, rounds, len(summaries), procedure([summaries[0]["folder"]])
+
+    compared = defaultdict(list)
+    for setting in settings:
+        for m in members:
+            if runs.get((setting, m)):
+                compared[peers(setting, m)].append(
+                    round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
+                )
     for method in members:
         cells = []
         for setting in settings:
@@ -296,7 +306,8 @@ def _table_block(
                 cells.append("–")
                 continue
             mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
-            value = f"**{mean:.2f}**" if round(mean, 2) == best[setting] else f"{mean:.2f}"
+            alike = compared[peers(setting, method)]
+            value = f"**{mean:.2f}**" if len(alike) > 1 and round(mean, 2) == max(alike) else f"{mean:.2f}"
             cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
             if method in paper.get(setting, {}) and at_paper_budget(summaries, setting):
                 paper_mean, paper_std = paper[setting][method]

@@ -419,8 +419,9 @@ def finished_run(folder: Path, accuracy: float, seed: int = 0, steps: int = 3, r
 def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, caplog):
     """table --no-run and figures without --run read the kept runs and write their own files, nothing
     else (no W&B run, not even W&B's default offline one), each bad summary said once. In the table,
-    bold marks each column's best mean (means that print the same: all of them), one seed shows no
-    spread, the runs without a recorded command are counted, and the caption's steps are those of the
+    bold marks the best mean among a column's cells of equal rounds, seeds and test-time procedure
+    (FedAvg and Per-FedAvg tie, both bold, against Local; IFCA, of two seeds, has no peer), one seed
+    shows no spread, the runs without a recorded command are counted, and the caption's steps are those of the
     methods that personalize (FedAvg's curve, first in the folder, has only step 0)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -452,7 +453,7 @@ def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, 
     rows = {
         line.split(" | ")[0].removeprefix("| "): line for line in table.splitlines() if line.startswith("| ")
     }
-    assert "**85.00** ± 7.07 (n=2)" in rows["IFCA"]
+    assert "| 85.00 ± 7.07 (n=2) |" in rows["IFCA"]
     assert "**85.00** (n=1)" in rows["FedAvg"] and "**85.00** (n=1)" in rows["Per-FedAvg"]
     assert "| 50.00 (n=1) |" in rows["Local"] and "**" not in rows["Local"]
     assert "± 0.00" not in table and "\n- command not recorded (5 runs)\n" in table
@@ -463,14 +464,15 @@ def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, 
 
 
 def test_the_table_sets_tuned_methods_apart_and_the_paper_beside_only_its_budget(tmp_path, monkeypatch):
-    """Tuned rows are a block of their own with their own bold; the paper's number and Δ appear only
-    beside a cell whose runs trained the paper's rounds; a command recorded afterwards says so."""
+    """Tuned rows are a block of their own, never bold against the others (nor a cell with no peer of
+    its rounds, seeds and procedure); the paper's number and Δ appear only beside a cell whose runs
+    trained the paper's rounds; a command recorded afterwards says so."""
     monkeypatch.chdir(tmp_path)
     kept = tmp_path / "results" / "runs" / "quick"
     finished_run(kept / "rmnist-shards" / "fedavg_ft" / "seed0", 0.80)
     finished_run(
         kept / "rmnist-shards" / "fedavg_ft-tuned" / "seed0", 0.95
-    )  # n=1, better: bold only in its block
+    )  # n=1, better: compared only within its block
     finished_run(kept / "rmnist-dirichlet" / "perfedavg" / "seed0", 0.70, rounds=1000)  # the paper's budget
     (kept / "rmnist-shards" / "fedavg_ft" / "seed0" / "command.txt").write_text(
         "fedmeta table --preset quick --datasets rmnist-shards --methods fedavg_ft --seeds 0\n"
@@ -479,11 +481,11 @@ def test_the_table_sets_tuned_methods_apart_and_the_paper_beside_only_its_budget
     assert main(["table", "--no-run"]) == 0
     table = (tmp_path / "results" / "TABLES.md").read_text()
     untuned, tuned = table.split("Tuned: ")[0], table.split("Tuned: ")[1].split("### Every cell")[0]
-    assert "**80.00** (n=1)" in untuned and "95.00" not in untuned
-    assert "**95.00** (n=1)" in tuned and "FedAvg-FT (tuned" in tuned
+    assert "| 80.00 (n=1) |" in untuned and "95.00" not in untuned and "**" not in untuned
+    assert "| 95.00 (n=1) |" in tuned and "FedAvg-FT (tuned" in tuned
     assert "| rmnist-shards (2 rounds) | rmnist-dirichlet (1000 rounds) |" in untuned
     perfedavg = next(line for line in untuned.splitlines() if line.startswith("| Per-FedAvg"))
-    assert "**70.00** (n=1)<br>paper 74.57 ± 3.12, Δ -4.57" in perfedavg
+    assert "| 70.00 (n=1)<br>paper 74.57 ± 3.12, Δ -4.57 |" in perfedavg
     fedavg_ft = next(line for line in untuned.splitlines() if line.startswith("| FedAvg-FT"))
     assert "paper" not in fedavg_ft  # 2 rounds: not the paper's budget
     assert "--methods fedavg_ft --seeds 0` (1 run; recorded afterwards:" in table
