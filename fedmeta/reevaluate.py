@@ -15,11 +15,11 @@ from fedmeta.errors import FedmetaError
 from fedmeta.rounds import Federated, evaluate_on_ranks
 from fedmeta.runs import RunLock, append_text, check_run_folder
 
-TEST_TIME_KEYS = {
-    "method.test_head_steps",
-    "method.lam",
-    "method.test_inner_steps",
-}  # method settings read only by new clients (FedRep, Ditto, FedMeta)
+
+def rescorable_keys(ranges: dict) -> set[str]:
+    """The method settings its file marks ``test_time: true`` in ``ranges``: new clients read them
+    (FedRep's head-only steps, Ditto's λ, FedMeta's own steps), so a re-scoring may change them."""
+    return {key for key, spec in ranges.items() if isinstance(spec, dict) and spec.get("test_time")}
 
 
 def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) -> dict:
@@ -33,16 +33,6 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
         raise FedmetaError(
             f"{run_dir} holds an unfinished run: finish it (output.resume=true), or evaluate its last "
             "checkpoint with --unfinished"
-        )
-    model_keys = [
-        o
-        for o in overrides
-        if not o.startswith("personalization.") and o.split("=", 1)[0] not in TEST_TIME_KEYS
-    ]
-    if model_keys:
-        raise FedmetaError(
-            f"evaluate changes only personalization.* settings and {', '.join(sorted(TEST_TIME_KEYS))} "
-            f"(the model is the run's): got {model_keys}"
         )
     saved = load_mapping(run_dir / "config.yaml", "the config.yaml fedmeta wrote for this run")
     try:
@@ -58,6 +48,16 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
             "it is not the config.yaml fedmeta wrote for this run"
         ) from None
     base, ranges = compose_with_choices(choices)
+    test_time = rescorable_keys(ranges)
+    model_keys = [
+        o for o in overrides if not o.startswith("personalization.") and o.split("=", 1)[0] not in test_time
+    ]
+    if model_keys:
+        its = f", and {saved.method.name}'s {', '.join(sorted(test_time))}" if test_time else ""
+        raise FedmetaError(
+            f"evaluate changes only personalization.* settings{its} (the model is the run's; a method "
+            f"file marks a setting new clients read with test_time: true in its ranges): got {model_keys}"
+        )
     named = OmegaConf.select(saved, "method.algorithm", default=None)
     if named is not None and named != base.method.algorithm:
         # A run folder is data: it may come from anyone, and its config must never choose code to import.
@@ -79,12 +79,12 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
         run_dir
     ).acquire()  # not while a training process writes the folder, nor two evaluations at once
     try:
-        return _evaluate_run(run_dir, cfg)
+        return _evaluate_run(run_dir, cfg, test_time)
     finally:
         lock.release()
 
 
-def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
+def _evaluate_run(run_dir: Path, cfg: DictConfig, test_time: set[str]) -> dict:
     fabric, federation, algorithm = setup(cfg)
     try:
         state = fabric.load(run_dir / "checkpoint.ckpt", weights_only=True)
@@ -99,7 +99,7 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
         run_dir / "checkpoint.ckpt",
         saved,
         cfg,
-        ignore=("personalization.", *(f"{key}:" for key in TEST_TIME_KEYS)),
+        ignore=("personalization.", *(f"{key}:" for key in test_time)),
     )
     try:
         algorithm.load_federation_state(state["federation"])
@@ -116,6 +116,8 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig) -> dict:
     )[0]
     record = {
         "personalization": OmegaConf.to_container(cfg.personalization),
+        # every method setting new clients read, changed or not: what scored this line
+        "method": {key.removeprefix("method."): OmegaConf.select(cfg, key) for key in sorted(test_time)},
         "accuracy": result.accuracy,
         "accuracy_std": result.accuracy_std,
         "curve": result.curve,

@@ -214,7 +214,7 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
         main(
             [
                 "train",
-                "method=perfedavg",
+                "method=ditto",
                 "federation.rounds=2",
                 "personalization.steps=4",
                 "model.conv_channels=[8,16]",
@@ -224,7 +224,7 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
         )
         == 0
     )
-    run = tmp_path / "rmnist-shards" / "perfedavg" / "seed0"
+    run = tmp_path / "rmnist-shards" / "ditto" / "seed0"
     summary = json.loads((run / "summary.json").read_text())
     progress = (
         capsys.readouterr().err
@@ -233,14 +233,19 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
 
     assert main(["evaluate", str(run)]) == 0  # the same procedure on the same model: the same numbers
     assert main(["evaluate", str(run), "personalization.lr=0.05"]) == 0
-    same, faster = [json.loads(line) for line in (run / "evaluations.jsonl").read_text().splitlines()]
+    # a setting Ditto's file marks test_time (its new clients read λ), and each line records it
+    assert main(["evaluate", str(run), "personalization.lr=0.05", "method.lam=2.0"]) == 0
+    same, faster, pulled = [json.loads(line) for line in (run / "evaluations.jsonl").read_text().splitlines()]
     assert same["curve"] == summary["curve"] and same["accuracy"] == summary["accuracy"]
     assert faster["personalization"]["lr"] == 0.05 and faster["curve"][1:] != summary["curve"][1:]
     assert faster["curve"][0] == summary["curve"][0]  # step 0 is the model itself
+    assert same["method"] == faster["method"] == {"lam": 0.1} and pulled["method"] == {"lam": 2.0}
+    assert pulled["curve"][1:] != faster["curve"][1:]
 
     capsys.readouterr()
     assert main(["evaluate", str(run), "federation.rounds=3"]) == 2
-    assert "only personalization.*" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "only personalization.* settings, and ditto's method.lam" in said
     (run / "checkpoint.ckpt").write_bytes(b"not a checkpoint")
     assert main(["evaluate", str(run)]) == 2
     error = capsys.readouterr().err
