@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,7 @@ def extended(tmp_path_factory):
         if plus:
             add_to(target, code)
         else:
+            target.parent.mkdir(parents=True, exist_ok=True)  # examples/
             target.write_text(code)
     (root / "data").mkdir()
     fashion_like(root / "data" / "fashion_mnist.npz")
@@ -230,3 +232,58 @@ def test_a_method_with_server_and_per_client_state_added_by_the_guide_trains_and
     assert any(h.abs().sum() > 0 for h in federation["h"].values())
     kept = federation["client_states"]
     assert kept and all(state["gradient"].keys() == federation["model"].keys() for state in kept.values())
+
+
+def test_the_guides_server_that_learns_is_the_example_that_runs():
+    (code,) = [code for at, _, code in guide_blocks() if at == "examples/server_head.py"]
+    assert code == (ROOT / "examples" / "server_head.py").read_text()
+
+
+def test_a_server_network_trained_in_aggregate_gives_clients_their_own_heads_and_resumes_bit_exactly(
+    tmp_path, monkeypatch, mnist_dir
+):
+    """The guide's ServerHead, from a config home as a user would add it: its server network learns
+    by autograd in aggregate with its own Adam, the clients start from heads that differ, and a run
+    stopped after round 1 resumes to the whole run's result — network and optimizer included."""
+    from fedmeta.config import compose
+    from fedmeta.errors import RunStopped
+    from fedmeta.loop import train
+    from fedmeta.stopping import Stopper
+
+    (method_file,) = [code for at, _, code in guide_blocks() if at == "configs/method/server_head.yaml"]
+    (tmp_path / "home" / "method").mkdir(parents=True)
+    (tmp_path / "home" / "method" / "server_head.yaml").write_text(method_file)
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path / "home"))
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    args = [
+        "method=server_head",
+        "federation.rounds=3",
+        "federation.eval_every=3",
+        "federation.num_new_clients=2",
+        "personalization.steps=2",
+        "method.local_epochs=1",
+        "model.conv_channels=[8,16]",
+        "model.dense_units=[32]",
+        "logger=[]",
+        f"dataset.dir={mnist_dir}",
+    ]
+    whole = train(compose([*args, f"output.root={tmp_path / 'whole'}"]), show_progress=False)
+    cut = [*args, f"output.root={tmp_path / 'cut'}"]
+    with monkeypatch.context() as stop_after_one_round:
+        stop_after_one_round.setattr(Stopper, "MARGIN", 1e9)
+        with pytest.raises(RunStopped, match="stopped after round 1 of 3"):
+            train(compose([*cut, f"output.stop_at={time.time() + 3600:.0f}"]), show_progress=False)
+    resumed = train(compose([*cut, "output.resume=true"]), show_progress=False)
+    assert resumed["resumed_at_round"] == 1
+    assert (resumed["accuracy"], resumed["curve"]) == (whole["accuracy"], whole["curve"])
+
+    def federation(root):
+        return torch.load(
+            root / "rmnist-shards" / "server_head" / "seed0" / "checkpoint.ckpt", weights_only=True
+        )["federation"]
+
+    a, b = federation(tmp_path / "whole"), federation(tmp_path / "cut")
+    assert all(torch.equal(a["network"][k], b["network"][k]) for k in a["network"])
+    assert a["optimizer"]["state"][0]["step"] == 3  # one server step a round
+    made = a["network"]["1.weight"] @ a["network"]["0.weight"].T  # each client's head correction
+    assert made.abs().sum() > 0 and not torch.allclose(made[:, 0], made[:, 1])
