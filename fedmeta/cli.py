@@ -555,8 +555,8 @@ def _train_command(args: argparse.Namespace) -> int:
         )
         print(
             f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
-            f"{100 * one['accuracy']:.2f} ± {100 * one['accuracy_std']:.2f} % "
-            f"(step 0: {100 * one['curve'][0]:.2f} %), "
+            f"{100 * one['accuracy']:.2f} % (sd {100 * one['accuracy_std']:.2f} over its "
+            f"{one['new_clients']} new clients; step 0: {100 * one['curve'][0]:.2f} %), "
             + (
                 f"{one['seconds_per_round']:.3f} s/round"
                 if one["seconds_per_round"] is not None
