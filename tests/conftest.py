@@ -141,12 +141,11 @@ LONGEST_FIRST = [
 # others are marked slow here and run with the slow tests (make test-all, CI). A family's other
 # members repeat the same code path on another method, which the full suite still holds.
 QUICK_REPRESENTATIVES = {
-    # vmapped on the recorded layout ≡ one client at a time: second order, first order, a model
-    # choice, a kept head
+    # vmapped on the recorded layout ≡ one client at a time: second order, first order, a kept head
+    # (IFCA's model choice: make test-all)
     "test_vectorize.py::test_vectorized_rounds_and_evaluation_equal_sequential": {
         "cafeme-static",
         "fedavg_ft-static",
-        "ifca_ft-static",
         "fedrep-static",
     },
     # every lane its own: second order, plain, a head per client, prototypes read in evaluation

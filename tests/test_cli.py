@@ -216,6 +216,7 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
                 "train",
                 "method=ditto",
                 "federation.rounds=2",
+                "federation.num_new_clients=5",
                 "personalization.steps=4",
                 "model.conv_channels=[8,16]",
                 "model.dense_units=[32]",
@@ -229,7 +230,7 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
     progress = (
         capsys.readouterr().err
     )  # the final evaluation, often longer than the rounds, has a bar of its own
-    assert "round 2: personalizing the new clients:   0%| | 0/20" in progress.replace("          ", " ")
+    assert "round 2: personalizing the new clients:   0%| | 0/5" in progress.replace("          ", " ")
 
     assert main(["evaluate", str(run)]) == 0  # the same procedure on the same model: the same numbers
     assert main(["evaluate", str(run), "personalization.lr=0.05"]) == 0

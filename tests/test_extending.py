@@ -239,6 +239,7 @@ def test_the_guides_server_that_learns_is_the_example_that_runs():
     assert code == (ROOT / "examples" / "server_head.py").read_text()
 
 
+@pytest.mark.slow  # three trainings
 def test_a_server_network_trained_in_aggregate_gives_clients_their_own_heads_and_resumes_bit_exactly(
     tmp_path, monkeypatch, mnist_dir
 ):
