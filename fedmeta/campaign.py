@@ -376,6 +376,12 @@ def run(
             manifest = packer.stop()
             if manifest["left_out"]:
                 print(f"not carried (over carry_mib={carry}): {'; '.join(manifest['left_out'])}")
+        if (over := time.time() - started - budget) > 0:  # what the next job's reserve must hold
+            print(
+                f"the job's end came {over:.0f} s past its budget: a straggler's {grid.KILL_AFTER} s after "
+                f"SIGTERM and the last pack need more than reserve_seconds={campaign.reserve_seconds} "
+                "(configs/campaign.yaml)"
+            )
     if packer is None:  # here the kept runs are what the next job reads; a packing job's go with its archive
         with lease.collecting(kept):  # not beside a collect into the same runs
             report.archive(root, kept)

@@ -208,6 +208,13 @@ def _campaign_parser(commands) -> None:
     campaign_cmd.add_argument(
         "--budget", type=float, metavar="SECONDS", help="the job's time, from now to the last file written"
     )
+    campaign_cmd.add_argument(
+        "--until",
+        type=float,
+        metavar="UNIX_TIME",
+        help="instead of --budget, the job's end as a Unix time (e.g. $(( $(date +%%s) + 540 ))): "
+        "this command's own start counts against it, however long a loaded machine makes it",
+    )
     campaign_cmd.add_argument("--parallel", type=int, help="units at once (default: configs/campaign.yaml's)")
     campaign_cmd.add_argument(
         "--start-ahead",
@@ -716,6 +723,12 @@ def _campaign_command(args: argparse.Namespace) -> int:
 
     plan = campaign.load()
     kept = Path("results") / "runs" / plan.preset
+    if args.until is not None:
+        if args.budget is not None or not math.isfinite(args.until):
+            raise FedmetaError(
+                f"--until takes the job's end as a Unix time, instead of --budget, got {args.until}"
+            )
+        args.budget = args.until - time.time()
     if args.collect is not None:
         if args.budget is not None:
             raise FedmetaError("--collect takes back a job's files: run it without --budget")
@@ -734,7 +747,8 @@ def _campaign_command(args: argparse.Namespace) -> int:
         if found is None:
             print("profile: no unfinished unit whose data is here")
             return 0
-        from fedmeta.profiling import process_seconds, profile_unit
+        from fedmeta.profiling import profile_unit
+        from fedmeta.stopping import process_seconds
 
         label, overrides = found
         profile_unit(label, plan.preset, overrides, args.profile - process_seconds())  # the start is in it
@@ -744,8 +758,9 @@ def _campaign_command(args: argparse.Namespace) -> int:
     if args.budget is not None:
         if not (args.budget > plan.reserve_seconds and math.isfinite(args.budget)):
             raise FedmetaError(
-                f"--budget must be a number of seconds above the {plan.reserve_seconds} s the job keeps "
-                f"for its files (configs/campaign.yaml: reserve_seconds), got {args.budget}"
+                f"{'--until must leave' if args.until else '--budget must be'} a number of seconds above "
+                f"the {plan.reserve_seconds} s the job keeps for its files (configs/campaign.yaml: "
+                f"reserve_seconds), got {args.budget:.0f}"
             )
         if args.parallel is not None and args.parallel < 1:
             raise FedmetaError(f"--parallel must be ≥ 1 (units at once), got {args.parallel}")

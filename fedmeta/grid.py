@@ -30,11 +30,12 @@ from tqdm.auto import tqdm
 from fedmeta.checkpoint import differences, identity
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, load_group, method_label, run_name, setting_name
 from fedmeta.errors import FedmetaError, RunStopped
-from fedmeta.runs import DeviceTurn, read_summary
+from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn, read_summary
+from fedmeta.stopping import FIRST_ROUND_ENDED
 
 EXECUTORS = ("pool", "local", "slurm")
 STOPPED = "stopped"  # a failure line that starts with it: the run stopped early, checkpointed, to continue
-LAST_START = 30  # no run starts this close to the deadline: too little time for its start-up and a round
+LAST_START = 30  # at least: no run starts closer to the deadline (FirstRounds measures what a start needs)
 KILL_AFTER = 15  # seconds a run has after SIGTERM at the deadline to checkpoint and exit, then it is killed
 
 
@@ -494,10 +495,11 @@ def dispatch(
     poll_s: float = 0.2,
     stop_at: float | None = None,
     may_start: Callable[[int], bool] = lambda running: True,
+    lead: Callable[[], float] = lambda: LAST_START,
 ) -> list[str]:
     """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
     finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
-    source failed, none within ``LAST_START`` seconds of ``stop_at``, and each only when
+    source failed, none within ``lead()`` seconds of ``stop_at``, and each only when
     ``may_start(runs running)`` allows it.
     ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a failure line or
     None. Returns the failure lines."""
@@ -511,7 +513,7 @@ def dispatch(
                 failures.append(f"{job.label}: not run: the run it starts from failed")
                 tqdm.write(failures[-1])
                 bar.update()
-            if stop_at is not None and time.time() >= stop_at - LAST_START:
+            if stop_at is not None and waiting and time.time() >= stop_at - lead():
                 for job in waiting:  # near the deadline: what has not started stays for the next job
                     failures.append(f"{STOPPED}: {job.label}: not started before the deadline")
                     bar.update()
@@ -571,6 +573,49 @@ def turn_gate(turns: Path, parallel: int, ahead: int) -> Callable[[int], bool]:
     return lambda running: running < parallel or running - DeviceTurn.held(turns) < ahead
 
 
+class FirstRounds:
+    """How close to the deadline a run is still worth starting: the longest time this job's runs
+    took from their process's start to the end of their first round (the recording made in it, a
+    turn's wait left out), read from their logs, or are taking still, with a margin; ``LAST_START``
+    at least. On a card a start and a first round take seconds; at load 8 on 2 cores they took 43 and
+    78 s, and runs started by a fixed lead only stole the cores of the one training."""
+
+    MARGIN = 1.25
+    READ_EVERY = 2.0  # seconds between two readings of the logs
+
+    def __init__(self):
+        self.longest, self._read = 0.0, 0.0
+        self._pending: dict[Path, float] = {}  # a started run's log → its start
+
+    def began(self, log: Path) -> None:
+        self._pending[log] = time.time()
+
+    def ended(self, log: Path) -> None:
+        """The run's process has exited: its log is read a last time."""
+        self._measure(log, running=False)
+        self._pending.pop(log, None)
+
+    def lead(self) -> float:
+        if time.time() - self._read >= self.READ_EVERY:
+            self._read = time.time()
+            for log in list(self._pending):
+                self._measure(log, running=True)
+        return max(LAST_START, self.MARGIN * self.longest)
+
+    def _measure(self, log: Path, running: bool) -> None:
+        started = self._pending.get(log)
+        if started is None:
+            return
+        text = log.read_text(errors="replace") if log.exists() else ""
+        turn = re.search(TOOK_A_TURN + r" ([\d.]+) s", text)
+        waited = float(turn[1]) if turn else 0.0
+        if ended := re.search(FIRST_ROUND_ENDED + r" ([\d.]+) s", text):
+            self.longest = max(self.longest, float(ended[1]) - waited)
+            del self._pending[log]
+        elif running and (turn or WAITING_FOR_A_TURN not in text):  # setting up, or in its first round
+            self.longest = max(self.longest, time.time() - started - waited)
+
+
 def _run_pool(
     todo: list[Job],
     logs: Path,
@@ -582,10 +627,12 @@ def _run_pool(
     env = dict(os.environ) | (
         {"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {}
     )
+    first_rounds = FirstRounds()
 
     def execute(job: Job) -> str | None:
         log = logs / f"{job.label.replace('/', '-')}.log"
         tqdm.write(f"started {job.label}: its output in {log}")  # a run may take minutes to its first round
+        first_rounds.began(log)
         with open(log, "w") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "fedmeta.cli", "train", *job.overrides],
@@ -594,6 +641,7 @@ def _run_pool(
                 env=env,
             )
             code = _wait(process, stop_at)
+        first_rounds.ended(log)
         return _failure(job, code, log)
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
@@ -604,6 +652,7 @@ def _run_pool(
             lambda job, future: future.result(),
             stop_at=stop_at,
             may_start=may_start,
+            lead=first_rounds.lead,
         )
 
 

@@ -21,8 +21,8 @@ from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.rounds import evaluate_on_ranks, federated_rounds, gather_updates
 from fedmeta.run import Run
-from fedmeta.runs import DeviceTurn, check_wandb_login
-from fedmeta.stopping import Stopper, stop_runs
+from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn, check_wandb_login
+from fedmeta.stopping import FIRST_ROUND_ENDED, Stopper, process_seconds, stop_runs
 
 log = logging.getLogger("fedmeta")
 
@@ -69,14 +69,14 @@ def train(
 
 def _take(turn: DeviceTurn, output: DictConfig) -> None:
     """Wait, set up, for a turn on the device; stop in one line if the deadline comes first."""
-    log.info("set up; waiting for a turn on the device (%s)", output.turns)
+    log.info(f"{WAITING_FOR_A_TURN} ({output.turns})")
     waited = time.perf_counter()
     if not turn.wait(output.stop_at):
         raise RunStopped(
             "stopped before its first round in this job: output.stop_at passed while it waited "
             "for a turn on the device; continue with output.resume=true"
         )
-    log.info("took a turn on the device after %.1f s", time.perf_counter() - waited)
+    log.info(f"{TOOK_A_TURN} {time.perf_counter() - waited:.1f} s")
 
 
 def _evaluate(
@@ -195,6 +195,8 @@ def _train(
             stop_runs(runs, round_ - 1, fed.rounds, why, stopper)
         stopper.rounds_started = True
         outcomes, trained = _train_round(fabric, cfg, active, round_, engine, stopper)
+        if round_ == first and cfg.output.stop_at:  # a job's last start leaves this much (fedmeta.grid)
+            log.info(f"{FIRST_ROUND_ENDED} {process_seconds():.1f} s after the process started")
         evaluating = [run for run, _ in trained] if due else []
         results = _evaluate_or_stop(
             fabric, evaluating, cfg, engine, show_progress, round_, stopper, trained, runs

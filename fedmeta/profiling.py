@@ -24,7 +24,6 @@ reads its speed and evaluation time from (``fedmeta.campaign.alone_records``).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from datetime import UTC, datetime
@@ -33,23 +32,11 @@ import torch
 
 from fedmeta.bench import device_timer, stacked_runs
 from fedmeta.campaign import MEASURED
+from fedmeta.stopping import process_seconds
 
 TOP_KERNELS = 20
 WARMUP_ROUNDS = 3  # the recording is made in the first rounds (fedmeta.capture)
 TIMED_ROUNDS = 5
-
-
-def process_seconds() -> float:
-    """Seconds since this process started (Linux: /proc), else since this module was imported."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED
-
-
-_IMPORTED = time.monotonic()
 
 
 def profile_unit(

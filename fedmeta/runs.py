@@ -195,6 +195,11 @@ class RunLock:
             self.held = False
 
 
+# in a run's log: set up, it waits for a turn; it took one, after so many seconds
+WAITING_FOR_A_TURN = "set up; waiting for a turn on the device"
+TOOK_A_TURN = "took a turn on the device after"
+
+
 class DeviceTurn:
     """A turn on a shared device: one of the ``turn-*`` files of a folder (``output.turns``), held
     with ``flock`` from a run's first round until its process ends — the system lets it go even

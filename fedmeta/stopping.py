@@ -4,6 +4,7 @@ on SIGTERM, on Ctrl-C, and before a round that would end past ``output.stop_at``
 
 from __future__ import annotations
 
+import os
 import signal
 import statistics
 import sys
@@ -11,6 +12,22 @@ import threading
 import time
 
 from fedmeta.errors import RunStopped
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: /proc), else since this module was imported."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
+# said in a job's run log (output.stop_at set): how long a process takes to a round, which a job's
+# last start must leave before its deadline (fedmeta.grid)
+FIRST_ROUND_ENDED = "the first round in this process ended"
 
 
 def stop_runs(runs: list, last: int, rounds: int, why: str, stopper: Stopper) -> None:

@@ -544,6 +544,25 @@ def test_a_campaign_job_may_not_move_its_runs(monkeypatch, capsys):
     assert err.count("\n") == 1 and "drop output.root=" in err
 
 
+@pytest.mark.parametrize(
+    "until, said",
+    [
+        (10, "--until must leave a number of seconds above the 25 s"),  # its own start is spent from it
+        (float("nan"), "--until takes the job's end as a Unix time"),
+    ],
+)
+def test_a_campaign_job_until_a_time_counts_its_own_start_against_it(until, said, capsys):
+    import time
+
+    from fedmeta.cli import main
+
+    assert main(["campaign", "--until", str(time.time() + until)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err
+    assert main(["campaign", "--until", "1e12", "--budget", "100"]) == 2  # one end, not two
+    assert "instead of --budget" in capsys.readouterr().err
+
+
 def test_a_symlinked_summary_is_not_read_through_the_link(tmp_path, caplog):
     from fedmeta import report
 

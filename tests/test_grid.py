@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from fedmeta import grid
 from fedmeta.cli import main
 from fedmeta.errors import FedmetaError
 from fedmeta.grid import Job, dispatch, load_preset, plan, preset_budget, sources
+from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN
+from fedmeta.stopping import FIRST_ROUND_ENDED
 
 TINY = [
     "federation.rounds=2",
@@ -217,6 +220,8 @@ def test_a_budget_stops_every_run_checkpointed_and_tables_keep_each_presets_sect
     err = capsys.readouterr().err
     assert "fedmeta: stopped: rmnist-shards/fedavg/seed0: stopped after round" in err, err
     assert "failed run" not in err
+    log = (tmp_path / "runs" / "quick" / "logs" / "rmnist-shards-fedavg-seed0.log").read_text()
+    assert f"{FIRST_ROUND_ENDED} " in log  # what a job's last start leaves (fedmeta.grid.FirstRounds)
     run = tmp_path / "runs" / "quick" / "rmnist-shards" / "fedavg" / "seed0"
     assert (run / "checkpoint.ckpt").is_file() and not (run / "summary.json").exists()
     done = len((run / "metrics.csv").read_text().splitlines()) - 1
@@ -320,6 +325,49 @@ def test_a_chained_run_starts_when_its_own_source_has_finished_not_the_whole_sta
         Job("t", "a", 0, ("seed=0",)),
     ]
     assert sources(stacked, source_runs) == source_runs[:1] and stacked.label == "s/b/seeds0-1"
+
+
+def test_no_run_starts_closer_to_the_deadline_than_a_start_and_a_first_round_took_here(tmp_path, monkeypatch):
+    """On a loaded machine a run's process took 43 s to set up and 78 s to record its first round: a
+    run started by a fixed lead would never reach a round before the deadline, only take a core from
+    the one training. The lead is what this job's runs took (or are taking), read from their logs."""
+    clock = [1000.0]
+    monkeypatch.setattr(grid.time, "time", lambda: clock[0])
+    first_rounds = grid.FirstRounds()
+    assert first_rounds.lead() == grid.LAST_START  # nothing measured yet
+    slow, queued, failed = (tmp_path / f"{name}.log" for name in ("slow", "queued", "failed"))
+    for log in (slow, queued, failed):
+        first_rounds.began(log)
+    queued.write_text(f"fedmeta: note: {WAITING_FOR_A_TURN} (turns)\n")  # set up, waiting: no measure yet
+    clock[0] += 100.0  # the slow run is still setting up or in its first round after 100 s
+    assert first_rounds.lead() == pytest.approx(grid.FirstRounds.MARGIN * 100.0)
+    failed.write_text("fedmeta: error: no such data\n")
+    first_rounds.ended(failed)  # a process that exited is measured no longer
+    slow.write_text(f"fedmeta: note: {FIRST_ROUND_ENDED} 121.0 s after the process started\n")
+    queued.write_text(
+        f"fedmeta: note: {WAITING_FOR_A_TURN} (turns)\nfedmeta: note: {TOOK_A_TURN} 200.0 s\n"
+        f"fedmeta: note: {FIRST_ROUND_ENDED} 230.0 s after the process started\n"
+    )
+    clock[0] += 500.0
+    assert first_rounds.lead() == pytest.approx(
+        grid.FirstRounds.MARGIN * 121.0
+    )  # the wait for a turn left out
+
+    # dispatch: a run that would start within the lead of the deadline stays for the next job
+    started = []
+    jobs = [Job("rmnist-shards", "fedavg", seed, (f"seed={seed}",)) for seed in (0, 1)]
+    failures = dispatch(
+        jobs,
+        1,
+        lambda job: started.append(job) or type("Done", (), {"done": lambda self: True})(),
+        lambda job, handle: None,
+        poll_s=0,
+        stop_at=clock[0] + 100.0,
+        lead=lambda: 151.0 if started else 0.0,
+    )
+    assert started == jobs[:1] and failures == [
+        "stopped: rmnist-shards/fedavg/seed1: not started before the deadline"
+    ]
 
 
 @pytest.mark.slow
