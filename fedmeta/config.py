@@ -14,6 +14,8 @@ once the config is composed) and, in a method's file, ``label`` (its name in tab
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import re
@@ -139,6 +141,18 @@ def catalog(config_dir: Path = CONFIG_DIR) -> str:
     return "\n".join(out)
 
 
+def read_config_file(path: Path) -> DictConfig:
+    """A config file as OmegaConf reads it, parsed once a process while it is unchanged: a command
+    (a grid's plan, a study, the suite) composes the same dozen files many times."""
+    stat = path.stat()
+    return copy.deepcopy(_parsed(path, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(path: Path, mtime_ns: int, size: int) -> DictConfig:
+    return OmegaConf.load(path)
+
+
 def load_mapping(path: Path, what: str) -> DictConfig:
     """A YAML file that must hold a mapping (a run's config.yaml, a bench config), or one line saying
     why it is not one."""
@@ -192,7 +206,7 @@ def load_group(group: str, name: str, config_dir: Path, _seen: tuple[str, ...] =
             f"read in place of the one fedmeta ships ({shipped})",
             file=sys.stderr,
         )
-    cfg = OmegaConf.load(path)
+    cfg = read_config_file(path)
     parent = cfg.pop("inherits", None)
     if not parent:
         return cfg
@@ -259,7 +273,7 @@ def compose_with_choices(overrides: list[str] = (), config_dir: Path = CONFIG_DI
             choice[key] = value
         else:
             settings.append(override)
-    base = OmegaConf.load(config_dir / "config.yaml")
+    base = read_config_file(config_dir / "config.yaml")
 
     try:
         layers, variant, picked = _layers(choice, base, config_dir)
@@ -318,13 +332,13 @@ def _note_inherited_scoring(name: str, cfg: DictConfig, config_dir: Path) -> Non
     if cfg.personalization.steps != 0:
         return
     path = group_file("method", name, config_dir)
-    own = OmegaConf.load(path)
+    own = read_config_file(path)
     if not own.get("inherits") or _sets_steps(own) or path in _NOTED:
         return
     source = own
     while source.get("inherits") and not _sets_steps(source):
         parent = group_file("method", source.inherits, config_dir)
-        source = OmegaConf.load(parent)
+        source = read_config_file(parent)
     _NOTED.add(path)
     print(
         f"fedmeta: note: method {name} takes personalization.steps: 0 from {parent.name}, which it inherits: "

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -642,6 +643,11 @@ def _run_pool(
             )
             code = _wait(process, stop_at)
         first_rounds.ended(log)
+        if stop_at is not None and time.time() >= stop_at and code in (-signal.SIGTERM, -signal.SIGKILL):
+            return (  # a stop, not a failure: it had no round boundary before the deadline
+                f"{STOPPED}: {job.label}: setting up or in a round at the deadline, "
+                f"{'killed' if code == -signal.SIGKILL else 'stopped'}; its last checkpoint is kept"
+            )
         return _failure(job, code, log)
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:

@@ -25,10 +25,14 @@ seed_rows: [[method=perfedavg, "seeds=[0,1]", federation.vectorize=true]]
 memory:
   overrides: [dataset=rmnist, partition=iid, federation.held_out_fraction=0.34, federation.num_new_clients=4]
   num_clients: [100, 1000]
-  methods: [perfedavg]
+  methods: []
   extra_rows: [[method=cafeme, variant=authors]]
   rounds: 1
 """
+# Each row and memory row is a process of its own (about 10 s to start on 2 cores): the recorded
+# layout is measured on CAFeMe alone, memory on CAFeMe alone (its clients keep state), and a round
+# has 2 clients, not the paper's 5.
+CLIENTS_PER_ROUND = 2
 
 
 @pytest.fixture
@@ -42,9 +46,8 @@ def small_bench(tmp_path, monkeypatch, mnist_dir):
 def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     out = tmp_path / "bench.json"
     result = bench.run(
-        extra=[
-            "personalization.steps=3"
-        ],  # the paper's CNN: its FLOPs are checked against the authors' count
+        # the paper's CNN: its FLOPs are checked against the authors' count
+        extra=["personalization.steps=3", f"federation.clients_per_round={CLIENTS_PER_ROUND}"],
         out=out,
         config=small_bench,
         profile=True,
@@ -99,21 +102,20 @@ def test_bench_measures_every_row_and_memory_stays_flat(small_bench, tmp_path):
     # A CAFeMe client: 5 inner steps on 30 images + one outer step on 180, through base and modulator
     # (≈ 13–16 GFLOP a client, as counted for the authors' code). FLOPs are counted through the
     # second-order inner loops too.
-    assert 50 < result["rows"][3]["gflop_per_round"] < 100
+    assert 10 < result["rows"][3]["gflop_per_round"] / CLIENTS_PER_ROUND < 20
     assert result["rows"][6]["gflop_per_round"] == pytest.approx(
         result["rows"][0]["gflop_per_round"], rel=0.2
     )  # per seed
     profile = result["rows"][3]["profile"]  # the convolutions are where a CAFeMe round's time goes
     assert len(profile) == bench.PROFILE_TOP and any("convolution" in op["op"] for op in profile[:3])
 
-    memory = {(m["method"], m["num_clients"]): m for m in result["memory"]}
-    assert memory[("perfedavg", 1000)]["samples_per_client"] == 60
-    assert memory[("perfedavg", 1000)]["data_mb"] == memory[("perfedavg", 100)]["data_mb"]
-    assert memory[("perfedavg", 1000)]["peak_rss_mb"] < memory[("perfedavg", 100)]["peak_rss_mb"] + 150
-    authors = memory[("cafeme", 1000)]
+    memory = {m["num_clients"]: m for m in result["memory"] if m["method"] == "cafeme"}
+    assert memory[1000]["samples_per_client"] == 60
+    assert memory[1000]["data_mb"] == memory[100]["data_mb"]
+    assert memory[1000]["peak_rss_mb"] < memory[100]["peak_rss_mb"] + 150
     assert (
-        authors["clients_with_state"] == 5 and authors["state_mb_per_client"] > 0
-    )  # one round: 5 clients' Adam
+        memory[1000]["clients_with_state"] == CLIENTS_PER_ROUND and memory[1000]["state_mb_per_client"] > 0
+    )  # one round: its clients' Adam
 
 
 def test_bench_skips_rows_whose_data_is_missing(small_bench, tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ import json
 import os
 import shlex
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -367,6 +368,24 @@ def test_no_run_starts_closer_to_the_deadline_than_a_start_and_a_first_round_too
     )
     assert started == jobs[:1] and failures == [
         "stopped: rmnist-shards/fedavg/seed1: not started before the deadline"
+    ]
+
+
+def test_a_run_still_in_a_round_at_the_deadline_is_said_stopped_not_failed(tmp_path, monkeypatch):
+    """A process that ignores SIGTERM at the deadline (a recorded first round under way) is killed
+    KILL_AFTER later: a stop, said as one, its last checkpoint kept — not "exit -9"."""
+    busy = tmp_path / "python"
+    busy.write_text("#!/bin/sh\ntrap '' TERM\nsleep 30\n")
+    busy.chmod(0o755)
+    monkeypatch.setattr(grid.sys, "executable", str(busy))
+    monkeypatch.setattr(grid, "KILL_AFTER", 0.5)
+    monkeypatch.setattr(grid, "LAST_START", 0.0)
+    job = Job("rmnist-shards", "cafeme", 0, ("seed=0",))
+    (tmp_path / "logs").mkdir()
+    lines = grid._run_pool([job], tmp_path / "logs", 1, 0, stop_at=time.time() + 1.0)
+    assert lines == [
+        "stopped: rmnist-shards/cafeme/seed0: setting up or in a round at the deadline, killed; "
+        "its last checkpoint is kept"
     ]
 
 

@@ -150,9 +150,13 @@ def test_the_suite_never_reads_the_users_own_state(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["this:Y", "antigravity:X"])
-def test_a_method_file_of_ones_own_imports_nothing_that_cannot_define_its_method(tmp_path, module, mnist_dir):
+def test_a_method_file_of_ones_own_imports_nothing_that_cannot_define_its_method(
+    tmp_path, module, mnist_dir, monkeypatch, capfd
+):
     """A user's method file naming ``this:Y`` printed the Zen of Python, ``antigravity:X`` started
     $BROWSER, before "unknown algorithm": a module whose source holds no such name is not imported."""
+    from fedmeta.cli import main
+
     home = tmp_path / "home"
     (home / "method").mkdir(parents=True)
     (home / "method" / "mine.yaml").write_text(
@@ -162,11 +166,15 @@ def test_a_method_file_of_ones_own_imports_nothing_that_cannot_define_its_method
     browser = tmp_path / "browser.sh"
     browser.write_text(f"#!/bin/sh\ntouch {outside}\n")
     browser.chmod(0o755)
-    env = {"FEDMETA_CONFIG_HOME": str(home), "BROWSER": str(browser), "FEDMETA_DATA": str(mnist_dir)}
-    result = fedmeta(["train", "method=mine", "federation.rounds=1"], cwd=tmp_path, env=env)
-    said = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and said[-1].startswith(f"fedmeta: error: unknown algorithm '{module}'")
-    assert "Beautiful is better than ugly" not in result.stdout + result.stderr and not outside.exists()
+    for name, value in {"FEDMETA_CONFIG_HOME": home, "BROWSER": browser, "FEDMETA_DATA": mnist_dir}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.chdir(tmp_path)
+    imported = set(sys.modules)
+    assert main(["train", "method=mine", "federation.rounds=1"]) == 2
+    out, err = capfd.readouterr()
+    assert err.strip().splitlines()[-1].startswith(f"fedmeta: error: unknown algorithm '{module}'")
+    assert "Beautiful is better than ugly" not in out + err and not outside.exists()
+    assert not {"this", "antigravity"} & (set(sys.modules) - imported)
 
 
 def test_a_file_of_ones_own_that_replaces_a_shipped_method_is_noted_once(tmp_path, monkeypatch, capsys):
