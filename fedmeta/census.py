@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +43,7 @@ from fedmeta.bench import HostReads, flop_counter, run_isolated, stacked_runs
 
 PLACES = ("recorded", "eager", "host")
 TOP_OPS = 12  # the most frequent kernels listed per row: where the next cut is
+TIMED_ROUNDS = 3  # rounds whose host work is timed (the median)
 # Operators that launch no work of their own: allocations (filled by the kernel that writes them),
 # shape and metadata queries, and aliases the view check does not catch.
 NO_KERNEL = {
@@ -119,28 +122,54 @@ class Census(TorchDispatchMode):
 
         return marked
 
-    @contextmanager
-    def watching(self, engine, runs):
-        """What the recording would hold counted as recorded, the batch draws and their stacking as
-        host work: the engine's and the algorithms' methods wrapped on the instances, then unwrapped."""
-        targets = [
-            (engine.capture, "run", "recorded"),
-            (engine, "_indices", "host"),
-            *((run.algorithm, "draw", "host") for run in runs),
-        ]
-        for instance, name, place in targets:
-            setattr(instance, name, self.marking(place, getattr(instance, name)))
-        try:
-            yield
-        finally:
-            for instance, name, _ in targets:
-                del instance.__dict__[name]  # the class's method again
+
+class HostClock:
+    """Seconds a round spends in each place, the outermost call timed (a draw inside a draw once)."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+        self._depth = 0
+
+    def marking(self, place: str, fn):
+        def timed(*args, **kwargs):
+            self._depth += 1
+            tick = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.seconds[place] += time.perf_counter() - tick
+
+        return timed
 
 
-def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True) -> dict:
-    """One row: the counts of one lockstep round (all seeds together) after ``warmup`` rounds, in
-    the calling process (``fedmeta.bench.run_isolated`` gives it a fresh one)."""
-    from fedmeta.assemble import make_engine
+@contextmanager
+def watching(engine, runs, marking):
+    """What the recording would hold marked recorded, the batch draws and their stacking host work
+    (``marking(place, fn)`` wraps each): the engine's and the algorithms' methods wrapped on the
+    instances, then unwrapped."""
+    targets = [
+        (engine.capture, "run", "recorded"),
+        (engine, "_indices", "host"),
+        *((run.algorithm, "draw", "host") for run in runs),
+    ]
+    for instance, name, place in targets:
+        setattr(instance, name, marking(place, getattr(instance, name)))
+    try:
+        yield
+    finally:
+        for instance, name, _ in targets:
+            del instance.__dict__[name]  # the class's method again
+
+
+def count_round(
+    overrides: list[str], warmup: int = 1, count_flops: bool = True, timed_rounds: int = TIMED_ROUNDS
+) -> dict:
+    """One row: the counts of one lockstep round (all seeds together) after ``warmup`` rounds, and
+    the host work of ``timed_rounds`` more (their median; none: ``host_ms`` None), in the calling
+    process (``fedmeta.bench.run_isolated`` gives it a fresh one)."""
+    from fedmeta.assemble import hardware_name, make_engine
     from fedmeta.engine import Engine
     from fedmeta.rounds import federated_rounds
 
@@ -151,12 +180,18 @@ def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True)
         federated_rounds(runs, r, clients, engine=engine)
 
     census = Census()
-    with census.watching(engine, runs), census, HostReads() as reads:
+    with watching(engine, runs, census.marking), census, HostReads() as reads:
         federated_rounds(runs, warmup + 1, clients, engine=engine)
+    host_ms = []
+    for r in range(warmup + 2, warmup + 2 + timed_rounds):  # host work, timed without the census
+        clock = HostClock()
+        with watching(engine, runs, clock.marking):
+            federated_rounds(runs, r, clients, engine=engine)
+        host_ms.append(1e3 * clock.seconds["host"])
     gflop = None
     if count_flops:
         with flop_counter() as flops:
-            federated_rounds(runs, warmup + 2, clients, engine=Engine())
+            federated_rounds(runs, warmup + 2 + timed_rounds, clients, engine=Engine())
         gflop = flops.get_total_flops() / 1e9
     return {
         "dataset": cfg.dataset.name,
@@ -171,6 +206,8 @@ def count_round(overrides: list[str], warmup: int = 1, count_flops: bool = True)
         "kernels": census.kernels["recorded"] + census.kernels["eager"],  # the device's: not the host's
         **{f"kernels_{place}": census.kernels[place] for place in PLACES[:2]},
         "host_ops": census.ops["host"],
+        "host_ms": round(statistics.median(host_ms), 2) if host_ms else None,  # draws, stacking: timed here
+        "hardware": hardware_name(fabric.device),
         "gbytes": (census.bytes["recorded"] + census.bytes["eager"]) / 1e9,
         **{f"gbytes_{place}": census.bytes[place] / 1e9 for place in PLACES[:2]},
         "host_reads": reads.count,
@@ -198,7 +235,7 @@ def run(rows: list[list[str]], out: Path, warmup: int, count_flops: bool = True)
     kept = document.get("rows", [])
     print(
         f"{'data set':9s} {'method':10s} {'seeds':>5s} {'ops':>7s} {'kernels':>7s} {'recorded':>8s} "
-        f"{'eager':>6s} {'GB':>7s} {'GB eager':>8s} {'reads':>5s} {'GFLOP':>7s}"
+        f"{'eager':>6s} {'GB':>7s} {'GB eager':>8s} {'reads':>5s} {'host ms':>7s} {'GFLOP':>7s}"
     )
     counted = []
     for overrides in rows:
@@ -207,7 +244,7 @@ def run(rows: list[list[str]], out: Path, warmup: int, count_flops: bool = True)
         print(
             f"{row['dataset']:9s} {row['method']:10s} {row['seeds']:5d} {row['ops']:7d} {row['kernels']:7d} "
             f"{row['kernels_recorded']:8d} {row['kernels_eager']:6d} {row['gbytes']:7.1f} "
-            f"{row['gbytes_eager']:8.3f} {row['host_reads']:5d} "
+            f"{row['gbytes_eager']:8.3f} {row['host_reads']:5d} {row['host_ms'] or float('nan'):7.2f} "
             + (f"{row['gflop']:7.1f}" if row["gflop"] is not None else f"{'-':>7s}"),
             flush=True,
         )

@@ -612,7 +612,7 @@ class FirstRounds:
         waited = float(turn[1]) if turn else 0.0
         if ended := re.search(FIRST_ROUND_ENDED + r" ([\d.]+) s", text):
             self.longest = max(self.longest, float(ended[1]) - waited)
-            del self._pending[log]
+            self._pending.pop(log, None)  # a worker thread may have let it go too
         elif running and (turn or WAITING_FOR_A_TURN not in text):  # setting up, or in its first round
             self.longest = max(self.longest, time.time() - started - waited)
 

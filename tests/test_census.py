@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedmeta.census import count_round, plan
+from fedmeta import census
+from fedmeta.census import HostClock, count_round, plan
 from fedmeta.config import load_mapping
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ def test_a_rounds_kernels_do_not_rise_over_the_committed_census(method, mnist_di
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
     bench = load_mapping(ROOT / "configs" / "bench.yaml", "the bench config")
     [overrides] = plan(bench, ["rmnist"], [method], NARROW)
-    row = count_round(overrides, bench.census.warmup_rounds, count_flops=False)
+    row = count_round(overrides, bench.census.warmup_rounds, count_flops=False, timed_rounds=0)
     kept = committed("rmnist", method)
     assert row["fallback"] is None and row["clients"] == "vmap"  # the path the card runs was counted
     for key in ("kernels", "kernels_recorded", "kernels_eager", "host_reads"):
@@ -40,3 +41,18 @@ def test_a_rounds_kernels_do_not_rise_over_the_committed_census(method, mnist_di
             f"{method}: {key} {row[key]} against {kept[key]} committed: find the new kernels "
             "(make bench COUNT=1) or, if they are needed, recount and commit results/census.json"
         )
+
+
+def test_the_host_clock_times_each_places_outermost_call_once(monkeypatch):
+    """A draw that calls another draw is host time once, not twice."""
+    clock, now = HostClock(), [0.0]
+    monkeypatch.setattr(census.time, "perf_counter", lambda: now[0])
+
+    def draw(depth):
+        now[0] += 1.0
+        return timed(depth - 1) if depth else None
+
+    timed = clock.marking("host", draw)
+    timed(2)  # three nested calls, a second each: 3 s, not 3 + 2 + 1
+    clock.marking("recorded", lambda: now.__setitem__(0, now[0] + 0.5))()
+    assert clock.seconds == {"host": 3.0, "recorded": 0.5}

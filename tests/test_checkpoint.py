@@ -124,6 +124,9 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path, mnist_dir, monkeypa
         [
             "method=fedavg",
             "method.local_epochs=1",
+            "model.conv_channels=[8,16]",
+            "model.dense_units=[32]",
+            "federation.clients_per_round=2",
             "federation.rounds=6",
             "federation.checkpoint_every=2",
             "wandb.mode=disabled",

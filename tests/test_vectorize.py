@@ -295,7 +295,7 @@ def test_a_round_reads_computed_values_once_however_many_clients_and_seeds(metho
     cfg = compose([f"method={name}", *variant, *SMALL, *FAST[method]])
     make_fabric(cfg).seed_everything(0, verbose=False)
     reads = {}
-    for clients, seeds in ((2, 1), (4, 1), (4, 3)):
+    for clients, seeds in ((2, 1), (4, 3)):
         runs = [
             Federated(
                 build_algorithm(cfg, 10),
@@ -310,4 +310,4 @@ def test_a_round_reads_computed_values_once_however_many_clients_and_seeds(metho
             outcomes = federated_rounds(runs, 2, clients, engine=engine)
         assert all(o.error is None and o.loss > 0 for o in outcomes)
         reads[clients, seeds] = counted.count
-    assert reads == {(2, 1): 1, (4, 1): 1, (4, 3): 1}
+    assert reads == {(2, 1): 1, (4, 3): 1}
