@@ -70,23 +70,30 @@ def _idle(tree):
 
 
 def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros((size - len(t), *t.shape[1:]))]) if len(t) < size else t
+    n = t.shape[0]
+    return torch.cat([t, t.new_zeros((size - n, *t.shape[1:]))]) if n < size else t
 
 
 def _stack_batches(batches: list[Batch]) -> Batch:
-    size = max(len(b.x) for b in batches)
-    ragged = any(len(b.x) != size or b.mask is not None for b in batches)
-    x = torch.stack([_pad(b.x, size) for b in batches])
-    y = None if batches[0].y is None else torch.stack([_pad(b.y, size) for b in batches])
+    # Called for every step of every round: shapes read as ``shape[0]`` (``len`` of a tensor costs
+    # several times more), padding only where sizes differ, and the labels of index batches (the
+    # same tensor as their samples) stacked once.
+    sizes = [b.x.shape[0] for b in batches]
+    size = max(sizes)
+    ragged = min(sizes) != size or any(b.mask is not None for b in batches)
+    x = torch.stack([_pad(b.x, size) for b in batches] if ragged else [b.x for b in batches])
+    if batches[0].y is None:
+        y = None
+    elif all(b.y is b.x for b in batches):
+        y = x
+    else:
+        y = torch.stack([_pad(b.y, size) for b in batches] if ragged else [b.y for b in batches])
     mask = None
     if ragged:
         mask = torch.stack(
             [
-                _pad(
-                    torch.ones(len(b.x), dtype=torch.bool, device=b.x.device) if b.mask is None else b.mask,
-                    size,
-                )
-                for b in batches
+                _pad(torch.ones(n, dtype=torch.bool, device=b.x.device) if b.mask is None else b.mask, size)
+                for b, n in zip(batches, sizes)
             ]
         )
     active = None
@@ -94,6 +101,35 @@ def _stack_batches(batches: list[Batch]) -> Batch:
         true = torch.ones((), dtype=torch.bool, device=x.device)
         active = torch.stack([true if b.active is None else b.active for b in batches])
     return Batch(x, y, mask, active)
+
+
+def _stack_uniform_steps(items: list[list]) -> list[Batch] | None:
+    """Lanes' lists of batches when every lane has the same steps of one shape, none masked or idle
+    (a round's epochs over equal clients): one stack for every step, in step-major order so each
+    step's batch is a contiguous slice. None when they are not so: stacked step by step instead."""
+    steps = len(items[0])
+    if not steps or any(len(item) != steps for item in items):
+        return None
+    batches = [item[s] for s in range(steps) for item in items]
+    first = batches[0]
+    if not isinstance(first, Batch) or any(
+        b.mask is not None or b.active is not None or b.x.shape != first.x.shape for b in batches
+    ):
+        return None
+
+    def stacked(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return torch.stack(tensors).view(steps, len(items), *tensors[0].shape).unbind(0)
+
+    x = stacked([b.x for b in batches])
+    if all(b.y is b.x for b in batches):
+        y = x
+    elif all(b.y is None for b in batches):
+        y = [None] * steps
+    elif first.y is not None and all(b.y is not None and b.y.shape == first.y.shape for b in batches):
+        y = stacked([b.y for b in batches])
+    else:
+        return None
+    return [Batch(xs, ys) for xs, ys in zip(x, y)]
 
 
 def stack(items: list):
@@ -104,6 +140,9 @@ def stack(items: list):
     if isinstance(first, dict):
         return {key: stack([item[key] for item in items]) for key in first}
     if isinstance(first, list):
+        uniform = _stack_uniform_steps(items)
+        if uniform is not None:
+            return uniform
         longest = max(items, key=len)  # a lane with no steps idles through copies of another's
         return [
             stack([item[i] if i < len(item) else _idle(item[-1] if item else longest[i]) for item in items])
@@ -184,14 +223,21 @@ def _stepped(layout):
 
 
 def to_device(tree, device: torch.device):
-    """A tree of host tensors on ``device``: one copy per dtype, however many tensors."""
+    """A tree of host tensors on ``device``: one copy per dtype, however many tensors (a tensor the
+    tree holds twice, as index batches hold their indices for samples and labels, copied once)."""
     leaves, spec = tree_flatten(tree)
-    tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.device != device]
+    first_place: dict[int, int] = {}
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and t.device != device:
+            first_place.setdefault(id(t), i)
+    tensors = list(first_place.values())
+    moved_leaves = {}
     for dtype in {leaves[i].dtype for i in tensors}:
         group = [i for i in tensors if leaves[i].dtype == dtype]
         moved = torch.cat([leaves[i].reshape(-1) for i in group]).to(device, non_blocking=True)
         for i, part in zip(group, moved.split([leaves[i].numel() for i in group])):
-            leaves[i] = part.view(leaves[i].shape)
+            moved_leaves[id(leaves[i])] = part.view(leaves[i].shape)
+    leaves = [moved_leaves.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in leaves]
     return tree_unflatten(leaves, spec)
 
 
