@@ -10,7 +10,7 @@ import platform
 from pathlib import Path
 
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig
 
 from fedmeta.algorithms import Algorithm, build_algorithm
@@ -31,7 +31,7 @@ class _TensorCoreAdvice(logging.Filter):
 
 def quiet_tensor_core_advice() -> None:
     """Filters the advice on the logger Lightning's rank-zero messages go to now (the module that
-    imported last — lightning.fabric, lightning.pytorch or pytorch_lightning — names it)."""
+    imported last — lightning_fabric, lightning.fabric, lightning.pytorch or pytorch_lightning — names it)."""
     from lightning_utilities.core import rank_zero
 
     logger = rank_zero.log

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.algorithms import Algorithm

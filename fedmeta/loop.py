@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 

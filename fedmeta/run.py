@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig
 
 from fedmeta import checkpoint

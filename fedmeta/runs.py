@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from lightning.fabric.loggers import TensorBoardLogger
+from lightning_fabric.loggers import Logger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.config import method_label, setting_name
@@ -302,14 +302,13 @@ def check_wandb_login(cfg: DictConfig) -> None:
 
 
 def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | None = None):
-    """Lightning's WandbLogger, offline unless asked otherwise ($WANDB_MODE wins); None if disabled.
+    """A W&B run as a Fabric logger, offline unless asked otherwise ($WANDB_MODE wins); None if disabled.
     One W&B run per federation: grouped by setting, its job type the method (and variant), so W&B's
     mean ± std over a group's job type is over seeds only. A resumed run continues ``run_id``."""
     mode = wandb_mode(cfg)
     if mode == "disabled":
         return None
     import wandb
-    from lightning.pytorch.loggers import WandbLogger
 
     # Our own wandb.init: Lightning's would set $WANDB_MODE for the whole process, reuse another
     # seed's open run, and pass options W&B warns about. reinit="create_new": stacked seeds hold
@@ -356,7 +355,32 @@ def wandb_logger(cfg: DictConfig, run_dir: Path, tags: list[str], run_id: str | 
         ) from None
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)  # x axis: the round
-    return WandbLogger(experiment=run)
+    return WandbRun(run)
+
+
+class WandbRun(Logger):
+    """The W&B run fedmeta started, as a Fabric logger: a round's metrics logged at its round
+    (``trainer/global_step``, the x axis Lightning's WandbLogger uses too). Not Lightning's logger:
+    that one lives in ``lightning.pytorch``, whose import (Trainer, torchmetrics, torchvision's
+    models) would double every run's start."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.experiment = run
+
+    @property
+    def name(self) -> str:
+        return "wandb"
+
+    @property
+    def version(self) -> str:
+        return self.experiment.id
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.experiment.log(metrics if step is None else {**metrics, "trainer/global_step": step})
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        self.experiment.config.update(dict(params), allow_val_change=True)
 
 
 def run_loggers(
@@ -370,7 +394,7 @@ def run_loggers(
     rounds, curves, wandb_run = [], [], None
     resumed_at = int(history["metrics"][-1]["round"]) + 1 if history and history["metrics"] else None
     if "csv" in cfg.logger:
-        from lightning.fabric.loggers import CSVLogger
+        from lightning_fabric.loggers import CSVLogger
 
         csv_logger = CSVLogger(run_dir, name="csv", version="", flush_logs_every_n_steps=1)
         for row in history["metrics"] if history else []:

@@ -50,7 +50,7 @@ NEEDED = [
     ("numpy", "fedmeta.data and fedmeta.checkpoint import it at module level", False),
     ("torch", "everything", False),
     ("torchvision", "fedmeta.data.datasets and fedmeta.data.download import it at module level", False),
-    ("lightning", "Fabric: fedmeta.assemble, loop, rounds, runs, checkpoint", False),
+    ("lightning-fabric", "Fabric: fedmeta.assemble, loop, rounds, runs, checkpoint", False),
     ("pytest", "pytest tests/test_capture.py; carried in case the image lacks it", True),
     ("pluggy", "pytest needs it; carried in case the image lacks it", True),
     ("iniconfig", "pytest needs it; carried in case the image lacks it", True),
@@ -87,6 +87,8 @@ def image_packages() -> dict[str, str | None]:
         if line:
             name, _, version = line.partition("==")
             packages[normalized(name)] = version or None
+    if "pytorch-lightning" in packages:  # its wheel holds lightning_fabric too (its RECORD lists it)
+        packages.setdefault("lightning-fabric", packages["pytorch-lightning"])
     return packages
 
 

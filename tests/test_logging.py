@@ -133,7 +133,7 @@ def test_lightnings_tensor_core_advice_is_not_printed(caplog):
     fedmeta makes that a config choice (fabric.matmul_precision) and drops the advice."""
     import logging
 
-    from lightning.fabric.utilities.rank_zero import rank_zero_info
+    from lightning_fabric.utilities.rank_zero import rank_zero_info
 
     from fedmeta.assemble import quiet_tensor_core_advice
 

@@ -472,7 +472,7 @@ def test_a_run_that_fails_in_its_first_round_does_not_block_the_corrected_one(tm
 def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_the_rerun_starts_over(
     tmp_path, mnist_dir, capsys, monkeypatch
 ):
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     def disk_full(self, path, state, filter=None):
         Path(path).write_bytes(b"\0" * 4096)  # what fitted before the disk filled

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from lightning.fabric.plugins import Precision
+from lightning_fabric.plugins import Precision
 
 from fedmeta.algorithms.apfl import APFL
 from fedmeta.algorithms.base import Algorithm, ClientUpdate

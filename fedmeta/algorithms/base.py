@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from lightning.fabric.plugins import Precision
+from lightning_fabric.plugins import Precision
 from torch import nn
 
 from fedmeta.data.federation import Batch, Client

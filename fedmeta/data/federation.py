@@ -85,8 +85,9 @@ class Client:
     def batch(self, split: str, size: int | None, generator: torch.Generator | None = None) -> Batch:
         """A batch drawn without replacement from ``split``; ``size=None`` takes the whole split."""
         indices = self.indices(split)
-        if size is not None and size < len(indices):
-            indices = indices[torch.randperm(len(indices), generator=generator)[:size]]
+        count = indices.shape[0]  # not len(): a tensor's len() costs several times more, in every draw
+        if size is not None and size < count:
+            indices = indices[torch.randperm(count, generator=generator)[:size]]
         return Batch(*self.data.take(indices))
 
     def epoch(
@@ -98,9 +99,9 @@ class Client:
         single sample."""
         indices = self.indices(split)
         if generator is not None:
-            indices = indices[torch.randperm(len(indices), generator=generator)]
-        if drop_last and len(indices) >= batch_size:
-            indices = indices[: len(indices) // batch_size * batch_size]
+            indices = indices[torch.randperm(indices.shape[0], generator=generator)]
+        if drop_last and indices.shape[0] >= batch_size:
+            indices = indices[: indices.shape[0] // batch_size * batch_size]
         chunks = list(indices.split(batch_size))
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             chunks[-2:] = [torch.cat(chunks[-2:])]
