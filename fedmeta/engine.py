@@ -25,6 +25,7 @@ round has the same shapes and fedmeta.capture can record the round once and repl
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fedmeta.algorithms import Algorithm, ClientUpdate
 from fedmeta.capture import Capture
-from fedmeta.data.federation import Batch, Client, Federation, gather, map_batches
+from fedmeta.data.federation import Batch, Client, Federation, Steps, gather, map_batches
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import check_finite, draw_personalization, personalize, personalize_client
 from fedmeta.functional import vmapped
@@ -132,11 +133,43 @@ def _stack_uniform_steps(items: list[list]) -> list[Batch] | None:
     return [Batch(xs, ys) for xs, ys in zip(x, y)]
 
 
+@functools.lru_cache(maxsize=64)
+def _step_major(lanes: int, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each sample of lanes' equal ``Steps``, stacked lane after lane, goes when each step
+    holds its lanes' samples together (its batch a contiguous ``[lanes, size]`` block), and the
+    lane of each place: the same for every round of one shape, so made once."""
+    total = sum(sizes)
+    places = torch.arange(lanes * total).view(lanes, total).split(list(sizes), dim=1)
+    order = torch.cat([block.reshape(-1) for block in places])
+    return order, torch.div(order, total, rounding_mode="floor")
+
+
+def _stack_steps(items: list[Steps]) -> Steps | list[Batch]:
+    """Lanes' ``Steps``: stacked in two operations when their steps have the same sizes (a round's
+    epochs over clients of one size), else as their lists of batches (lanes with fewer or smaller
+    steps masked and idled)."""
+    sizes = items[0].sizes
+    if any(item.sizes != sizes for item in items):
+        return stack([item.batches() for item in items])
+    order, lane = _step_major(len(items), sizes)
+    x = torch.stack([item.x for item in items]).view(-1, *items[0].x.shape[1:])[order]
+    if all(item.y is item.x for item in items):
+        y = x
+    elif all(item.y is None for item in items):
+        y = None
+    else:
+        y = torch.stack([item.y for item in items]).view(-1, *items[0].y.shape[1:])[order]
+    return Steps(x, y, sizes, len(items), lane)
+
+
 def stack(items: list):
-    """Lanes' pytrees (dicts, lists of batches, tensors) stacked along a new axis 0, padded."""
+    """Lanes' pytrees (dicts, lists of batches, ``Steps``, tensors) stacked along a new axis 0, padded
+    (``Steps`` stacked step by step: see ``Steps``)."""
     first = items[0]
     if isinstance(first, Batch):
         return _stack_batches(items)
+    if isinstance(first, Steps):
+        return _stack_steps(items)
     if isinstance(first, dict):
         return {key: stack([item[key] for item in items]) for key in first}
     if isinstance(first, list):
@@ -157,6 +190,8 @@ def stack(items: list):
 def layout_of(tree):
     if isinstance(tree, Batch):
         return ("batch", tree.x.shape[1], tree.mask is not None, tree.active is not None)
+    if isinstance(tree, Steps):  # stacked: the layout of its batches
+        return [("batch", size, False, False) for size in tree.sizes]
     if isinstance(tree, dict):
         return {key: layout_of(value) for key, value in tree.items()}
     if isinstance(tree, list):
@@ -198,6 +233,8 @@ def pad_to(tree, layout):
         return tree._replace(mask=mask, active=active)
     if isinstance(tree, dict):
         return {key: pad_to(value, layout[key]) for key, value in tree.items()}
+    if isinstance(tree, Steps):
+        return tree if layout == layout_of(tree) else pad_to(tree.batches(), layout)
     if isinstance(tree, list):
         return [
             pad_to(tree[i] if i < len(tree) else _idle_lanes(tree[-1]), item) for i, item in enumerate(layout)
@@ -261,9 +298,13 @@ class DataBank:
 
     def gather(self, tree, sources: torch.Tensor):
         """Stacked index batches of lanes whose data are ``sources`` (a federation's place per lane)."""
-        rows = sources.view(-1, 1)
+
+        def take(b: Batch, rows: torch.Tensor) -> Batch:
+            return b._replace(x=self.x[rows, b.x], y=None if b.y is None else self.y[rows, b.y])
+
+        rows = sources.view(-1, 1)  # a batch's lanes along its first axis
         return map_batches(
-            tree, lambda b: b._replace(x=self.x[rows, b.x], y=None if b.y is None else self.y[rows, b.y])
+            tree, lambda b: take(b, rows), lambda steps: take(Batch(steps.x, steps.y), sources[steps.lane])
         )
 
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 from lightning_fabric.plugins import Precision
+from omegaconf import OmegaConf
 from torch import nn
 
 from fedmeta.data.federation import Batch, Client
@@ -100,13 +101,32 @@ def step_weight(batch: Batch) -> torch.Tensor | float:
     return 1.0 if batch.active is None else batch.active.float()
 
 
+class Settings(dict):
+    """A method's settings, resolved once into a plain dict read by attribute: a round's draws read
+    them hundreds of times, and a ``DictConfig`` read costs microseconds (resolving, validating)."""
+
+    __slots__ = ()
+
+    def __init__(self, cfg):
+        super().__init__(cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True))
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the method has no setting {name!r}") from None
+
+    __setattr__ = dict.__setitem__
+
+
 class Algorithm(nn.Module):
-    """A federated method around one global model ``self.model``; ``cfg`` is the config's ``method``."""
+    """A federated method around one global model ``self.model``; ``cfg`` is the config's ``method``
+    (read once: later changes to the config do not reach it)."""
 
     def __init__(self, model: nn.Module, cfg, precision: Precision | None = None):
         super().__init__()
         self.model = model
-        self.cfg = cfg
+        self.cfg = Settings(cfg)
         # Per-client state, only for algorithms defined by it: client id → what its last update kept.
         self.client_states: dict[int, dict] = {}
         self.precision = precision or Precision()  # Fabric's precision plugin of the run: 32-bit by default

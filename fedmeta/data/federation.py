@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.utils._pytree import register_pytree_node
 
 from fedmeta.data.datasets import ImageDataset
 from fedmeta.data.partition import partition
@@ -44,6 +45,72 @@ class Batch(NamedTuple):
     y: torch.Tensor | None
     mask: torch.Tensor | None = None
     active: torch.Tensor | None = None
+
+
+def epoch_sizes(count: int, batch_size: int, drop_last: bool) -> tuple[int, tuple[int, ...]]:
+    """How many of ``count`` samples an epoch reads, and its batches' sizes: ``drop_last`` leaves out
+    a last partial batch; a last batch of one sample joins the one before (BatchNorm with batch
+    statistics cannot normalize a single sample)."""
+    kept = count // batch_size * batch_size if drop_last and count >= batch_size else count
+    full, rest = divmod(kept, batch_size)
+    sizes = [batch_size] * full + ([rest] if rest else [])
+    if len(sizes) > 1 and sizes[-1] == 1:
+        sizes[-2:] = [batch_size + 1]
+    return kept, tuple(sizes)
+
+
+class Steps:
+    """A client's batches for several steps as one tensor: ``x`` (and ``y``) hold each step's
+    samples after the step before's, ``sizes`` the steps' batch sizes. A round's epochs are drawn,
+    stacked over clients and gathered in a few operations this way, not a batch at a time; read
+    as the batches themselves (iterating, indexing, ``len``, ``batches()``). Stacked over
+    ``lanes`` clients (fedmeta.engine), each step holds its lanes' samples together, lane after
+    lane, and ``lane`` says whose each sample is."""
+
+    __slots__ = ("x", "y", "sizes", "lanes", "lane")
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor | None,
+        sizes: tuple[int, ...],
+        lanes: int = 0,
+        lane: torch.Tensor | None = None,
+    ):
+        self.x, self.y, self.sizes, self.lanes, self.lane = x, y, sizes, lanes, lane
+
+    def batches(self) -> list[Batch]:
+        """The steps' batches: views of ``x`` and ``y`` (``[lanes, size, …]`` each when stacked)."""
+        lanes = self.lanes
+        counts = [lanes * size for size in self.sizes] if lanes else self.sizes
+        xs = self.x.split(counts)
+        if lanes:
+            xs = [x.view(lanes, size, *x.shape[1:]) for x, size in zip(xs, self.sizes)]
+        if self.y is self.x:
+            return [Batch(x, x) for x in xs]
+        if self.y is None:
+            return [Batch(x, None) for x in xs]
+        ys = self.y.split(counts)
+        if lanes:
+            ys = [y.view(lanes, size, *y.shape[1:]) for y, size in zip(ys, self.sizes)]
+        return [Batch(x, y) for x, y in zip(xs, ys)]
+
+    def __iter__(self):
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, step):
+        return self.batches()[step]
+
+
+register_pytree_node(
+    Steps,
+    lambda s: ([s.x, s.y, s.lane], (s.sizes, s.lanes)),
+    lambda leaves, context: Steps(leaves[0], leaves[1], *context, leaves[2]),
+    serialized_type_name="fedmeta.data.federation.Steps",
+)
 
 
 @dataclass
@@ -93,19 +160,21 @@ class Client:
     def epoch(
         self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool = False
     ) -> list[Batch]:
-        """One pass over ``split`` in batches of ``batch_size``, shuffled by ``generator`` (None: in
-        order, as a test loader reads); ``drop_last`` leaves out a last partial batch. A last batch
-        of one sample joins the one before: BatchNorm with batch statistics cannot normalize a
-        single sample."""
+        """One pass over ``split`` in batches of ``batch_size`` (of the sizes ``epoch_sizes`` says),
+        shuffled by ``generator`` (None: in order, as a test loader reads)."""
+        order, sizes = self._epoch_order(split, batch_size, generator, drop_last)
+        return Steps(*self.data.take(order), sizes).batches()
+
+    def _epoch_order(
+        self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """An epoch's sample indices in the order it reads them, and its batches' sizes (``epoch``'s)."""
         indices = self.indices(split)
+        count = indices.shape[0]  # not len(): a tensor's len() costs several times more, in every draw
+        kept, sizes = epoch_sizes(count, batch_size, drop_last)
         if generator is not None:
-            indices = indices[torch.randperm(indices.shape[0], generator=generator)]
-        if drop_last and indices.shape[0] >= batch_size:
-            indices = indices[: indices.shape[0] // batch_size * batch_size]
-        chunks = list(indices.split(batch_size))
-        if len(chunks) > 1 and len(chunks[-1]) == 1:
-            chunks[-2:] = [torch.cat(chunks[-2:])]
-        return [Batch(*self.data.take(chunk)) for chunk in chunks]
+            return indices[torch.randperm(count, generator=generator)[:kept]], sizes
+        return indices[:kept], sizes
 
     def window(self, split: str, fraction: float, batch_size: int, generator: torch.Generator) -> list[Batch]:
         """A contiguous run of ``fraction`` of ``split`` in its stored order, starting at a random
@@ -128,17 +197,21 @@ class Client:
         count: int,
         drop_last: bool = False,
         reshuffle: bool = True,
-    ) -> list[Batch]:
+    ) -> Steps:
         """``count`` epochs, each shuffled by ``generator`` — or, without ``reshuffle``, every one in
         the order of the client's persistent iterator (``stream``'s without reshuffling): a sampler
-        shuffled once, at construction, as the CAFeMe authors' loaders are."""
+        shuffled once, at construction, as the CAFeMe authors' loaders are. As one ``Steps``: the
+        epochs' samples drawn with one gather, not a batch at a time."""
         if not reshuffle:
-            return [
-                batch
-                for _ in range(count)
-                for batch in self.epoch(split, batch_size, self.generator(0, TRAIN_STREAM_PURPOSE), drop_last)
-            ]
-        return [batch for _ in range(count) for batch in self.epoch(split, batch_size, generator, drop_last)]
+            order, sizes = self._epoch_order(
+                split, batch_size, self.generator(0, TRAIN_STREAM_PURPOSE), drop_last
+            )
+            return Steps(*self.data.take(order.repeat(count)), sizes * count)
+        indices = self.indices(split)
+        n = indices.shape[0]
+        kept, sizes = epoch_sizes(n, batch_size, drop_last)
+        order = torch.cat([torch.randperm(n, generator=generator)[:kept] for _ in range(count)])
+        return Steps(*self.data.take(indices[order]), sizes * count)
 
     def stream(
         self,
@@ -182,14 +255,19 @@ STREAMS = (
 )  # a ``batches`` setting that reads the persistent iterator (Client.stream)
 
 
-def map_batches(tree, fn):
-    """``fn`` applied to every batch of a client's data (dicts and lists of batches)."""
+def map_batches(tree, fn, on_steps=None):
+    """``fn`` applied to every batch of a client's data (dicts and lists of batches). ``Steps`` come
+    out as their list of batches, mapped with one call on all their samples: ``fn`` on them as one
+    batch, or ``on_steps(steps)`` (which returns that batch) where a step's lanes matter."""
     if isinstance(tree, Batch):
         return fn(tree)
+    if isinstance(tree, Steps):
+        mapped = on_steps(tree) if on_steps else fn(Batch(tree.x, tree.y))
+        return Steps(mapped.x, mapped.y, tree.sizes, tree.lanes).batches()
     if isinstance(tree, dict):
-        return {key: map_batches(value, fn) for key, value in tree.items()}
+        return {key: map_batches(value, fn, on_steps) for key, value in tree.items()}
     if isinstance(tree, list):
-        return [map_batches(item, fn) for item in tree]
+        return [map_batches(item, fn, on_steps) for item in tree]
     return tree
 
 
