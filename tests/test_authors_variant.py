@@ -262,8 +262,9 @@ def test_authors_perfedavg_reads_four_batches_a_local_step_from_the_iterator():
     perfedavg, client = baseline("perfedavg"), tiny_client(28)
     data = perfedavg.draw(client, 1)
     read = client.stream("pers", 6, 0, 20, reshuffle=False)  # FedLab's loader: shuffled once
-    assert [len(step) for step in data["steps"]] == [3] * 5
-    assert torch.equal(data["steps"][1][0].x, read[4].x) and torch.equal(data["loss"].x, read[19].x)
+    assert len(data["steps"]) == 15  # five local steps of three batches, the fourth left unread
+    assert torch.equal(data["steps"][3].x, read[4].x) and torch.equal(data["steps"][5].x, read[6].x)
+    assert torch.equal(data["loss"].x, read[19].x)
     perfedavg.aggregate([perfedavg.run_client(client, 1)])
     assert perfedavg.client_states[client.id]["batches_read"] == 20 and perfedavg.update_weight(client) == 1.0
 

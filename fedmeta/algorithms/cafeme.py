@@ -95,7 +95,7 @@ class CAFeMe(Algorithm):
                 "outer": Batch(torch.cat([b.x for b in outer]), torch.cat([b.y for b in outer])),
             }
         generator = client.generator(round_)
-        inner = [client.batch("pers", cfg.batch_size, generator) for _ in range(cfg.inner_steps)]
+        inner = client.batches("pers", cfg.batch_size, generator, cfg.inner_steps)
         held_out = len(client.indices("held_out"))
         if cfg.eval_batch_size is not None and held_out < cfg.eval_batch_size and not self.said_outer_size:
             self.said_outer_size = True

@@ -54,12 +54,10 @@ class PerFedAvg(Algorithm):
                 4 * cfg.local_steps,
                 reshuffle=cfg.batches == "stream",
             )
-            return {"steps": [read[4 * i : 4 * i + 3] for i in range(cfg.local_steps)], "loss": read[-1]}
+            steps = [batch for i in range(cfg.local_steps) for batch in read[4 * i : 4 * i + 3]]
+            return {"steps": steps, "loss": read[-1]}
         generator = client.generator(round_)
-        steps = [
-            [client.batch(cfg.train_split, cfg.batch_size, generator) for _ in range(3)]
-            for _ in range(cfg.local_steps)
-        ]
+        steps = client.batches(cfg.train_split, cfg.batch_size, generator, 3 * cfg.local_steps)
         return {"steps": steps, "loss": client.batch(cfg.train_split, cfg.batch_size, generator)}
 
     def to_update(self, client: Client, result: LocalResult) -> ClientUpdate:
@@ -69,9 +67,9 @@ class PerFedAvg(Algorithm):
         return update
 
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
-        w = params
-        for batches in data["steps"]:
-            g = self.meta_gradient(w, batches)
+        w, batches = params, list(data["steps"])
+        for i in range(0, len(batches), 3):  # a step's three batches: inner, outer, Hessian's
+            g = self.meta_gradient(w, batches[i : i + 3])
             w, _ = sgd(w, g, self.cfg.outer_lr)
         with torch.no_grad():
             loss = self.loss(w, data["loss"])

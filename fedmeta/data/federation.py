@@ -157,6 +157,16 @@ class Client:
             indices = indices[torch.randperm(count, generator=generator)[:size]]
         return Batch(*self.data.take(indices))
 
+    def batches(self, split: str, size: int, generator: torch.Generator, count: int) -> Steps:
+        """``count`` batches drawn as ``batch`` draws them, one after another from ``generator``,
+        as one ``Steps`` (one gather for all)."""
+        indices = self.indices(split)
+        n = indices.shape[0]
+        if size >= n:
+            return Steps(*self.data.take(indices.repeat(count)), (n,) * count)
+        order = torch.cat([torch.randperm(n, generator=generator)[:size] for _ in range(count)])
+        return Steps(*self.data.take(indices[order]), (size,) * count)
+
     def epoch(
         self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool = False
     ) -> list[Batch]:
