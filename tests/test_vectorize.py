@@ -21,6 +21,7 @@ from fedmeta.algorithms import FedAvg, build_algorithm
 from fedmeta.assemble import make_fabric
 from fedmeta.config import compose
 from fedmeta.data import Batch, ImageDataset, build_federation
+from fedmeta.data.federation import Steps
 from fedmeta.engine import Engine, stack
 from fedmeta.loop import train
 from fedmeta.rounds import Federated, evaluate_on_ranks, federated_round
@@ -75,21 +76,25 @@ FAST = {
 
 
 @pytest.fixture(scope="module")
-def uneven(rmnist):
-    """2,400 RMNIST images split by Dirichlet(0.5) over 12 clients: 38 to 500 images each."""
+def images(rmnist):
+    """2,400 RMNIST images: Dirichlet(0.5) over 12 clients gives them 38 to 500 images, shards 200 each."""
     keep = torch.arange(2400)
     data = ImageDataset(x=rmnist.x[keep], y=rmnist.y[keep], num_classes=10)
     return data
 
 
-def paths(method: str, data: ImageDataset):
+DIRICHLET = {"name": "dirichlet", "alpha": 0.5}  # clients of many sizes
+SHARDS = {"name": "shards", "shards_per_client": 2}  # 12 clients of 200 images
+
+
+def paths(method: str, data: ImageDataset, partition: dict = DIRICHLET):
     """The same algorithm and federation twice, in float64: for the sequential and the vectorized engine."""
     name, *variant = method.split()
     cfg = compose([f"method={name}", *variant, *SMALL, *FAST[method]])
     fabric = make_fabric(cfg)
     built = []
     for _ in range(2):
-        federation = build_federation(data, {"name": "dirichlet", "alpha": 0.5}, 12, 4, 0.25, seed=0)
+        federation = build_federation(data, partition, 12, 4, 0.25, seed=0)
         federation.x = federation.x.double()
         fabric.seed_everything(0, verbose=False)
         algorithm = build_algorithm(cfg, 10).double()
@@ -119,13 +124,41 @@ EAGER_ONLY_HERE = [
         *(pytest.param(method, "none", marks=pytest.mark.slow) for method in sorted(EAGER_ONLY_HERE)),
     ],
 )
-def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, uneven):
+def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, images):
     """Vmapped (``none``), and vmapped on the fixed layout a recorded round replays (``static``: every
     round padded to the largest batches and the most steps seen, the data gathered on the device
     from stacked indices), compute what one client at a time computes."""
-    fabric, cfg, built = paths(method, uneven)
+    fabric, cfg, built = paths(method, images)
     sizes = {c.num_samples for c in built[0][1].train_clients}
     assert len(sizes) > 5  # clients of many sizes: padded batches and idle steps are exercised
+    assert_vectorized_equals_sequential(fabric, cfg, built, capture)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [  # quick: one representative of each draw (epochs; independent batches); CI runs the others
+        "fedavg_ft",
+        "perfedavg",
+        pytest.param("cafeme", marks=pytest.mark.slow),
+        pytest.param("fedrep", marks=pytest.mark.slow),
+    ],
+)
+def test_clients_of_one_size_are_stacked_as_steps_and_compute_what_one_at_a_time_computes(method, images):
+    """Clients of one size (shards) draw steps of the same sizes: the engine stacks their ``Steps``
+    whole (two operations, one gather) instead of batch by batch — epochs (FedAvg-FT), two sets of
+    epochs (FedRep), independent batches (CAFeMe's inner steps, Per-FedAvg's three a step)."""
+    fabric, cfg, built = paths(method, images, SHARDS)
+    algorithm, federation = built[1]
+    assert len({c.num_samples for c in federation.train_clients}) == 1
+    clients = federation.train_clients[:3]
+    stacked = stack([algorithm.draw(c.indexed(), 1) for c in clients])
+    assert any(isinstance(value, Steps) for value in stacked.values())  # the whole-steps path is taken
+    assert_vectorized_equals_sequential(fabric, cfg, built, "static")
+
+
+def assert_vectorized_equals_sequential(fabric, cfg, built, capture: str) -> None:
+    """Three rounds and an evaluation, one client at a time and vmapped: the same parameters, losses,
+    curves and kept states, in float64."""
     results = []
     for (algorithm, federation), vectorize in zip(built, (False, True)):
         engine = Engine(
@@ -184,8 +217,8 @@ def test_stacking_pads_batches_with_a_mask_and_idles_short_lanes():
     assert idle.active.tolist() == [False, True]
 
 
-def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch, caplog):
-    fabric, cfg, built = paths("fedavg_ft", uneven)
+def test_a_method_vmap_cannot_run_falls_back_with_one_notice(images, monkeypatch, caplog):
+    fabric, cfg, built = paths("fedavg_ft", images)
     honest = FedAvg.local_update
 
     def data_dependent(self, params, state, data):
@@ -207,8 +240,8 @@ def test_a_method_vmap_cannot_run_falls_back_with_one_notice(uneven, monkeypatch
     assert len(notices) == 1 and "one at a time" in notices[0]
 
 
-def test_out_of_memory_halves_the_lanes_per_call_and_keeps_vmapping(uneven, monkeypatch, caplog):
-    fabric, cfg, built = paths("fedavg_ft", uneven)
+def test_out_of_memory_halves_the_lanes_per_call_and_keeps_vmapping(images, monkeypatch, caplog):
+    fabric, cfg, built = paths("fedavg_ft", images)
     expected = [federated_round(*built[0], r, 4, seed=0, engine=Engine()).loss for r in (1, 2)]
     honest, sizes = Engine._vectorized_updates, []
 
@@ -285,7 +318,7 @@ def test_stacked_seeds_are_the_seeds_run_alone(method, tmp_path, mnist_dir):
 
 
 @pytest.mark.parametrize("method", ["fedavg_ft", "cafeme"])
-def test_a_round_reads_computed_values_once_however_many_clients_and_seeds(method, uneven):
+def test_a_round_reads_computed_values_once_however_many_clients_and_seeds(method, images):
     """The round's losses and finiteness checks are reduced on the device and read by the host once
     (HostReads: each such read is a sync on a GPU), not once per client or seed."""
     from fedmeta.bench import HostReads
@@ -299,7 +332,7 @@ def test_a_round_reads_computed_values_once_however_many_clients_and_seeds(metho
         runs = [
             Federated(
                 build_algorithm(cfg, 10),
-                build_federation(uneven, {"name": "dirichlet", "alpha": 0.5}, 12, 4, 0.25, seed=seed),
+                build_federation(images, {"name": "dirichlet", "alpha": 0.5}, 12, 4, 0.25, seed=seed),
                 seed,
             )
             for seed in range(seeds)

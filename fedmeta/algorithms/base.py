@@ -43,7 +43,7 @@ from fedmeta.models import build_base_net
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 Context = Batch | None  # what a modulated model conditions on: a batch (labels optional)
-ClientData = dict[str, Any]  # a client's batches for one local update: Batch / list[Batch] values
+ClientData = dict[str, Any]  # a client's batches for one local update: Batch / list[Batch] / Steps values
 Objective = Callable[[Params, Batch], torch.Tensor]  # what a local step minimizes: self.loss by default
 
 
