@@ -152,13 +152,13 @@ def _stack_steps(items: list[Steps]) -> Steps | list[Batch]:
     if any(item.sizes != sizes for item in items):
         return stack([item.batches() for item in items])
     order, lane = _step_major(len(items), sizes)
-    x = torch.stack([item.x for item in items]).view(-1, *items[0].x.shape[1:])[order]
+    x = torch.stack([item.x for item in items]).view(-1, *items[0].x.shape[1:]).index_select(0, order)
     if all(item.y is item.x for item in items):
         y = x
     elif all(item.y is None for item in items):
         y = None
     else:
-        y = torch.stack([item.y for item in items]).view(-1, *items[0].y.shape[1:])[order]
+        y = torch.stack([item.y for item in items]).view(-1, *items[0].y.shape[1:]).index_select(0, order)
     return Steps(x, y, sizes, len(items), lane)
 
 

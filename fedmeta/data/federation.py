@@ -152,9 +152,10 @@ class Client:
     def batch(self, split: str, size: int | None, generator: torch.Generator | None = None) -> Batch:
         """A batch drawn without replacement from ``split``; ``size=None`` takes the whole split."""
         indices = self.indices(split)
-        count = indices.shape[0]  # not len(): a tensor's len() costs several times more, in every draw
+        # shape[0], not len(), and index_select, not [ ]: a few times less host time each, in every draw
+        count = indices.shape[0]
         if size is not None and size < count:
-            indices = indices[torch.randperm(count, generator=generator)[:size]]
+            indices = indices.index_select(0, torch.randperm(count, generator=generator)[:size])
         return Batch(*self.data.take(indices))
 
     def batches(self, split: str, size: int, generator: torch.Generator, count: int) -> Steps:
@@ -165,7 +166,7 @@ class Client:
         if size >= n:
             return Steps(*self.data.take(indices.repeat(count)), (n,) * count)
         order = torch.cat([torch.randperm(n, generator=generator)[:size] for _ in range(count)])
-        return Steps(*self.data.take(indices[order]), (size,) * count)
+        return Steps(*self.data.take(indices.index_select(0, order)), (size,) * count)
 
     def epoch(
         self, split: str, batch_size: int, generator: torch.Generator | None, drop_last: bool = False
@@ -183,7 +184,7 @@ class Client:
         count = indices.shape[0]  # not len(): a tensor's len() costs several times more, in every draw
         kept, sizes = epoch_sizes(count, batch_size, drop_last)
         if generator is not None:
-            return indices[torch.randperm(count, generator=generator)[:kept]], sizes
+            return indices.index_select(0, torch.randperm(count, generator=generator)[:kept]), sizes
         return indices[:kept], sizes
 
     def window(self, split: str, fraction: float, batch_size: int, generator: torch.Generator) -> list[Batch]:
@@ -220,8 +221,9 @@ class Client:
         indices = self.indices(split)
         n = indices.shape[0]
         kept, sizes = epoch_sizes(n, batch_size, drop_last)
-        order = torch.cat([torch.randperm(n, generator=generator)[:kept] for _ in range(count)])
-        return Steps(*self.data.take(indices[order]), sizes * count)
+        perms = [torch.randperm(n, generator=generator) for _ in range(count)]
+        order = torch.cat(perms if kept == n else [perm[:kept] for perm in perms])
+        return Steps(*self.data.take(indices.index_select(0, order)), sizes * count)
 
     def stream(
         self,
@@ -252,7 +254,7 @@ class Client:
                 order = torch.randperm(
                     len(indices), generator=self.generator(epoch if reshuffle else 0, purpose)
                 )
-                orders[epoch] = indices[order]
+                orders[epoch] = indices.index_select(0, order)
             batches.append(
                 Batch(*self.data.take(orders[epoch][position * batch_size : (position + 1) * batch_size]))
             )
@@ -343,7 +345,7 @@ class Federation:
 
     def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         indices = indices.to(self.x.device, non_blocking=True)
-        return self.x[indices], self.y[indices]
+        return self.x.index_select(0, indices), self.y.index_select(0, indices)
 
     def gather(self, tree):
         """Index batches (``Client.indexed``, stacked or not, on this federation's device) → the
