@@ -121,3 +121,25 @@ def test_clients_too_small_for_two_splits_of_two_are_refused(rmnist):
         build_federation(rmnist, {"name": "iid"}, 10_000, 20, 0.2, seed=0)
     federation = build_federation(rmnist, {"name": "iid"}, 10_000, 20, 0.34, seed=0)
     assert min(len(c.held_out) for c in federation.train_clients) == 2
+
+
+@pytest.mark.parametrize("batch_size, drop_last", [(30, False), (30, True), (479, False), (7, True)])
+def test_a_clients_steps_drawn_at_once_are_its_batches_drawn_one_at_a_time(rmnist, batch_size, drop_last):
+    """``Client.epochs`` and ``Client.batches`` (one gather for all steps) give the batches that
+    ``epoch`` and ``batch`` give one after another from the same generator: a run's draws do not
+    depend on which way they were made."""
+    client = build_federation(rmnist, {"name": "dirichlet", "alpha": 0.5}, 20, 2, 0.2, seed=0).train_clients[
+        3
+    ]
+    together = client.epochs("all", batch_size, client.generator(1), 3, drop_last)
+    generator = client.generator(1)
+    apart = [b for _ in range(3) for b in client.epoch("all", batch_size, generator, drop_last)]
+    assert len(together) == len(apart) > 3
+    assert all(torch_equal(a.x, b.x) and torch_equal(a.y, b.y) for a, b in zip(together, apart))
+    fixed = client.epochs("all", batch_size, client.generator(1), 2, drop_last, reshuffle=False)
+    assert torch_equal(fixed[0].y, fixed[len(fixed) // 2].y)  # one order, fixed at the start, every epoch
+    together = client.batches("pers", batch_size, client.generator(2), 4)
+    generator = client.generator(2)
+    apart = [client.batch("pers", batch_size, generator) for _ in range(4)]
+    assert len(together) == 4
+    assert all(torch_equal(a.x, b.x) and torch_equal(a.y, b.y) for a, b in zip(together, apart))
