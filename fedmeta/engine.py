@@ -149,7 +149,7 @@ def _stack_steps(items: list[Steps]) -> Steps | list[Batch]:
     epochs over clients of one size), else as their lists of batches (lanes with fewer or smaller
     steps masked and idled)."""
     sizes = items[0].sizes
-    if any(item.sizes != sizes for item in items):
+    if not sizes or any(item.sizes != sizes for item in items):
         return stack([item.batches() for item in items])
     order, lane = _step_major(len(items), sizes)
     x = torch.stack([item.x for item in items]).view(-1, *items[0].x.shape[1:]).index_select(0, order)

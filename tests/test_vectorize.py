@@ -217,6 +217,18 @@ def test_stacking_pads_batches_with_a_mask_and_idles_short_lanes():
     assert idle.active.tolist() == [False, True]
 
 
+def test_lanes_steps_of_equal_sizes_stack_step_by_step_and_others_as_padded_batches():
+    first, second = torch.arange(6), torch.arange(6, 12)
+    stacked = stack([Steps(first, first, (4, 2)), Steps(second, second, (4, 2))])
+    assert isinstance(stacked, Steps) and stacked.y is stacked.x  # index batches: labels stacked once
+    assert [b.x.tolist() for b in stacked] == [[[0, 1, 2, 3], [6, 7, 8, 9]], [[4, 5], [10, 11]]]
+    assert stacked.lane.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1]  # whose each sample is
+    assert all(b.x.is_contiguous() for b in stacked)  # a step's batch is a block, not a strided view
+    ragged = stack([Steps(first, first, (4, 2)), Steps(second, second, (3, 3))])
+    assert isinstance(ragged, list) and ragged[0].mask.tolist() == [[True] * 4, [True] * 3 + [False]]
+    assert stack([{"e": Steps(first[:0], first[:0], ())}] * 2) == {"e": []}  # no steps at all
+
+
 def test_a_method_vmap_cannot_run_falls_back_with_one_notice(images, monkeypatch, caplog):
     fabric, cfg, built = paths("fedavg_ft", images)
     honest = FedAvg.local_update
