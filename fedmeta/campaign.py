@@ -427,6 +427,28 @@ def next_unit(
     """The unit a job would run first — the first under way, else the next, whose data is here and
     whose kept runs it can continue — as its label and the overrides of its first chunk of seeds,
     stacked as that job would stack them (its output folders left out); None if there is none."""
+    return next(_runnable(campaign, kept, root, carry_mib), None)
+
+
+def fill_partner(
+    campaign: DictConfig, kept: Path, root: Path, carry_mib: float | None, unit: tuple[str, list[str]]
+) -> tuple[str, list[str]] | None:
+    """The next unit a job could run beside ``unit`` (``next_unit``'s label and overrides) in one
+    process: the same method on the same data set in another setting (RMNIST shards and Dirichlet:
+    the same model, the same images), as ``next_unit`` gives it; None if there is none."""
+    label, overrides = unit
+    setting, method = label.split("/")
+    dataset = compose(list(overrides)).dataset.name
+    for other, other_overrides in _runnable(campaign, kept, root, carry_mib):
+        other_setting, other_method = other.split("/")
+        if other_method == method and other_setting != setting:
+            if compose(list(other_overrides)).dataset.name == dataset:
+                return other, other_overrides
+    return None
+
+
+def _runnable(campaign: DictConfig, kept: Path, root: Path, carry_mib: float | None):
+    """``next_unit``'s candidates in the order a job takes them."""
     unfinished = [unit for unit in units(campaign, root) if min(unit.rounds_done(kept)) < unit.rounds]
     under_way = [unit for unit in unfinished if any(unit.rounds_done(kept))]
     missing: dict[str, str | None] = {}  # per setting: its methods read the same data
@@ -435,8 +457,7 @@ def next_unit(
             missing[unit.setting] = missing_data(unit)
         if missing[unit.setting] is None and refusal(unit, kept) is None:
             first = grid.stacked(chunks(unit, campaign.carry_mib if carry_mib is None else carry_mib))[0]
-            return unit.label, [o for o in first.overrides if not o.startswith("output.")]
-    return None
+            yield unit.label, [o for o in first.overrides if not o.startswith("output.")]
 
 
 def missing_data(unit: Unit) -> str | None:

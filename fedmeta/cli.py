@@ -735,24 +735,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
         for line in campaign.collect(plan, Path(args.collect), kept, logs=Path("results") / "gpu"):
             print(line)
     if args.profile is not None:
-        if args.budget is not None or args.collect is not None:
-            raise FedmetaError(
-                "--profile measures the next unit on its own: run it without --budget or --collect"
-            )
-        if not (math.isfinite(args.profile) and args.profile > 0):
-            raise FedmetaError(f"--profile must be a number of seconds > 0, got {args.profile}")
-        plan.overrides = [*plan.overrides, *args.overrides]
-        compose(list(plan.overrides))  # a bad override: one line before anything runs
-        found = campaign.next_unit(plan, kept, Path("runs") / plan.preset, args.carry_mib)
-        if found is None:
-            print("profile: no unfinished unit whose data is here")
-            return 0
-        from fedmeta.profiling import profile_unit
-        from fedmeta.stopping import process_seconds
-
-        label, overrides = found
-        profile_unit(label, plan.preset, overrides, args.profile - process_seconds())  # the start is in it
-        return 0
+        return _profile_next_unit(args, plan, kept)
     if args.carry_mib is not None and not (math.isfinite(args.carry_mib) and args.carry_mib >= 0):
         raise FedmetaError(f"--carry-mib must be a size in MiB ≥ 0, got {args.carry_mib}")
     if args.budget is not None:
@@ -791,6 +774,36 @@ def _campaign_command(args: argparse.Namespace) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(campaign.status(plan, kept))
     print(f"wrote {args.out}")
+    return 0
+
+
+def _profile_next_unit(args: argparse.Namespace, plan, kept) -> int:
+    """``fedmeta campaign --profile``: the unit a job would run next, measured (fedmeta.profiling)."""
+    from pathlib import Path
+
+    from fedmeta import campaign
+    from fedmeta.config import compose
+
+    if args.budget is not None or args.collect is not None:
+        raise FedmetaError(
+            "--profile measures the next unit on its own: run it without --budget or --collect"
+        )
+    if not (math.isfinite(args.profile) and args.profile > 0):
+        raise FedmetaError(f"--profile must be a number of seconds > 0, got {args.profile}")
+    plan.overrides = [*plan.overrides, *args.overrides]
+    compose(list(plan.overrides))  # a bad override: one line before anything runs
+    root = Path("runs") / plan.preset
+    found = campaign.next_unit(plan, kept, root, args.carry_mib)
+    if found is None:
+        print("profile: no unfinished unit whose data is here")
+        return 0
+    from fedmeta.profiling import profile_unit
+    from fedmeta.stopping import process_seconds
+
+    label, overrides = found
+    partner = campaign.fill_partner(plan, kept, root, args.carry_mib, found)
+    seconds = args.profile - process_seconds()  # the process's start is spent from it
+    profile_unit(label, plan.preset, overrides, seconds, partner=partner)
     return 0
 
 

@@ -14,11 +14,18 @@ the budget lasts:
    CPU): the top kernels by time and their share;
 4. one round counted by :mod:`fedmeta.census` without its recording (the same operators, eagerly),
    and its FLOPs one seed at a time: the bytes and FLOPs a round moves, over the profiled round's
-   time, as achieved GB/s and TFLOP/s.
+   time, as achieved GB/s and TFLOP/s;
+5. with a partner (``fedmeta.campaign.fill_partner``: the same method on the same data in another
+   setting), whether one process fills the card better than one unit at a time: the partner's rounds
+   timed alone, then both units' seeds as the lanes of one vmapped round, then (a card's only) each
+   unit's rounds on a CUDA stream of its own from a thread of its own — per seed-round, the three
+   side by side. A card time-slices processes, so what fills it must share a process.
 
 Each step prints as it ends (to the job's log, which ``fedmeta campaign --collect`` keeps in
 ``results/gpu/jobs/``); ``MEASURED`` starts the one line, a JSON object, that ``results/campaign.md``
-reads its speed and evaluation time from (``fedmeta.campaign.alone_records``).
+reads its speed and evaluation time from (``fedmeta.campaign.alone_records``); ``FILL`` starts step
+5's, the input of the choice between one unit at a time and several in one process
+(docs/reproducing.md).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import torch
@@ -37,13 +45,20 @@ from fedmeta.stopping import process_seconds
 TOP_KERNELS = 20
 WARMUP_ROUNDS = 3  # the recording is made in the first rounds (fedmeta.capture)
 TIMED_ROUNDS = 5
+FILL = "fill measured: "  # starts step 5's line in a job's log: a JSON object
 
 
 def profile_unit(
-    label: str, preset: str, overrides: list[str], seconds: float, top: int = TOP_KERNELS
+    label: str,
+    preset: str,
+    overrides: list[str],
+    seconds: float,
+    top: int = TOP_KERNELS,
+    partner: tuple[str, list[str]] | None = None,
 ) -> dict:
-    """Steps 1–4 above for ``preset``'s unit ``label`` (its runs' ``overrides``), within ``seconds``
-    from now; returns what was measured (steps not reached are absent)."""
+    """Steps 1–5 above for ``preset``'s unit ``label`` (its runs' ``overrides``; ``partner``: step 5's
+    unit, as a label and overrides), within ``seconds`` from now; returns what was measured (steps not
+    reached are absent)."""
     from fedmeta.assemble import hardware_name, make_engine
     from fedmeta.rounds import evaluate_on_ranks, federated_rounds
 
@@ -99,7 +114,100 @@ def profile_unit(
         _print_kernels(label, kernels, device_seconds, cuda)
     if "profiled_seconds" in measured and left() > 5 * round_seconds + 5:
         _print_rates(label, measured, cfg, fabric, runs, round_number + 1)
+        round_number += 2
+    if partner is not None and left() > 2 * first + 2 * (WARMUP_ROUNDS + TIMED_ROUNDS) * round_seconds:
+        fill = _fill(label, partner, cfg, runs, (engine, round_seconds), round_number + 1, left, timed)
+        if fill is not None:
+            measured["fill"] = fill
     return measured
+
+
+def _fill(
+    label: str, partner: tuple[str, list[str]], cfg, runs: list, timed_alone, first_round: int, left, timed
+):
+    """Step 5: the partner's rounds alone, then both units as lanes, then on two streams (a card's);
+    each timed after the rounds that make its recordings. ``timed_alone``: the unit's engine and its
+    round's seconds alone (step 1, if no time is left to time it again). None where the two cannot
+    share rounds."""
+    from fedmeta.assemble import make_engine
+    from fedmeta.rounds import federated_rounds
+
+    partner_label, partner_overrides = partner
+    engine, earlier = timed_alone
+    partner_cfg, fabric, partner_runs = stacked_runs(partner_overrides)
+    clients = cfg.federation.clients_per_round
+    if partner_cfg.federation.clients_per_round != clients:
+        print(f"fill {label}: {partner_label} trains another number of clients a round: not measured")
+        return None
+    cuda = fabric.device.type == "cuda"
+
+    def laps(one_round, warmup: int = WARMUP_ROUNDS) -> float | None:
+        """The median of the timed rounds after ``warmup`` (the ones that record); None if the time
+        ran out first. Every way times the same round numbers, so the same clients: with clients of
+        different sizes (Dirichlet) a round's lanes are padded to its largest."""
+        numbers = iter(
+            range(first_round + WARMUP_ROUNDS - warmup, first_round + WARMUP_ROUNDS + TIMED_ROUNDS)
+        )
+        made = [timed(lambda: one_round(next(numbers))) for _ in range(max(warmup, 1))]
+        while len(made) < warmup + TIMED_ROUNDS and left() > 2 * made[-1]:
+            made.append(timed(lambda: one_round(next(numbers))))
+        return statistics.median(made[warmup:]) if len(made) > warmup else None
+
+    partner_engine = make_engine(partner_cfg, fabric.device)
+    alone = laps(lambda r: federated_rounds(partner_runs, r, clients, engine=partner_engine))
+    # the unit again, recorded already (step 1): its time alone at the same moment as the others'
+    mine = laps(lambda r: federated_rounds(runs, r, clients, engine=engine), warmup=1) or earlier
+    both = runs + partner_runs
+    lanes_engine = make_engine(cfg, fabric.device)
+    lanes = laps(lambda r: federated_rounds(both, r, clients, engine=lanes_engine))
+    streams = None
+    if cuda and lanes is not None:
+        try:
+            streams = laps(_two_streams([(runs, engine), (partner_runs, partner_engine)], clients), warmup=1)
+        except Exception as exc:  # noqa: BLE001 — untried on every card: what failed is the finding
+            print(f"fill {label}: two CUDA streams failed ({type(exc).__name__}: {str(exc)[:200]})")
+    seeds = len(both)
+
+    def per_seed(lap: float | None) -> float | None:
+        return None if lap is None else round(lap / seeds, 5)
+
+    fill = {
+        "unit": label,
+        "partner": partner_label,
+        "seeds": [len(runs), len(partner_runs)],
+        "one_after_the_other": per_seed(None if alone is None or mine is None else alone + mine),
+        "lanes": per_seed(lanes),
+        "streams": per_seed(streams),
+    }
+    said = {key: "not measured" if fill[key] is None else f"{fill[key]:.4f}" for key in list(fill)[3:]}
+    print(
+        f"fill {label} + {partner_label}, s per seed-round: {said['one_after_the_other']} one unit after "
+        f"the other, {said['lanes']} as lanes of one round, "
+        + (f"{said['streams']} on two CUDA streams" if cuda else "two CUDA streams: a card's only"),
+        flush=True,
+    )
+    print(FILL + json.dumps(fill), flush=True)
+    return fill
+
+
+def _two_streams(units: list[tuple[list, object]], clients: int):
+    """One lockstep round of each unit (its runs and engine), each from a thread of its own on a CUDA
+    stream of its own, both finished when it returns: what two units sharing a process would run."""
+    from fedmeta.rounds import federated_rounds
+
+    sides = [torch.cuda.Stream() for _ in units]
+    torch.cuda.synchronize()  # what the default stream made is ready for both
+    pool = ThreadPoolExecutor(len(units), thread_name_prefix="stream")
+
+    def on_stream(side, unit_runs, unit_engine, round_: int) -> None:
+        with torch.cuda.stream(side):
+            federated_rounds(unit_runs, round_, clients, engine=unit_engine)
+
+    def side_by_side(round_: int) -> None:
+        for done in [pool.submit(on_stream, side, *unit, round_) for side, unit in zip(sides, units)]:
+            done.result()
+
+    return side_by_side
 
 
 def _top_kernels(run_round, cuda: bool, top: int) -> tuple[list[dict], float]:

@@ -19,8 +19,9 @@
 #      campaign's methods' algorithm files: results/gpu/equivalence.txt), the
 #      recorded rounds' GPU tests of every method the campaign runs, in three processes at once, at
 #      most EQUIVALENCE_SECONDS (default 90): a failure or a timeout turns recording off for the job;
-#   4. on a GPU, at most PROFILE_SECONDS (default 45; 0: none) measuring the next unit alone
-#      (fedmeta campaign --profile): its speed, an evaluation, its top kernels, into job.log;
+#   4. on a GPU, at most PROFILE_SECONDS (default 75; 0: none) measuring the next unit alone
+#      (fedmeta campaign --profile): its speed, an evaluation, its top kernels, then whether it and
+#      the same method's unit in another setting fill the card better in one process, into job.log;
 #   5. fedmeta campaign --budget (what is left) --pack $OUT: the unfinished units of
 #      configs/campaign.yaml first, then the next ones, every run stopped at the deadline at a round
 #      boundary, checkpointed; units whose data is not here are skipped in one line.
@@ -156,9 +157,10 @@ PYTHON
 fi
 
 # What the lease teaches the next change (fedmeta.profiling): the next unit alone — its speed, an
-# evaluation, its top kernels, achieved GB/s and TFLOP/s — into this log, before the campaign starts
-# anything beside it. On a card only, once a lease: the second command passes PROFILE_SECONDS=0.
-PROFILE_SECONDS=${PROFILE_SECONDS:-$([ -n "$GPU" ] && echo 45 || echo 0)}
+# evaluation, its top kernels, achieved GB/s and TFLOP/s — then it and its partner unit as lanes of
+# one round and on two CUDA streams, into this log, before the campaign starts anything beside it.
+# On a card only, once a lease: the second command passes PROFILE_SECONDS=0.
+PROFILE_SECONDS=${PROFILE_SECONDS:-$([ -n "$GPU" ] && echo 75 || echo 0)}
 if [[ "$PROFILE_SECONDS" =~ ^[0-9]+$ ]] && (( PROFILE_SECONDS > 5 && $(left) > 4 * PROFILE_SECONDS )); then
   at "profile: the next unit alone, at most $PROFILE_SECONDS s"
   timeout --kill-after=2 "$PROFILE_SECONDS" "$PY" -m fedmeta.cli campaign --profile $(( PROFILE_SECONDS - 3 )) \

@@ -347,13 +347,15 @@ def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back
 ):
     """``fedmeta campaign --profile``: the unit a job would run first (the one under way) is timed
     alone, evaluated once and profiled; its ``measured alone`` line, kept in a job's log, is the
-    speed and evaluation time the state counts with; its kept runs are not touched."""
-    from fedmeta.profiling import MEASURED, profile_unit
+    speed and evaluation time the state counts with; its kept runs are not touched. Then the same
+    method in the other setting of its data set shares its process: as lanes of one round (and, on a
+    card, on a second CUDA stream), against the two one after the other."""
+    from fedmeta.profiling import FILL, MEASURED, profile_unit
 
     monkeypatch.chdir(tmp_path)
-    plan = tiny_campaign(mnist_dir, methods=["local", "fedavg"])
+    plan = tiny_campaign(mnist_dir, methods=["local", "fedavg"], order=["rmnist-shards", "rmnist-dirichlet"])
     kept = tmp_path / "kept"
-    local, fedavg = campaign.units(plan, kept)
+    local, fedavg, *_ = campaign.units(plan, kept)
     folder = fedavg.folders(kept)[0]
     folder.mkdir(parents=True)
     (folder / "metrics.csv").write_text(
@@ -362,7 +364,9 @@ def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back
     torch.save({"round": 1}, tmp_path / "not-a-checkpoint")
     before = sorted((p, p.stat().st_mtime_ns) for p in kept.rglob("*"))
     label, overrides = campaign.next_unit(plan, kept, tmp_path / "runs", carry_mib=None)
-    profile_unit(label, plan.preset, overrides, seconds=600)
+    partner = campaign.fill_partner(plan, kept, tmp_path / "runs", None, (label, overrides))
+    assert partner[0] == "rmnist-dirichlet/local"  # the same method and data, another setting
+    profile_unit(label, plan.preset, overrides, seconds=600, partner=partner)
     out = capsys.readouterr().out
     assert sorted((p, p.stat().st_mtime_ns) for p in kept.rglob("*")) == before
     assert not (tmp_path / "runs").exists()  # set up in memory: no run folder written
@@ -375,6 +379,11 @@ def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back
         and measured["evaluation_seconds"] > 0
     )
     assert f"profile {local.label}: one round" in out and "TFLOP/s achieved" in out
+    [line] = [line for line in out.splitlines() if line.startswith(FILL)]
+    fill = json.loads(line[len(FILL) :])
+    assert fill["partner"] == partner[0] and fill["seeds"] == [3, 3]
+    assert fill["one_after_the_other"] > 0 and fill["lanes"] > 0 and fill["streams"] is None
+    assert "two CUDA streams: a card's only" in out
     logs = tmp_path / "results" / "gpu" / "jobs"
     logs.mkdir(parents=True)
     (logs / "0123456789ab.log").write_text(out)
