@@ -91,6 +91,7 @@ LEASE = {
     "command_seconds": 580,
     "between_commands_seconds": 40,
     "command_overhead_seconds": 100,
+    "profile_seconds": 75,
 }
 # Speeds measured alone: by hand (a line per measurement, with its command), and by a job's profile
 # step (fedmeta.profiling), whose lines its log brings back into JOB_LOGS.
@@ -162,9 +163,10 @@ def _setting_checks(raw: dict) -> list[tuple[bool, str]]:
             and set(lease_plan) == set(LEASE)
             and all(number(v) and v >= 0 for v in lease_plan.values())
             and lease_plan["start_seconds"] + lease_plan["command_seconds"] <= lease_plan["device_seconds"]
-            and lease_plan["command_overhead_seconds"] < lease_plan["command_seconds"],
+            and lease_plan["command_overhead_seconds"] + lease_plan["profile_seconds"]
+            < lease_plan["command_seconds"],
             "lease must be {device_seconds: S, start_seconds: s, command_seconds: c ≤ S − s, "
-            "between_commands_seconds: b, command_overhead_seconds: o < c}, all ≥ 0",
+            "between_commands_seconds: b, command_overhead_seconds: o, profile_seconds: p, o + p < c}, all ≥ 0",
         )
     )
     not_in_leases = raw.get("not_in_leases") or {}
@@ -743,9 +745,11 @@ def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list
 
 def training_per_lease(lease_plan: dict) -> tuple[float, float]:
     """Training seconds in a lease of one command and in one of two: a command less its job's own
-    work (setup, the first unit's start, the last pack); the second command gets the device time
-    the first and the moves between them leave."""
-    one = lease_plan["command_seconds"] - lease_plan["command_overhead_seconds"]
+    work (setup, the first unit's start, the last pack) and, in the first, the profile step; the
+    second command gets the device time the first and the moves between them leave."""
+    one = (
+        lease_plan["command_seconds"] - lease_plan["command_overhead_seconds"] - lease_plan["profile_seconds"]
+    )
     second = (
         lease_plan["device_seconds"]
         - lease_plan["start_seconds"]
@@ -768,8 +772,9 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
         f"lease ({lease_plan['device_seconds']} s of device time, the machine's start "
         f"{lease_plan['start_seconds']} s) trains {one:.0f} s in one command of {lease_plan['command_seconds']} s "
         f"(less {lease_plan['command_overhead_seconds']} s of the job's own: setup, the first unit's start, the "
-        f"last pack) and {two:.0f} s in two (the second gets what is left after "
-        f"{lease_plan['between_commands_seconds']} s of collecting between them): configs/campaign.yaml, lease. "
+        f"last pack; and {lease_plan['profile_seconds']} s of its profile step) and {two:.0f} s in two (the "
+        f"second gets what is left after {lease_plan['between_commands_seconds']} s of collecting between "
+        "them): configs/campaign.yaml, lease. "
         "At the speeds measured alone:",
         "",
     ]

@@ -280,6 +280,7 @@ def test_the_state_speaks_in_leases_of_one_and_two_commands_from_speeds_measured
         "command_seconds": 500,
         "between_commands_seconds": 50,
         "command_overhead_seconds": 100,
+        "profile_seconds": 30,
     }
     plan = tiny_campaign(mnist_dir, lease=lease)
     kept = tmp_path / "kept"
@@ -324,7 +325,7 @@ def test_the_state_speaks_in_leases_of_one_and_two_commands_from_speeds_measured
     assert evaluations[0] >= 1
     assert f"| 1 | rmnist-shards | {units[0].method} | to do | 2.0000 | {evaluations[0]} |" in state
     seconds = sum(len(u.jobs) * u.rounds * 2.0 for u in units) + evaluations[0] * 30.0  # its own rounds
-    one, two = 500 - 100, 500 - 100 + (900 - 100 - 500 - 50 - 100)
+    one, two = 500 - 100 - 30, 500 - 100 - 30 + (900 - 100 - 500 - 50 - 100)  # the profile: the first's
     assert (
         f"{len(units)} units need {seconds / 3600:.2f} h of a card: "
         f"**{campaign._count(math.ceil(seconds / one), 'lease')} of one command, {math.ceil(seconds / two)} of two**"
@@ -411,6 +412,11 @@ def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back
         ("lease: {device_seconds: 60, start_seconds: 90, overhead: 0.1}", "lease must be"),
         (
             "lease: {device_seconds: 900, start_seconds: 45, command_seconds: 900, between_commands_seconds: 40, "
+            "command_overhead_seconds: 100, profile_seconds: 75}",
+            "lease must be",
+        ),
+        (
+            "lease: {device_seconds: 900, start_seconds: 45, command_seconds: 580, between_commands_seconds: 40, "
             "command_overhead_seconds: 100}",
             "lease must be",
         ),
