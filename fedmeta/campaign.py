@@ -98,6 +98,7 @@ LEASE = {
 ALONE_RECORDS = Path("results") / "gpu" / "alone.jsonl"
 JOB_LOGS = Path("results") / "gpu" / "jobs"
 MEASURED = "measured alone: "  # starts a profile's line in a job's log: a JSON object (fedmeta.profiling)
+FILL = "fill measured: "  # starts the line of a profile's fill step: two units in one process
 
 
 def _campaign_problem(raw) -> str | None:
@@ -681,6 +682,8 @@ def status(campaign: DictConfig, kept: Path) -> str:
         "",
         *_projection(campaign, left),
         "",
+        *_fill_lines(campaign.preset),
+        "",
         "## Jobs",
         "",
         "| started (UTC) | hardware | budget s | wall s | units at once | rounds per seed: before → after |",
@@ -856,6 +859,60 @@ def _jobs(kept: Path) -> list[dict]:
     return records
 
 
+def fill_records(preset: str, logs: Path | None = None) -> list[dict]:
+    """The ``FILL`` lines of ``preset``'s job logs in ``logs`` (``JOB_LOGS``), oldest first; a line
+    that is not one (cut short, edited) is skipped."""
+    found = []
+    for line in _logged(FILL, logs or JOB_LOGS):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and record.get("preset") == preset
+            and isinstance(record.get("unit"), str)
+        ):
+            found.append(record)
+    return found
+
+
+def _logged(prefix: str, logs: Path) -> list[str]:
+    """What follows ``prefix`` on the lines of the job logs in ``logs`` that start with it, oldest first."""
+    lines = []
+    for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        text = log.read_text(encoding="utf-8", errors="replace")
+        lines += [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+    return lines
+
+
+def _fill_lines(preset: str) -> list[str]:
+    """``status``'s section on filling the card: every fill step a job's profile measured."""
+    lines = [
+        "## Filling the card",
+        "",
+        "A card time-slices processes: what fills it shares one process. A job's profile times the unit it "
+        "runs next and its partner (the same method on the same data, another setting) one after the "
+        "other, as the lanes of one round, and on two CUDA streams, over the same rounds "
+        "(docs/reproducing.md, *Filling the card*). The campaign runs one unit at a time until a card "
+        "measures a faster way. Seconds per seed-round:",
+        "",
+        "| date | hardware | units | one after the other | as lanes of one round | on two streams |",
+        "|---|---|---|---|---|---|",
+    ]
+    records = fill_records(preset)
+
+    def cell(value) -> str:
+        return f"{value:.4f}" if _number(value) else "-"
+
+    lines += [
+        f"| {r.get('date', '')} | {r.get('hardware', '')} | {r['unit']} + {r.get('partner', '?')} | "
+        f"{cell(r.get('one_after_the_other'))} | {cell(r.get('lanes'))} | {cell(r.get('streams'))} |"
+        for r in records
+    ] or ["| none yet | | | | | |"]
+    return lines
+
+
 def alone_records(preset: str, records: Path | None = None, logs: Path | None = None) -> list[dict]:
     """The speeds of ``preset``'s units measured alone: the lines of ``records`` (default
     ``ALONE_RECORDS``) and the ``MEASURED`` lines of the job logs in ``logs`` (``JOB_LOGS``), oldest
@@ -864,9 +921,7 @@ def alone_records(preset: str, records: Path | None = None, logs: Path | None = 
     lines = []
     if records.is_file():
         lines += records.read_text(encoding="utf-8", errors="replace").splitlines()
-    for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
-        text = log.read_text(encoding="utf-8", errors="replace")
-        lines += [line[len(MEASURED) :] for line in text.splitlines() if line.startswith(MEASURED)]
+    lines += _logged(MEASURED, logs)
     found = []
     for line in lines:
         try:

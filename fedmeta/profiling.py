@@ -24,8 +24,8 @@ the budget lasts:
 Each step prints as it ends (to the job's log, which ``fedmeta campaign --collect`` keeps in
 ``results/gpu/jobs/``); ``MEASURED`` starts the one line, a JSON object, that ``results/campaign.md``
 reads its speed and evaluation time from (``fedmeta.campaign.alone_records``); ``FILL`` starts step
-5's, the input of the choice between one unit at a time and several in one process
-(docs/reproducing.md).
+5's, the input of the choice between one unit at a time and several in one process, which
+``results/campaign.md`` lists (``fedmeta.campaign.fill_records``; docs/reproducing.md).
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from datetime import UTC, datetime
 import torch
 
 from fedmeta.bench import device_timer, stacked_runs
-from fedmeta.campaign import MEASURED
+from fedmeta.campaign import FILL, MEASURED
 from fedmeta.stopping import process_seconds
 
 TOP_KERNELS = 20
 WARMUP_ROUNDS = 3  # the recording is made in the first rounds (fedmeta.capture)
 TIMED_ROUNDS = 5
-FILL = "fill measured: "  # starts step 5's line in a job's log: a JSON object
 
 
 def profile_unit(
@@ -119,6 +118,10 @@ def profile_unit(
         fill = _fill(label, partner, cfg, runs, (engine, round_seconds), round_number + 1, left, timed)
         if fill is not None:
             measured["fill"] = fill
+            print(
+                FILL + json.dumps({key: measured[key] for key in ("date", "hardware", "preset")} | fill),
+                flush=True,
+            )
     return measured
 
 
@@ -186,7 +189,6 @@ def _fill(
         + (f"{said['streams']} on two CUDA streams" if cuda else "two CUDA streams: a card's only"),
         flush=True,
     )
-    print(FILL + json.dumps(fill), flush=True)
     return fill
 
 

@@ -391,9 +391,13 @@ def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back
     [record] = campaign.alone_records("quick")
     assert record["seconds_per_seed_round"] == measured["seconds_per_seed_round"]
     assert campaign.alone_records("paper") == []  # another preset's units are other runs
+    state = campaign.status(plan, kept)
+    assert f"| 1 | rmnist-shards | local | to do | {measured['seconds_per_seed_round']:.4f} |" in state
+    [record] = campaign.fill_records("quick")
+    assert record["lanes"] == fill["lanes"] and record["hardware"] == measured["hardware"]
     assert (
-        f"| 1 | rmnist-shards | local | to do | {measured['seconds_per_seed_round']:.4f} |"
-        in campaign.status(plan, kept)
+        f"| {measured['hardware']} | {local.label} + {partner[0]} | {fill['one_after_the_other']:.4f} | "
+        f"{fill['lanes']:.4f} | - |" in state
     )
 
 
