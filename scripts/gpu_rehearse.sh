@@ -188,7 +188,7 @@ if [ -z "${SECONDS_GIVEN:-}" ]; then
     ${CAMPAIGN_ARGS-$SMALL} 2>/dev/null | sed -n '/^measured alone: /{s///;p;q}')  # its steps after that line: not waited for
   read -r START FIRST ROUND < <("$DEV_PY" -c "import json, sys
 m = json.loads(sys.argv[1] or '{}')
-print(m.get('start_seconds', 0), m.get('first_round_seconds', 0), m.get('seconds_per_seed_round', 0) * m.get('seeds', 1))" "$measured" 2>/dev/null)
+print(m.get('start_seconds', 0), m.get('first_round_seconds', 0), round(m.get('seconds_per_seed_round', 0) * m.get('seeds', 1), 3))" "$measured" 2>/dev/null)
   if [ -z "${ROUND:-}" ] || [ "$ROUND" = 0 ]; then
     say "the rehearsal could not time a round here within 150 s (fedmeta campaign --profile 120 in $DEV): the machine is too loaded to rehearse a lease; try again when it is quieter, or set SECONDS_GIVEN"
     exit 1
