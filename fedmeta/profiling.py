@@ -115,7 +115,7 @@ def profile_unit(
         _print_rates(label, measured, cfg, fabric, runs, round_number + 1)
         round_number += 2
     if partner is not None and left() > 2 * first + 2 * (WARMUP_ROUNDS + TIMED_ROUNDS) * round_seconds:
-        fill = _fill(label, partner, cfg, runs, (engine, round_seconds), round_number + 1, left, timed)
+        fill = _fill(label, partner, cfg, runs, (engine, first, round_seconds), round_number + 1, left, timed)
         if fill is not None:
             measured["fill"] = fill
             print(
@@ -128,47 +128,62 @@ def profile_unit(
 def _fill(
     label: str, partner: tuple[str, list[str]], cfg, runs: list, timed_alone, first_round: int, left, timed
 ):
-    """Step 5: the partner's rounds alone, then both units as lanes, then on two streams (a card's);
-    each timed after the rounds that make its recordings. ``timed_alone``: the unit's engine and its
-    round's seconds alone (step 1, if no time is left to time it again). None where the two cannot
-    share rounds."""
+    """Step 5: the partner's rounds alone, the unit's again, both units as lanes (the unit's method
+    settings for all: a proxy where the partner's differ), then on two streams (a card's); each
+    timed after the rounds that make its recordings, over the same round numbers. A way whose timed
+    rounds recorded again, fell back, or dropped a client is not counted (why, in ``notes``).
+    ``timed_alone``: the unit's engine, its first round's and a round's seconds (step 1). None where
+    the two cannot share rounds or the partner cannot be set up."""
     from fedmeta.assemble import make_engine
     from fedmeta.rounds import federated_rounds
 
     partner_label, partner_overrides = partner
-    engine, earlier = timed_alone
-    partner_cfg, fabric, partner_runs = stacked_runs(partner_overrides)
+    engine, first, round_seconds = timed_alone
+    try:
+        partner_cfg, fabric, partner_runs = stacked_runs(partner_overrides)
+    except Exception as exc:  # noqa: BLE001 — the step is a measurement: what failed is said, not raised
+        print(f"fill {label}: {partner_label} could not be set up ({type(exc).__name__}: {str(exc)[:200]})")
+        return None
     clients = cfg.federation.clients_per_round
     if partner_cfg.federation.clients_per_round != clients:
         print(f"fill {label}: {partner_label} trains another number of clients a round: not measured")
         return None
     cuda = fabric.device.type == "cuda"
-
-    def laps(one_round, warmup: int = WARMUP_ROUNDS) -> float | None:
-        """The median of the timed rounds after ``warmup`` (the ones that record); None if the time
-        ran out first. Every way times the same round numbers, so the same clients: with clients of
-        different sizes (Dirichlet) a round's lanes are padded to its largest."""
-        numbers = iter(
-            range(first_round + WARMUP_ROUNDS - warmup, first_round + WARMUP_ROUNDS + TIMED_ROUNDS)
-        )
-        made = [timed(lambda: one_round(next(numbers))) for _ in range(max(warmup, 1))]
-        while len(made) < warmup + TIMED_ROUNDS and left() > 2 * made[-1]:
-            made.append(timed(lambda: one_round(next(numbers))))
-        return statistics.median(made[warmup:]) if len(made) > warmup else None
-
+    ways = _Ways(first_round, left, timed)
     partner_engine = make_engine(partner_cfg, fabric.device)
-    alone = laps(lambda r: federated_rounds(partner_runs, r, clients, engine=partner_engine))
+    alone = ways.time(
+        "partner",
+        lambda r: federated_rounds(partner_runs, r, clients, engine=partner_engine),
+        [partner_engine],
+        (first, round_seconds),
+    )
     # the unit again, recorded already (step 1): its time alone at the same moment as the others'
-    mine = laps(lambda r: federated_rounds(runs, r, clients, engine=engine), warmup=1) or earlier
+    mine = ways.time(
+        "unit", lambda r: federated_rounds(runs, r, clients, engine=engine), [engine], (0, round_seconds), 1
+    )
     both = runs + partner_runs
     lanes_engine = make_engine(cfg, fabric.device)
-    lanes = laps(lambda r: federated_rounds(both, r, clients, engine=lanes_engine))
+    lanes = ways.time(
+        "lanes",
+        lambda r: federated_rounds(both, r, clients, engine=lanes_engine),
+        [lanes_engine],
+        (2 * first, 2 * round_seconds),
+    )
     streams = None
-    if cuda and lanes is not None:
-        try:
-            streams = laps(_two_streams([(runs, engine), (partner_runs, partner_engine)], clients), warmup=1)
+    if cuda and alone is not None and mine is not None:
+        try:  # only rounds both engines have run: no recording while the other stream works
+            pair = [(runs, engine), (partner_runs, partner_engine)]
+            seen = min(ways.ran["partner"] - WARMUP_ROUNDS + 1, ways.ran["unit"])
+            streams = ways.time(
+                "streams",
+                _two_streams(pair, clients),
+                [engine, partner_engine],
+                (0, 2 * round_seconds),
+                1,
+                seen,
+            )
         except Exception as exc:  # noqa: BLE001 — untried on every card: what failed is the finding
-            print(f"fill {label}: two CUDA streams failed ({type(exc).__name__}: {str(exc)[:200]})")
+            ways.notes.append(f"streams: {type(exc).__name__}: {str(exc)[:200]}")
     seeds = len(both)
 
     def per_seed(lap: float | None) -> float | None:
@@ -181,33 +196,99 @@ def _fill(
         "one_after_the_other": per_seed(None if alone is None or mine is None else alone + mine),
         "lanes": per_seed(lanes),
         "streams": per_seed(streams),
+        "notes": ways.notes,
     }
-    said = {key: "not measured" if fill[key] is None else f"{fill[key]:.4f}" for key in list(fill)[3:]}
+    _print_fill(fill, cuda)
+    return fill
+
+
+def _print_fill(fill: dict, cuda: bool) -> None:
+    said = {key: "not measured" if fill[key] is None else f"{fill[key]:.4f}" for key in list(fill)[3:6]}
+    notes = fill["notes"]
     print(
-        f"fill {label} + {partner_label}, s per seed-round: {said['one_after_the_other']} one unit after "
-        f"the other, {said['lanes']} as lanes of one round, "
-        + (f"{said['streams']} on two CUDA streams" if cuda else "two CUDA streams: a card's only"),
+        f"fill {fill['unit']} + {fill['partner']}, s per seed-round: {said['one_after_the_other']} one unit "
+        f"after the other, {said['lanes']} as lanes of one round, "
+        + (f"{said['streams']} on two CUDA streams" if cuda else "two CUDA streams: a card's only")
+        + (f" ({'; '.join(notes)})" if notes else ""),
         flush=True,
     )
-    return fill
+
+
+class _Ways:
+    """Step 5's timings: each way over the same round numbers (the same clients: with clients of
+    different sizes a round's lanes are padded to its largest), and why a way was not counted."""
+
+    def __init__(self, first_round: int, left, timed):
+        self.first_round, self.left, self.timed = first_round, left, timed
+        self.notes: list[str] = []
+        self.ran: dict[str, int] = {}  # rounds each way ran, from first_round + WARMUP_ROUNDS − its warm-up
+
+    def time(
+        self, way: str, one_round, engines: list, needs: tuple, warmup: int = WARMUP_ROUNDS, most: int = 0
+    ) -> float | None:
+        """The median of the timed rounds after ``warmup`` (the ones that record), ``most`` rounds in
+        all at most (0: as many as are timed); None if the time ran out first or the timed rounds were
+        not the steady state (they recorded again, fell back or dropped a client). ``needs``: the
+        first round's seconds (its recording) and a round's, as step 1 measured them."""
+        recording, a_round = needs
+        if self.left() < recording + (warmup + 1) * a_round:
+            self.notes.append(f"{way}: not begun, {self.left():.0f} s left")
+            return None
+        start = self.first_round + WARMUP_ROUNDS - warmup
+        numbers = iter(range(start, self.first_round + WARMUP_ROUNDS + TIMED_ROUNDS))
+        most = min(most or warmup + TIMED_ROUNDS, warmup + TIMED_ROUNDS)
+        dropped: list[str] = []
+
+        def lap() -> float:
+            outcomes: list = []
+            seconds = self.timed(lambda: outcomes.extend(one_round(next(numbers))))
+            dropped.extend(o.error or o.dropped[0] for o in outcomes if o.error or o.dropped)
+            return seconds
+
+        made = [lap() for _ in range(max(warmup, 1))]
+        steady = [_steady_state(e) for e in engines]
+        while len(made) < most and self.left() > 2 * made[-1]:
+            made.append(lap())
+        self.ran[way] = len(made)
+        if dropped or steady != [_steady_state(e) for e in engines]:
+            self.notes.append(
+                f"{way}: {dropped[0] if dropped else 'its timed rounds recorded again or fell back'}"
+            )
+            return None
+        if len(made) <= warmup:
+            self.notes.append(f"{way}: the time ran out after the rounds that record")
+            return None
+        return statistics.median(made[warmup:])
+
+
+def _steady_state(engine) -> tuple:
+    """What changes when a round is not a replay of what was recorded before it: a fallback, and on
+    a card the recordings (a new layout) and the calls run eagerly."""
+    capture = engine.capture
+    if not capture.records:
+        return (engine.describe()["fallback"],)
+    recordings = frozenset((key, layout) for key, layouts in capture.recordings.items() for layout in layouts)
+    return engine.describe()["fallback"], recordings, capture.eager
 
 
 def _two_streams(units: list[tuple[list, object]], clients: int):
     """One lockstep round of each unit (its runs and engine), each from a thread of its own on a CUDA
-    stream of its own, both finished when it returns: what two units sharing a process would run."""
+    stream of its own, both finished when it returns: what two units sharing a process would run.
+    (Their graphs were captured on one stream and so share its cuBLAS workspace: fine for timing; a
+    campaign that trained this way would capture each unit's on its own stream.)"""
     from fedmeta.rounds import federated_rounds
 
     sides = [torch.cuda.Stream() for _ in units]
     torch.cuda.synchronize()  # what the default stream made is ready for both
     pool = ThreadPoolExecutor(len(units), thread_name_prefix="stream")
 
-    def on_stream(side, unit_runs, unit_engine, round_: int) -> None:
+    def on_stream(side, unit_runs, unit_engine, round_: int) -> list:
         with torch.cuda.stream(side):
-            federated_rounds(unit_runs, round_, clients, engine=unit_engine)
+            return federated_rounds(unit_runs, round_, clients, engine=unit_engine)
 
-    def side_by_side(round_: int) -> None:
-        for done in [pool.submit(on_stream, side, *unit, round_) for side, unit in zip(sides, units)]:
-            done.result()
+    def side_by_side(round_: int) -> list:
+        started = [pool.submit(on_stream, side, *unit, round_) for side, unit in zip(sides, units)]
+        return [outcome for done in started for outcome in done.result()]
 
     return side_by_side
 

@@ -185,7 +185,7 @@ PY
 if [ -z "${SECONDS_GIVEN:-}" ]; then
   # shellcheck disable=SC2086  # the overrides are words
   measured=$(cd "$DEV" && OMP_NUM_THREADS=1 timeout 150 "$DEV_PY" -m fedmeta.cli campaign --profile 120 \
-    ${CAMPAIGN_ARGS-$SMALL} 2>/dev/null | sed -n '/^measured alone: /{s///;p;q}')  # its steps after that line: not waited for
+    ${CAMPAIGN_ARGS-$SMALL} 2>/dev/null | sed -n '/^measured alone: /{s///;p;q}')  # the profile ends at its next line (a broken pipe)
   read -r START FIRST ROUND < <("$DEV_PY" -c "import json, sys
 m = json.loads(sys.argv[1] or '{}')
 print(m.get('start_seconds', 0), m.get('first_round_seconds', 0), round(m.get('seconds_per_seed_round', 0) * m.get('seeds', 1), 3))" "$measured" 2>/dev/null)

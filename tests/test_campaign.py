@@ -384,6 +384,9 @@ def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back
     fill = json.loads(line[len(FILL) :])
     assert fill["partner"] == partner[0] and fill["seeds"] == [3, 3]
     assert fill["one_after_the_other"] > 0 and fill["lanes"] > 0 and fill["streams"] is None
+    assert (
+        fill["notes"] == []
+    )  # every way's timed rounds were replays of the same computation, no client dropped
     assert "two CUDA streams: a card's only" in out
     logs = tmp_path / "results" / "gpu" / "jobs"
     logs.mkdir(parents=True)
