@@ -23,11 +23,16 @@ from __future__ import annotations
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedmeta.algorithms.fedper import FedPer
+from fedmeta.errors import FedmetaError
 
 
 class FedBN(FedPer):
     def own_and_shared(self) -> tuple[list[str], list[str]]:
         norms = tuple(f"{name}." for name, m in self.model.named_modules() if isinstance(m, _BatchNorm))
+        if not norms:
+            raise FedmetaError(
+                "FedBN keeps each client's batch norms, and model.batch_norm=false has none: drop it"
+            )
         return self.split_names(norms)
 
     def adapted_names(self, step: int) -> list[str] | None:

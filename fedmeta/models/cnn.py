@@ -18,14 +18,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fedmeta.models import lanes
 
 
-def conv_block(in_channels: int, out_channels: int, kernel_size: int, padding: int | str) -> nn.Sequential:
+def conv_block(
+    in_channels: int, out_channels: int, kernel_size: int, padding: int | str, batch_norm: bool = True
+) -> nn.Sequential:
     # conv → BN → ReLU → max-pool, computed with the pool first: max and ReLU commute
     # (both monotone), so the function and its gradients are the same and ReLU touches 4× fewer values.
+    norm = [nn.BatchNorm2d(out_channels, track_running_stats=False)] if batch_norm else []
     return nn.Sequential(
-        nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding),
-        nn.BatchNorm2d(out_channels, track_running_stats=False),
-        nn.MaxPool2d(2),
-        nn.ReLU(),
+        nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding), *norm, nn.MaxPool2d(2), nn.ReLU()
     )
 
 
@@ -42,9 +42,13 @@ def batch_norm(layer: _BatchNorm, x: torch.Tensor, mask: torch.Tensor | None) ->
     return (x - mean) * torch.rsqrt(var + layer.eps) * layer.weight.view(shape) + layer.bias.view(shape)
 
 
-def run_block(block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def run_block(
+    block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None, channels_last: bool = False
+) -> torch.Tensor:
     for layer in block:
-        if isinstance(layer, _BatchNorm):
+        if isinstance(layer, nn.Conv2d):
+            x = lanes.conv2d(x, layer, channels_last)
+        elif isinstance(layer, _BatchNorm):
             x = batch_norm(layer, x, mask)
         elif isinstance(layer, nn.MaxPool2d):  # conv_block's: non-overlapping windows
             x = lanes.max_pool2d(x, layer.kernel_size)
@@ -53,10 +57,9 @@ def run_block(block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None) 
     return x
 
 
-def dense_block(in_units: int, out_units: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(in_units, out_units), nn.BatchNorm1d(out_units, track_running_stats=False), nn.ReLU()
-    )
+def dense_block(in_units: int, out_units: int, batch_norm: bool = True) -> nn.Sequential:
+    norm = [nn.BatchNorm1d(out_units, track_running_stats=False)] if batch_norm else []
+    return nn.Sequential(nn.Linear(in_units, out_units), *norm, nn.ReLU())
 
 
 class ConvStackError(ValueError):
@@ -73,11 +76,12 @@ class ConvFeatures(nn.Module):
         conv_channels: Sequence[int],
         kernel_size: int,
         padding: int | str,
+        batch_norm: bool = True,
     ):
         super().__init__()
         channels = [in_channels, *conv_channels]
         self.blocks = nn.ModuleList(
-            conv_block(a, b, kernel_size, padding) for a, b in zip(channels, channels[1:])
+            conv_block(a, b, kernel_size, padding, batch_norm) for a, b in zip(channels, channels[1:])
         )
         self.channels_last = True
         self.flat_dim = self._probe(in_channels, image_size)
@@ -101,7 +105,7 @@ class ConvFeatures(nn.Module):
         if self.channels_last:  # NHWC: oneDNN's convolutions and pooling are markedly faster in it on CPU
             x = x.contiguous(memory_format=torch.channels_last)
         for i, block in enumerate(self.blocks):
-            x = run_block(block, x, mask)
+            x = run_block(block, x, mask, self.channels_last)
             if after_block is not None:
                 x = after_block(i, x)
         return x.flatten(1)
@@ -129,11 +133,12 @@ class ConvNet(nn.Module):
         kernel_size: int,
         padding: int | str,
         dense_units: Sequence[int],
+        batch_norm: bool = True,
     ):
         super().__init__()
-        self.features = ConvFeatures(in_channels, image_size, conv_channels, kernel_size, padding)
+        self.features = ConvFeatures(in_channels, image_size, conv_channels, kernel_size, padding, batch_norm)
         units = [self.features.flat_dim, *dense_units]
-        self.dense = nn.ModuleList(dense_block(a, b) for a, b in zip(units, units[1:]))
+        self.dense = nn.ModuleList(dense_block(a, b, batch_norm) for a, b in zip(units, units[1:]))
         self.head = nn.Linear(units[-1], num_classes)
         self.conv_channels = list(conv_channels)
         self.dense_units = list(dense_units)
@@ -175,4 +180,5 @@ def build_base_net(model_cfg, in_channels: int, image_size: int, num_classes: in
         model_cfg["kernel_size"],
         model_cfg["padding"],
         model_cfg["dense_units"],
+        model_cfg.get("batch_norm", True),
     )

@@ -1,4 +1,5 @@
-"""Batch normalization and max-pooling that stay one kernel each way when clients are vmapped.
+"""Convolution, batch normalization and max-pooling that stay one kernel each way when clients are
+vmapped.
 
 Under ``torch.func.vmap`` (fedmeta.engine: a lane per client and seed) PyTorch's batch rules run a
 batch norm whose weight differs per lane as a normalization without the affine, the affine apart
@@ -11,6 +12,13 @@ conv stack never changes layout — and runs PyTorch's kernel once, forward and 
 (``torch.autograd.Function``'s ``vmap`` staticmethod,
 https://pytorch.org/docs/stable/notes/extending.func.html). Per channel the arithmetic is PyTorch's
 own, alone or vmapped: the same kernels on the same numbers.
+
+Convolutions on the CPU get a rule of their own for the layout: PyTorch's batch rule folds the
+lanes into a grouped convolution too, but in NCHW, where the max-pooling after it is about ten
+times slower than in NHWC (measured in docs/performance.md). The rule here runs the grouped
+convolution channels-last, so every layer of the conv stack — convolution, batch norm, pooling,
+forward and backward — sees lanes × channels as the contiguous inner axis of one NHWC tensor. On a
+GPU PyTorch's own rule stays (cuDNN picks its layouts).
 
 Second order (MAML's inner steps differentiated) goes through each backward's backward: batch
 norm's as the vector-Jacobian product of its backward's formula with the statistics recomputed from
@@ -296,3 +304,176 @@ def max_pool2d(x: torch.Tensor, size: int) -> torch.Tensor:
     if not _transformed(x):
         return F.max_pool2d(x, size)
     return _MaxPool.apply(x, size)[0]
+
+
+# ---- convolution ----------------------------------------------------------------------------------
+CHANNELS_LAST = torch.channels_last
+
+
+def _nhwc(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=CHANNELS_LAST)
+
+
+def _conv(x, weight, bias, padding, groups):
+    return aten.convolution(x, weight, bias, [1, 1], padding, [1, 1], False, [0, 0], groups)
+
+
+class _ConvBackward(torch.autograd.Function):
+    """A convolution's gradients (input, weight, bias) for ``grad_out``: bilinear in (grad_out,
+    weight) and in (grad_out, input), so each derivative of it is a convolution or a convolution's
+    gradient again — every order goes through these two functions."""
+
+    @staticmethod
+    def forward(grad_out, x, weight, padding, groups, mask):
+        bias_sizes = [weight.shape[0]] if mask[2] else None
+        return aten.convolution_backward(
+            grad_out, x, weight, bias_sizes, [1, 1], padding, [1, 1], False, [0, 0], groups, list(mask)
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, x, weight, padding, groups, mask = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad_out, x, weight)
+        ctx.save_for_forward(grad_out, x, weight)
+        ctx.padding, ctx.groups, ctx.mask = padding, groups, mask
+
+    @staticmethod
+    def backward(ctx, a_x, a_weight, a_bias):
+        """⟨a_x, grad_x(g, w)⟩ = ⟨g, conv(a_x, w)⟩ and ⟨a_w, grad_w(g, x)⟩ = ⟨g, conv(x, a_w)⟩."""
+        grad_out, x, weight = ctx.saved_tensors
+        padding, groups = ctx.padding, ctx.groups
+        grad_grad_out = grad_x = grad_weight = None
+        if a_x is not None:
+            grad_grad_out = _Conv.apply(a_x, weight, None, padding, groups)
+            grad_weight = _ConvBackward.apply(grad_out, a_x, weight, padding, groups, (False, True, False))[1]
+        if a_weight is not None:
+            through_weight = _Conv.apply(x, a_weight, None, padding, groups)
+            grad_grad_out = through_weight if grad_grad_out is None else grad_grad_out + through_weight
+            grad_x = _ConvBackward.apply(grad_out, x, a_weight, padding, groups, (True, False, False))[0]
+        if a_bias is not None:
+            through_bias = a_bias.view(1, -1, 1, 1)
+            grad_grad_out = (
+                through_bias.expand_as(grad_out) if grad_grad_out is None else grad_grad_out + through_bias
+            )
+        return grad_grad_out, grad_x, grad_weight, None, None, None
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, x_t, weight_t, *_):
+        """grad_x moves with (grad_out, weight), grad_weight with (grad_out, input), grad_bias with
+        grad_out."""
+        grad_out, x, weight = ctx.saved_tensors
+        padding, groups, mask = ctx.padding, ctx.groups, ctx.mask
+        zeros = torch.zeros_like(grad_out) if grad_out_t is None else grad_out_t
+        out = list(_ConvBackward.apply(zeros, x, weight, padding, groups, mask))
+        if weight_t is not None and mask[0]:
+            out[0] = (
+                out[0] + _ConvBackward.apply(grad_out, x, weight_t, padding, groups, (True, False, False))[0]
+            )
+        if x_t is not None and mask[1]:
+            out[1] = (
+                out[1] + _ConvBackward.apply(grad_out, x_t, weight, padding, groups, (False, True, False))[1]
+            )
+        return tuple(out)
+
+    @staticmethod
+    def vmap(info, in_dims, grad_out, x, weight, padding, groups, mask):
+        lanes = info.batch_size
+        grad_x, grad_weight, grad_bias = _ConvBackward.apply(
+            _nhwc(_activations(grad_out, in_dims[0], lanes)),
+            _nhwc(_activations(x, in_dims[1], lanes)),
+            _kernels(weight, in_dims[2], lanes),
+            padding,
+            groups * lanes,
+            mask,
+        )
+        return (
+            (
+                None if grad_x is None else _unfold(grad_x, lanes),
+                None if grad_weight is None else grad_weight.view(lanes, -1, *grad_weight.shape[1:]),
+                None if grad_bias is None else grad_bias.view(lanes, -1),
+            ),
+            (
+                None if grad_x is None else 1,
+                None if grad_weight is None else 0,
+                None if grad_bias is None else 0,
+            ),
+        )
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias, padding, groups):
+        return _conv(x, weight, bias, padding, groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, padding, groups = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
+        ctx.padding, ctx.groups, ctx.has_bias = padding, groups, bias is not None
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None, None, None
+        x, weight = ctx.saved_tensors
+        mask = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        return (*_ConvBackward.apply(grad_out, x, weight, ctx.padding, ctx.groups, mask), None, None)
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t, _padding, _groups):
+        x, weight = ctx.saved_tensors
+        out_t = None
+        if x_t is not None:
+            out_t = _Conv.apply(x_t, weight, None, ctx.padding, ctx.groups)
+        if weight_t is not None:
+            through_weight = _Conv.apply(x, weight_t, None, ctx.padding, ctx.groups)
+            out_t = through_weight if out_t is None else out_t + through_weight
+        if bias_t is not None:
+            out_t = bias_t.view(1, -1, 1, 1) if out_t is None else out_t + bias_t.view(1, -1, 1, 1)
+        return out_t
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, bias, padding, groups):
+        lanes = info.batch_size
+        out = _Conv.apply(
+            _nhwc(_activations(x, in_dims[0], lanes)),
+            _kernels(weight, in_dims[1], lanes),
+            None if bias is None else _channels(bias, in_dims[2], lanes),
+            padding,
+            groups * lanes,
+        )
+        return _unfold(out, lanes), 1
+
+
+def _kernels(weight: torch.Tensor, dim: int | None, lanes: int) -> torch.Tensor:
+    """(L, O, C, k, k) as (L·O, C, k, k): each lane's kernels one group of a grouped convolution."""
+    weight = weight.movedim(dim, 0) if dim is not None else weight.expand(lanes, *weight.shape)
+    return weight.reshape(-1, *weight.shape[2:])
+
+
+def _symmetric_padding(padding: int | tuple | str, kernel_size: tuple[int, int]) -> list[int] | None:
+    """``nn.Conv2d``'s padding as aten's two numbers (stride 1); None where "same" pads one side
+    more than the other (an even kernel), which only F.conv2d expresses."""
+    if padding == "valid":
+        return [0, 0]
+    if padding == "same":
+        return [(k - 1) // 2 for k in kernel_size] if all(k % 2 for k in kernel_size) else None
+    return [padding, padding] if isinstance(padding, int) else list(padding)
+
+
+def conv2d(x: torch.Tensor, layer: torch.nn.Conv2d, channels_last: bool) -> torch.Tensor:
+    """``layer(x)`` (stride 1), its output NHWC when ``channels_last``:
+    an input of one channel is NCHW and NHWC at once, and oneDNN then picks NCHW, so the layout is
+    asked for rather than inherited (pooling after it is ten times slower in NCHW)."""
+    weight, bias = layer.weight, layer.bias
+    padding = _symmetric_padding(layer.padding, layer.kernel_size)
+    if padding is None:
+        out = F.conv2d(x, weight, bias, padding=layer.padding)
+    elif _transformed(x) and x.device.type == "cpu":
+        return _Conv.apply(x, weight, bias, padding, 1)
+    else:
+        out = _conv(x, weight, bias, padding, 1)
+    return _nhwc(out) if channels_last and not _transformed(x) else out
