@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
-from pathlib import Path
 
 import torch
 from lightning_fabric import Fabric
@@ -19,6 +17,7 @@ from fedmeta.data import Federation, federation_of
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import draw_personalization
+from fedmeta.fastest import vmap_measured_faster
 
 
 class _TensorCoreAdvice(logging.Filter):
@@ -90,23 +89,6 @@ def make_fabric(cfg: DictConfig) -> Fabric:
     return fabric
 
 
-def hardware_name(device: torch.device) -> str:
-    """The card's name, or the CPU model and the threads torch uses: what a timing ran on."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    models = (
-        [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        if cpuinfo.exists()
-        else []
-    )
-    return f"{models[0] if models else platform.processor()}, {torch.get_num_threads()} thread(s)"
-
-
 def build(fabric: Fabric, cfg: DictConfig) -> tuple[Federation, Algorithm]:
     """The federation (data on the device) and the algorithm of a config, seeded by its seed."""
     fabric.seed_everything(cfg.seed, verbose=False)
@@ -126,7 +108,9 @@ def setup(cfg: DictConfig) -> tuple[Fabric, Federation, Algorithm]:
 
 def make_engine(cfg: DictConfig, device: torch.device) -> Engine:
     """The engine the config asks for on ``device`` (``auto`` resolved: fedmeta.capture.resolve)."""
-    vectorize, capture = resolve(cfg.federation.vectorize, cfg.federation.capture, device)
+    vectorize, capture = resolve(
+        cfg.federation.vectorize, cfg.federation.capture, device, vmap_measured_faster(cfg, device)
+    )
     if capture == "graph" and device.type != "cuda":
         raise FedmetaError(
             f"federation.capture=graph records CUDA graphs and needs a CUDA device, not {device.type}: "

@@ -222,8 +222,9 @@ def measure_round(
     """One row, in the calling process: seconds and FLOPs per round (per seed, with stacked seeds),
     personalization seconds per new client, optionally one whole evaluation (every new client,
     every step), peak memory. Meant to run in a fresh process (``run_isolated``)."""
-    from fedmeta.assemble import hardware_name, make_engine
+    from fedmeta.assemble import make_engine
     from fedmeta.engine import Engine
+    from fedmeta.fastest import hardware_name
     from fedmeta.rounds import Federated, evaluate_on_ranks, federated_rounds
 
     cfg, fabric, runs = stacked_runs(overrides)
@@ -550,7 +551,7 @@ def _print_speedups(rows: list[dict]) -> None:
 
 def _peak(result: dict, kind: str, matmul_size: int) -> float:
     """The fp32 matmul peak of a row's device, measured here once per device kind (kept in ``result``)."""
-    from fedmeta.assemble import hardware_name
+    from fedmeta.fastest import hardware_name
 
     if kind not in result["peaks"]:
         device = torch.device(kind)

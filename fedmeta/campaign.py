@@ -653,7 +653,7 @@ def carry_out(todo: list[Unit], root: Path, kept: Path) -> float:
 
 
 def _hardware() -> str:
-    from fedmeta.assemble import hardware_name
+    from fedmeta.fastest import hardware_name
 
     return hardware_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 

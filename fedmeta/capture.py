@@ -41,12 +41,15 @@ WARMUP_CALLS = 2  # before a CUDA graph is recorded: lazy initialization and all
 LAYOUTS_KEPT = 2  # recordings kept per computation (a round, an evaluation); an older layout is released
 
 
-def resolve(vectorize: bool | str, capture: str, device: torch.device) -> tuple[bool, str]:
+def resolve(
+    vectorize: bool | str, capture: str, device: torch.device, vmap_faster: bool | None = None
+) -> tuple[bool, str]:
     """``federation.vectorize`` and ``federation.capture`` on ``device``. ``auto``: vmapped clients
-    recorded as CUDA graphs on a CUDA device; one client at a time on the CPU, where a round is
-    bound by arithmetic rather than by launches and the plain path is the fastest measured."""
+    recorded as CUDA graphs on a CUDA device; on the CPU the way ``make bench`` measured faster for
+    the run on this CPU (``vmap_faster``: fedmeta.fastest), else one client at a time, where a
+    round is bound by arithmetic and memory rather than by launches."""
     on_gpu = device.type == "cuda"
-    vectorize = on_gpu if vectorize == "auto" else bool(vectorize)
+    vectorize = (on_gpu or bool(vmap_faster)) if vectorize == "auto" else bool(vectorize)
     if capture == "auto":
         capture = "graph" if vectorize and on_gpu else "none"
     return vectorize, capture

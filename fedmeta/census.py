@@ -169,8 +169,9 @@ def count_round(
     """One row: the counts of one lockstep round (all seeds together) after ``warmup`` rounds, and
     the host work of ``timed_rounds`` more (their median; none: ``host_ms`` None), in the calling
     process (``fedmeta.bench.run_isolated`` gives it a fresh one)."""
-    from fedmeta.assemble import hardware_name, make_engine
+    from fedmeta.assemble import make_engine
     from fedmeta.engine import Engine
+    from fedmeta.fastest import hardware_name
     from fedmeta.rounds import federated_rounds
 
     cfg, fabric, runs = stacked_runs(overrides)

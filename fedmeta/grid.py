@@ -287,12 +287,14 @@ def vectorized_here(cfg: DictConfig) -> bool:
     import torch
 
     from fedmeta.capture import resolve
+    from fedmeta.fastest import vmap_measured_faster
 
     accelerator = cfg.fabric.accelerator
     gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
-    return resolve(cfg.federation.vectorize, cfg.federation.capture, torch.device("cuda" if gpu else "cpu"))[
-        0
-    ]
+    device = torch.device("cuda" if gpu else "cpu")
+    return resolve(
+        cfg.federation.vectorize, cfg.federation.capture, device, vmap_measured_faster(cfg, device)
+    )[0]
 
 
 def stacked(jobs: list[Job]) -> list[Job]:

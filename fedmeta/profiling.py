@@ -58,7 +58,8 @@ def profile_unit(
     """Steps 1–5 above for ``preset``'s unit ``label`` (its runs' ``overrides``; ``partner``: step 5's
     unit, as a label and overrides), within ``seconds`` from now; returns what was measured (steps not
     reached are absent)."""
-    from fedmeta.assemble import hardware_name, make_engine
+    from fedmeta.assemble import make_engine
+    from fedmeta.fastest import hardware_name
     from fedmeta.rounds import evaluate_on_ranks, federated_rounds
 
     deadline = time.monotonic() + seconds

@@ -12,9 +12,10 @@ from lightning_fabric import Fabric
 from omegaconf import DictConfig
 
 from fedmeta import checkpoint
-from fedmeta.assemble import build, hardware_name, rehearse
+from fedmeta.assemble import build, rehearse
 from fedmeta.config import run_name, setting_name
 from fedmeta.evaluation import PersonalizationResult
+from fedmeta.fastest import hardware_name
 from fedmeta.rounds import Federated
 from fedmeta.runs import RunLock, RunRecorder, check_run_folder
 

@@ -2,6 +2,7 @@
 the device, the choice of engine per device, and the fallback to eager. The recordings themselves
 (CUDA graphs, on a GPU) are compared with the eager path at the end, on a GPU only."""
 
+import json
 import logging
 
 import pytest
@@ -13,6 +14,7 @@ from fedmeta.capture import Capture, resolve
 from fedmeta.config import compose
 from fedmeta.data import Batch, ImageDataset, build_federation
 from fedmeta.engine import DataBank, Engine, layout_of, merge_layouts, pad_to, to_device
+from fedmeta.fastest import hardware_name, vmap_measured_faster
 from fedmeta.rounds import Federated, evaluate_on_ranks, federated_round
 
 
@@ -98,6 +100,48 @@ def test_auto_engine_vmaps_and_records_on_a_gpu_and_not_on_a_cpu():
     assert engine.vectorize and engine.capture.pads and engine.label() == "clients vmapped, fixed layout"
     with pytest.raises(Exception, match="needs a CUDA device"):
         make_engine(compose(["federation.capture=graph"]), torch.device("cpu"))
+
+
+def test_auto_on_a_cpu_takes_the_way_the_bench_measured_faster_on_this_cpu(tmp_path):
+    cpu = torch.device("cpu")
+    cfg = compose(["method=fedavg", "wandb.mode=disabled"])
+    here = hardware_name(cpu)
+
+    def row(clients, seconds, hardware=here, method="fedavg", **extra):
+        return {
+            "dataset": "rmnist",
+            "method": method,
+            "variant": "paper",
+            "precision": "32-true",
+            "client_threads": 1,
+            "seeds": 1,
+            "clients": clients,
+            "seconds_per_round": seconds,
+            "hardware": hardware,
+            **extra,
+        }
+
+    def measured(*rows, config=cfg):
+        path = tmp_path / "bench.json"
+        path.write_text(json.dumps({"rows": list(rows)}))
+        return vmap_measured_faster(config, cpu, path)
+
+    assert measured(row("sequential", 5.0), row("vmap", 4.0)) is True
+    assert measured(row("sequential", 5.0), row("vmap", 6.0)) is False
+    # measured elsewhere, for another method, one way only, or vmap that fell back: not a measurement here
+    assert measured(row("sequential", 5.0), row("vmap", 4.0, hardware="another CPU, 2 thread(s)")) is None
+    assert measured(row("sequential", 5.0, method="ditto"), row("vmap", 4.0, method="ditto")) is None
+    assert measured(row("vmap", 4.0)) is None
+    assert measured(row("sequential", 5.0), row("vmap", 4.0, fallback="vmap failed")) is None
+    # a config that chose its way, and a file that is not the bench's, leave the choice alone
+    assert (
+        measured(row("sequential", 5.0), row("vmap", 4.0), config=compose(["federation.vectorize=false"]))
+        is None
+    )
+    (tmp_path / "bench.json").write_text("[not the bench's")
+    assert vmap_measured_faster(cfg, cpu, tmp_path / "bench.json") is None
+    assert resolve("auto", "auto", cpu, True) == (True, "none")
+    assert resolve(False, "auto", cpu, True) == (False, "none")
 
 
 def test_a_computation_that_cannot_be_recorded_runs_eagerly_with_one_notice(caplog):

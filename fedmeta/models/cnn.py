@@ -42,12 +42,10 @@ def batch_norm(layer: _BatchNorm, x: torch.Tensor, mask: torch.Tensor | None) ->
     return (x - mean) * torch.rsqrt(var + layer.eps) * layer.weight.view(shape) + layer.bias.view(shape)
 
 
-def run_block(
-    block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None, channels_last: bool = False
-) -> torch.Tensor:
+def run_block(block: nn.Sequential, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     for layer in block:
         if isinstance(layer, nn.Conv2d):
-            x = lanes.conv2d(x, layer, channels_last)
+            x = lanes.conv2d(x, layer)
         elif isinstance(layer, _BatchNorm):
             x = batch_norm(layer, x, mask)
         elif isinstance(layer, nn.MaxPool2d):  # conv_block's: non-overlapping windows
@@ -104,8 +102,12 @@ class ConvFeatures(nn.Module):
     ) -> torch.Tensor:
         if self.channels_last:  # NHWC: oneDNN's convolutions and pooling are markedly faster in it on CPU
             x = x.contiguous(memory_format=torch.channels_last)
+            if x.shape[1] == 1 and not lanes._transformed(x):
+                # one channel is NCHW and NHWC at once, and oneDNN then picks NCHW (pooling after it ~10×
+                # slower): strides that say NHWC make it pick NHWC, with no copy
+                x = x.as_strided(x.shape, (x.stride(0), 1, x.stride(2), x.stride(3)))
         for i, block in enumerate(self.blocks):
-            x = run_block(block, x, mask, self.channels_last)
+            x = run_block(block, x, mask)
             if after_block is not None:
                 x = after_block(i, x)
         return x.flatten(1)

@@ -315,7 +315,8 @@ def _nhwc(x: torch.Tensor) -> torch.Tensor:
 
 
 def _conv(x, weight, bias, padding, groups):
-    return aten.convolution(x, weight, bias, [1, 1], padding, [1, 1], False, [0, 0], groups)
+    # F's, not aten's: autocast casts F.conv2d's inputs (aten.convolution is not on its list)
+    return F.conv2d(x, weight, bias, padding=padding, groups=groups)
 
 
 class _ConvBackward(torch.autograd.Function):
@@ -464,16 +465,9 @@ def _symmetric_padding(padding: int | tuple | str, kernel_size: tuple[int, int])
     return [padding, padding] if isinstance(padding, int) else list(padding)
 
 
-def conv2d(x: torch.Tensor, layer: torch.nn.Conv2d, channels_last: bool) -> torch.Tensor:
-    """``layer(x)`` (stride 1), its output NHWC when ``channels_last``:
-    an input of one channel is NCHW and NHWC at once, and oneDNN then picks NCHW, so the layout is
-    asked for rather than inherited (pooling after it is ten times slower in NCHW)."""
-    weight, bias = layer.weight, layer.bias
+def conv2d(x: torch.Tensor, layer: torch.nn.Conv2d) -> torch.Tensor:
+    """``layer(x)`` (stride 1)."""
     padding = _symmetric_padding(layer.padding, layer.kernel_size)
-    if padding is None:
-        out = F.conv2d(x, weight, bias, padding=layer.padding)
-    elif _transformed(x) and x.device.type == "cpu":
-        return _Conv.apply(x, weight, bias, padding, 1)
-    else:
-        out = _conv(x, weight, bias, padding, 1)
-    return _nhwc(out) if channels_last and not _transformed(x) else out
+    if padding is not None and _transformed(x) and x.device.type == "cpu":
+        return _Conv.apply(x, layer.weight, layer.bias, padding, 1)
+    return F.conv2d(x, layer.weight, layer.bias, padding=layer.padding)
