@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -154,17 +155,28 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
 
 
 _thread_modules = threading.local()
+_tied: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _ties(module: nn.Module) -> bool:
+    """Whether ``module`` holds one parameter under two names, found once per module: functional_call
+    looks for ties on every call otherwise, walking every submodule (~0.1 ms of a batch-10 CPU step)."""
+    if module not in _tied:
+        ids = [id(p) for _, p in module.named_parameters(remove_duplicate=False)]
+        _tied[module] = len(ids) != len(set(ids))
+    return _tied[module]
 
 
 def call(module: nn.Module, params: Params, *args, **kwargs) -> torch.Tensor:
     """``module`` run with ``params`` (``torch.func.functional_call``). functional_call swaps the
     module's attributes while it runs, so a thread that runs clients beside the main thread
     (``federation.client_threads``) calls its own replica, which shares the module's tensors."""
+    ties = _ties(module)
     if threading.current_thread() is threading.main_thread():
-        return torch.func.functional_call(module, params, args, kwargs)
+        return torch.func.functional_call(module, params, args, kwargs, tie_weights=ties)
     replicas = _thread_modules.__dict__.setdefault("replicas", {})
     original, replica = replicas.get(id(module), (None, None))
     if original is not module:
         shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
         original, replica = replicas[id(module)] = (module, copy.deepcopy(module, shared))
-    return torch.func.functional_call(replica, params, args, kwargs)
+    return torch.func.functional_call(replica, params, args, kwargs, tie_weights=ties)

@@ -166,6 +166,7 @@ def test_conv_block_computes_the_spec_order_exactly():
     "same gradients."""
     torch.manual_seed(0)
     net = ConvNet(**TINY, dense_units=[4]).double()
+    net.features.channels_last = False  # the spec below runs NCHW: the same layout, the same sums
     conv, bn = net.features.blocks[0][0], net.features.blocks[0][1]
     x = torch.randn(5, 1, 8, 8, dtype=torch.float64)
     ours = net.features(x)
@@ -394,3 +395,25 @@ def test_a_dense_layer_fed_by_a_large_image_names_the_image_size(monkeypatch):
         FedmetaError, match=r"^dataset.image_size=256: .* the conv stack leaves [0-9,]+ features"
     ):
         build_model(cfg, num_classes=10)
+
+
+def test_a_model_that_ties_two_parameters_runs_with_the_given_one_under_both_names():
+    """fedmeta.functional.call looks for tied parameters once per model (not on every call): a
+    model that ties its embedding to its classifier still runs the given tensor in both places."""
+    from torch import nn
+
+    from fedmeta.functional import call
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    tied, plain = Tied(), nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+    weight, x = torch.eye(3) * 2, torch.ones(1, 3)
+    assert torch.equal(call(tied, {"a.weight": weight}, x), x * 4)  # both layers took the new weight
+    assert torch.equal(call(plain, {"0.weight": weight, "1.weight": weight}, x), x * 4)

@@ -466,8 +466,10 @@ def _symmetric_padding(padding: int | tuple | str, kernel_size: tuple[int, int])
 
 
 def conv2d(x: torch.Tensor, layer: torch.nn.Conv2d) -> torch.Tensor:
-    """``layer(x)`` (stride 1)."""
+    """``layer(x)``; under torch.func on the CPU through the rule above where the layer is what it
+    covers (stride 1, no dilation or groups, symmetric padding), else through PyTorch's own."""
     padding = _symmetric_padding(layer.padding, layer.kernel_size)
-    if padding is not None and _transformed(x) and x.device.type == "cpu":
+    plain = layer.stride == (1, 1) and layer.dilation == (1, 1) and layer.groups == 1
+    if plain and padding is not None and _transformed(x) and x.device.type == "cpu":
         return _Conv.apply(x, layer.weight, layer.bias, padding, 1)
-    return F.conv2d(x, layer.weight, layer.bias, padding=layer.padding)
+    return layer(x)
