@@ -1,0 +1,161 @@
+"""Run the benchmark's experiment in fedmeta and time its rounds, as the peers' drivers do theirs.
+
+Run by benchmarks/peers/run.py in fedmeta's own venv, with the partition run.py wrote
+(WORK/fedmeta/partition.npz: the normalised images, labels and each client's train/test positions).
+
+fedmeta is driven through its own building blocks, not its CLI, because the experiment fixes what
+the CLI draws itself: the clients are the partition's 20 (each its 75 % train split as the data it
+trains on, ``method.train_split=pers``, and its 25 % test split held out), and all 20 take part in
+training (no new clients). Everything else is what ``fedmeta train`` runs: the config composed from
+configs/ with the experiment's overrides, the algorithm and model its registry builds
+(``model.batch_norm=false``: FedAvgCNN's plain CNN), Fabric's precision plugin, the engine of
+``federation.vectorize`` (one client at a time, or vmapped), and ``federated_round``.
+
+The accuracy is the peers' protocol: every training client's test split scored with the model it
+has after the last round — the global model, with the parameters a client keeps merged in where
+its method keeps some (FedRep's head) — sample-weighted over the 20 clients, as PFLlib and FL-bench
+print it. Prints one line: PEER_RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_common as pc  # noqa: E402
+
+CLOCK = pc.RoundClock()  # as early as possible: the driver's own start
+
+
+def overrides(a) -> list[str]:
+    common = [
+        "dataset=rmnist",  # the model's shape (28×28 grey, 32-64 conv, 512 dense); the data is replaced below
+        "model.batch_norm=false",
+        f"method={a.method}",
+        f"method.local_lr={a.lr}",
+        f"method.batch_size={a.batch_size}",
+        "method.momentum=0.0",
+        "method.train_split=pers",
+        # the federation below: these clients, all training, and the one unused new client fedmeta's
+        # protocol needs (checked against clients_per_round)
+        f"federation.num_clients={a.num_clients + 1}",
+        "federation.num_new_clients=1",
+        f"federation.clients_per_round={a.clients_per_round}",
+        f"federation.vectorize={a.vectorize}",
+        f"fabric.precision={a.precision}",
+        f"seed={a.seed}",
+        "wandb.mode=disabled",
+        "logger=[]",
+    ]
+    if (
+        a.method == "fedrep"
+    ):  # PFLlib's defaults: one head epoch, then one body epoch; the head the last Linear
+        return [*common, "method.head_epochs=1", "method.body_epochs=1", "method.head=classifier"]
+    return [*common, f"method.local_epochs={a.local_epochs}"]
+
+
+def scored_params(algorithm, client_id: int):
+    """The model a training client is scored with: the global one, with the parameters its kept state
+    holds by name (FedRep's head) in place of the global ones."""
+    params = algorithm.global_params()
+    kept = algorithm.client_state(client_id, params)
+    return {**params, **{name: t for name, t in kept.items() if name in params}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True, help="partition.npz written by run.py")
+    ap.add_argument("--method", choices=("fedavg", "fedrep"), required=True)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--num-clients", type=int, default=20)
+    ap.add_argument("--clients-per-round", type=int, default=10)
+    ap.add_argument("--local-epochs", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vectorize", choices=("false", "true"), default="false")
+    ap.add_argument("--precision", default="32-true")
+    a = ap.parse_args()
+    pc.limit_threads()
+
+    import numpy as np
+    import torch
+
+    from fedmeta.algorithms import build_algorithm
+    from fedmeta.assemble import make_engine, make_fabric
+    from fedmeta.config import compose
+    from fedmeta.data import ImageDataset
+    from fedmeta.data.federation import Client, Federation
+    from fedmeta.rounds import federated_round
+
+    cfg = compose(overrides(a))
+    fabric = make_fabric(cfg)
+    fabric.seed_everything(a.seed, verbose=False)  # the model's initialization, as fedmeta train seeds it
+    with np.load(a.data) as f:
+        x, y = torch.from_numpy(f["x"]), torch.from_numpy(f["y"])
+        splits = [
+            (torch.from_numpy(f[f"train{c}"]), torch.from_numpy(f[f"test{c}"]))
+            for c in range(int(f["clients"]))
+        ]
+    dataset = ImageDataset(x=x, y=y, num_classes=10)
+    parts = [torch.cat(split).numpy() for split in splits]
+    # built with one (never used) new client, as fedmeta's protocol needs one; then every client's
+    # splits are the partition's own and all of them train
+    federation = Federation(dataset, parts, 1, 0.25, a.seed)
+    federation.train_clients = [
+        Client(c, train, test, a.seed, federation) for c, (train, test) in enumerate(splits)
+    ]
+    federation.new_clients = []
+    algorithm = build_algorithm(cfg, 10, precision=fabric.strategy.precision)
+    model = pc.check_model(algorithm.model)
+    engine = make_engine(cfg, torch.device("cpu"))
+
+    R = a.rounds
+    for round_ in range(R):
+        CLOCK.round_start()
+        federated_round(algorithm, federation, round_, a.clients_per_round, a.seed, engine=engine)
+        CLOCK.round_end()
+
+    CLOCK.eval_start()
+    correct = total = 0
+    per_client = []
+    with torch.no_grad():
+        for client in federation.train_clients:
+            params = scored_params(algorithm, client.id)
+            batch = client.batch("held_out", None)
+            logits = algorithm.run_model(algorithm.model, params, batch.x)
+            hits = int((logits.argmax(1) == batch.y).sum())
+            correct, total = correct + hits, total + len(batch.y)
+            per_client.append(hits / len(batch.y))
+    CLOCK.eval_end("training clients' test splits")
+
+    result = {
+        "peer": "fedmeta",
+        "method": a.method,
+        "status": "ok",
+        "rounds_requested": R,
+        **pc.summarize(CLOCK, a.warmup, R),
+        "final_accuracy": correct / total,
+        "mean_client_accuracy": float(np.mean(per_client)),
+        "accuracy_protocol": (
+            "every training client's test split (25 %) scored with its model after the last round (FedAvg: the "
+            "global model; FedRep: the global body with the client's own head), sum of correct / sum of samples "
+            "over all 20 clients (sample-weighted); mean_client_accuracy: the unweighted mean"
+        ),
+        "model": model,
+        "settings": {
+            "overrides": overrides(a),
+            "vectorized": engine.vectorize,
+            "precision": a.precision,
+        },
+        "hooks": ["federated_round (round)", "the scoring loop (eval)"],
+        "env": pc.environment(),
+    }
+    pc.emit(result)
+
+
+if __name__ == "__main__":
+    main()
