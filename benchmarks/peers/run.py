@@ -255,6 +255,20 @@ def prepare_pfllib(exp: Experiment, part: Partition, work: Path):
     _stamp(root, part.fingerprint)
 
 
+def common_flags(exp: Experiment, method: str) -> list[str]:
+    """The flags every driver takes alike: the method and the experiment's training settings."""
+    flags = {
+        "method": method,
+        "rounds": exp.rounds,
+        "warmup": exp.warmup,
+        "local-epochs": exp.local_epochs,
+        "batch-size": exp.batch_size,
+        "lr": exp.lr,
+        "seed": exp.seed,
+    }
+    return [word for name, value in flags.items() for word in (f"--{name}", str(value))]
+
+
 def command_pfllib(checkout: Path):
     def command(exp: Experiment, method: str, work: Path):
         argv = [
@@ -263,24 +277,11 @@ def command_pfllib(checkout: Path):
             str(checkout),
             "--dataset",
             PFLLIB_DATASET,
-            "--method",
-            method,
-            "--rounds",
-            str(exp.rounds),
-            "--warmup",
-            str(exp.warmup),
+            *common_flags(exp, method),
             "--num-clients",
             str(exp.num_clients),
             "--join-ratio",
             str(exp.join_ratio()),
-            "--local-epochs",
-            str(exp.local_epochs),
-            "--batch-size",
-            str(exp.batch_size),
-            "--lr",
-            str(exp.lr),
-            "--seed",
-            str(exp.seed),
         ]
         return argv, work / "run"
 
@@ -362,22 +363,9 @@ def command_flbench(exp: Experiment, method: str, work: Path):
         str(HERE / "drive_flbench.py"),
         "--root",
         str(work / "root"),
-        "--method",
-        method,
-        "--rounds",
-        str(exp.rounds),
-        "--warmup",
-        str(exp.warmup),
+        *common_flags(exp, method),
         "--join-ratio",
         str(exp.join_ratio()),
-        "--local-epochs",
-        str(exp.local_epochs),
-        "--batch-size",
-        str(exp.batch_size),
-        "--lr",
-        str(exp.lr),
-        "--seed",
-        str(exp.seed),
         "--fedrep-head-epochs",
         str(exp.fedrep_head_epochs),
         "--fedrep-body-epochs",
@@ -585,24 +573,11 @@ def command_fedmeta(vectorize: str, precision: str):
             str(HERE / "drive_fedmeta.py"),
             "--data",
             str(work / "partition.npz"),
-            "--method",
-            method,
-            "--rounds",
-            str(exp.rounds),
-            "--warmup",
-            str(exp.warmup),
+            *common_flags(exp, method),
             "--num-clients",
             str(exp.num_clients),
             "--clients-per-round",
             str(exp.clients_per_round),
-            "--local-epochs",
-            str(exp.local_epochs),
-            "--batch-size",
-            str(exp.batch_size),
-            "--lr",
-            str(exp.lr),
-            "--seed",
-            str(exp.seed),
             "--vectorize",
             vectorize,
             "--precision",
