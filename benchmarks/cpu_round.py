@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from fedmeta import functional as fn
 from fedmeta.bench import device_peaks
@@ -102,10 +103,7 @@ def ways(lanes: int, batch: int, batch_norm: bool):
         total = F.cross_entropy(h.flatten(0, 1), y.flatten(), reduction="sum") / batch
         torch.autograd.grad(total, list(p.values()), allow_unused=True)
 
-    flops = 0
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False)  # every way computes these FLOPs
     with counter:
         shared()
     flops = counter.get_total_flops()

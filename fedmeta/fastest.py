@@ -40,14 +40,9 @@ def hardware_name(device: torch.device) -> str:
 
 
 def _rows(path: Path) -> list[dict]:
-    try:
+    try:  # absent (an installed package has no results/), or not the bench's file
         rows = json.loads(path.read_text()).get("rows", [])
-    except (
-        OSError,
-        ValueError,
-        AttributeError,
-        RecursionError,
-    ):  # absent (an installed package) or unreadable
+    except (OSError, ValueError, AttributeError, RecursionError):
         return []
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 

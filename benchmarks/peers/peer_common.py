@@ -20,8 +20,7 @@ import time
 # "avgcnn"). These are the numbers of that shape:
 #   params  = (1·32·25+32) + (32·64·25+64) + (1024·512+512) + (512·10+10) = 582,026
 #   MACs    = 24·24·32·25 + 8·8·64·800 + 1024·512 + 512·10 = 4,267,008 multiply-adds per sample (forward)
-# (1,663,370 parameters, the number the request named, is the same net with padding 2 — McMahan's
-# "same"-padded CNN, flatten 3136 — which neither peer ships; see README.md.)
+# (McMahan's "same"-padded variant, flatten 3136 and 1,663,370 parameters, ships in neither peer.)
 EXPECTED_PARAMS = 582_026
 EXPECTED_MACS_PER_SAMPLE = 4_267_008
 INPUT_SHAPE = (1, 1, 28, 28)

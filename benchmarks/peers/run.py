@@ -379,6 +379,8 @@ def command_flbench(exp: Experiment, method: str, work: Path):
 
 def checkout_commit(path: Path, given: str | None) -> tuple[str, str]:
     """(commit, how it was known). A git checkout's HEAD when `path` is the top of a work tree."""
+    if not path.is_dir():
+        refuse(f"no checkout at {path}: clone the library there first (benchmarks/peers/README.md)")
     try:
         top = subprocess.run(
             ["git", "-C", str(path), "rev-parse", "--show-toplevel"],
@@ -391,13 +393,19 @@ def checkout_commit(path: Path, given: str | None) -> tuple[str, str]:
                 ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
             ).stdout.strip()
             if given and not head.startswith(given) and not given.startswith(head):
-                raise SystemExit(f"{path} is at {head}, not the commit given ({given})")
+                refuse(f"{path} is at {head}, not the commit given ({given})")
             return head, "git rev-parse HEAD"
     except (subprocess.CalledProcessError, FileNotFoundError):
         pass
     if given:
         return given, "given on the command line (not a git checkout)"
-    raise SystemExit(f"{path} is not a git checkout: say its commit with --<peer>-commit")
+    refuse(f"{path} is not a git checkout: say its commit with --<peer>-commit")
+
+
+def refuse(message: str):
+    """Bad input: one line on stderr, exit status 2."""
+    print(f"run.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def checkout_changes(path: Path) -> list[str] | None:
@@ -600,7 +608,7 @@ def fedmeta_peers(ways: str) -> list[Peer]:
     peers = []
     for way in [w.strip() for w in ways.split(",") if w.strip()]:
         if way not in settings:
-            raise SystemExit(f"--fedmeta: unknown way {way!r} (known: {', '.join(settings)})")
+            refuse(f"--fedmeta: unknown way {way!r} (known: {', '.join(settings)})")
         peers.append(
             Peer(
                 name=f"fedmeta-{way}",
@@ -697,12 +705,10 @@ def main(argv=None):
         ap.error("--rounds must exceed --warmup (no round would be timed)")
     peers = build_peers(a)
     if not peers:
-        ap.error("give at least one peer checkout (--pfllib, --flbench)")
+        ap.error("give at least one peer checkout (--pfllib, --flbench) or fedmeta's ways (--fedmeta)")
     for p in peers:
         if not p.python.is_file():
-            raise SystemExit(
-                f"no venv for {p.name}: run  bash benchmarks/peers/setup_env.sh {p.name} {p.path}"
-            )
+            refuse(f"no venv for {p.name}: run  bash benchmarks/peers/setup_env.sh {p.name} {p.path}")
 
     if not 1 <= (a.clients_per_round or 1) <= a.num_clients:
         ap.error(f"--clients-per-round must be between 1 and --num-clients ({a.num_clients})")

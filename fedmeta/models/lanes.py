@@ -362,20 +362,22 @@ class _ConvBackward(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, grad_out_t, x_t, weight_t, *_):
         """grad_x moves with (grad_out, weight), grad_weight with (grad_out, input), grad_bias with
-        grad_out."""
+        grad_out; only the terms whose tangents exist are computed."""
         grad_out, x, weight = ctx.saved_tensors
         padding, groups, mask = ctx.padding, ctx.groups, ctx.mask
-        zeros = torch.zeros_like(grad_out) if grad_out_t is None else grad_out_t
-        out = list(_ConvBackward.apply(zeros, x, weight, padding, groups, mask))
+        out = [None, None, None]
+        if grad_out_t is not None:
+            out = list(_ConvBackward.apply(grad_out_t, x, weight, padding, groups, mask))
         if weight_t is not None and mask[0]:
-            out[0] = (
-                out[0] + _ConvBackward.apply(grad_out, x, weight_t, padding, groups, (True, False, False))[0]
-            )
+            through = _ConvBackward.apply(grad_out, x, weight_t, padding, groups, (True, False, False))[0]
+            out[0] = through if out[0] is None else out[0] + through
         if x_t is not None and mask[1]:
-            out[1] = (
-                out[1] + _ConvBackward.apply(grad_out, x_t, weight, padding, groups, (False, True, False))[1]
-            )
-        return tuple(out)
+            through = _ConvBackward.apply(grad_out, x_t, weight, padding, groups, (False, True, False))[1]
+            out[1] = through if out[1] is None else out[1] + through
+        shapes = (x, weight, weight.new_empty(weight.shape[0]))  # a tangent for every output asked for
+        return tuple(
+            torch.zeros_like(like) if asked and o is None else o for o, asked, like in zip(out, mask, shapes)
+        )
 
     @staticmethod
     def vmap(info, in_dims, grad_out, x, weight, padding, groups, mask):
