@@ -417,3 +417,81 @@ def test_a_model_that_ties_two_parameters_runs_with_the_given_one_under_both_nam
     weight, x = torch.eye(3) * 2, torch.ones(1, 3)
     assert torch.equal(call(tied, {"a.weight": weight}, x), x * 4)  # both layers took the new weight
     assert torch.equal(call(plain, {"0.weight": weight, "1.weight": weight}, x), x * 4)
+
+
+class _ConvLayer(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, dtype=dtype)
+
+    def forward(self, x):
+        return lanes.conv2d(x, self.conv)
+
+
+def _conv_derivative(order, layers):
+    def loss(p, x):
+        return (layers(x, p).float().pow(3)).sum()
+
+    if order == 1:
+        return torch.func.grad(loss, argnums=(0, 1))
+
+    def after_a_step(p, x):  # MAML's differentiated inner step
+        grads = torch.func.grad(loss, argnums=(0, 1))(p, x)
+        return loss({k: p[k] - 0.01 * grads[0][k] for k in p}, x - 0.01 * grads[1])
+
+    if order == 2:
+        return torch.func.grad(after_a_step, argnums=(0, 1))
+
+    gradient = torch.func.grad(loss, argnums=(0, 1))  # a Hessian-vector product as a jvp
+
+    def hvp(p, x):
+        direction = ({k: torch.ones_like(t) for k, t in p.items()}, torch.ones_like(x))
+        return torch.func.jvp(gradient, (p, x), direction)[1]
+
+    return hvp
+
+
+@pytest.mark.parametrize("order", [1, 2, "hvp"])
+def test_vmapped_convolution_as_one_grouped_nhwc_kernel_equals_torchs_to_every_order(order):
+    """A convolution under vmap on the CPU (lanes.conv2d: the lanes as the groups of one NHWC
+    convolution) gives PyTorch's own values and derivatives: gradients, MAML's second order and a
+    Hessian-vector product, 4 lanes, in float64."""
+    torch.manual_seed(0)
+    module = _ConvLayer(torch.float64)
+    params = {
+        "conv.weight": torch.randn(4, 4, 3, 3, 3, dtype=torch.float64),
+        "conv.bias": torch.randn(4, 4, dtype=torch.float64),
+    }
+    xs = torch.randn(4, 5, 3, 6, 6, dtype=torch.float64)
+
+    def ours(x, p):
+        return torch.func.functional_call(module, p, (x,))
+
+    def torchs(x, p):
+        return F.conv2d(x, p["conv.weight"], p["conv.bias"], padding=1)
+
+    got, expected = (
+        torch.func.vmap(_conv_derivative(order, layers))(params, xs) for layers in (ours, torchs)
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert got[0]["conv.weight"].abs().sum() > 0
+
+
+def test_vmapped_convolution_runs_under_cpu_bf16_autocast_as_torchs_does():
+    """Under ``torch.autocast("cpu", bfloat16)`` (precision bf16-mixed) the grouped rule casts as
+    autocast would and gives PyTorch's own rule's gradients to bf16's precision, in float32."""
+    torch.manual_seed(0)
+    module = _ConvLayer(torch.float32)
+    params = {"conv.weight": torch.randn(4, 4, 3, 3, 3), "conv.bias": torch.randn(4, 4)}
+    xs = torch.randn(4, 5, 3, 6, 6)
+
+    def ours(x, p):
+        return torch.func.functional_call(module, p, (x,))
+
+    def torchs(x, p):
+        return F.conv2d(x, p["conv.weight"], p["conv.bias"], padding=1)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = (torch.func.vmap(_conv_derivative(1, layers))(params, xs) for layers in (ours, torchs))
+    assert got[0]["conv.weight"].dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected[0]["conv.weight"].abs().max().item())

@@ -473,5 +473,12 @@ def conv2d(x: torch.Tensor, layer: torch.nn.Conv2d) -> torch.Tensor:
     padding = _symmetric_padding(layer.padding, layer.kernel_size)
     plain = layer.stride == (1, 1) and layer.dilation == (1, 1) and layer.groups == 1
     if plain and padding is not None and _transformed(x) and x.device.type == "cpu":
-        return _Conv.apply(x, layer.weight, layer.bias, padding, 1)
+        weight, bias = layer.weight, layer.bias
+        if torch.is_autocast_enabled("cpu"):
+            # autocast's cast of a convolution's operands, made before the rule rather than inside
+            # it, so its backward sees one dtype (convolution_backward refuses a mix)
+            dtype = torch.get_autocast_dtype("cpu")
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        return _Conv.apply(x, weight, bias, padding, 1)
     return layer(x)
