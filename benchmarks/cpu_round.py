@@ -1,6 +1,7 @@
 """One local SGD step of L clients' batches of B, four ways, in one run: where a vmapped CPU round stands.
 
-    .venv/bin/python benchmarks/cpu_round.py [--lanes 10] [--batch 10 30] [--repeats 10] [--threads 1]
+    .venv/bin/python benchmarks/cpu_round.py [--lanes 10] [--batch 10 30] [--repeats 10] [--threads 1] [--profile]
+        [--glibc-thresholds]
 
 The RMNIST CNN (conv 32-64, k5 → dense 512 → 10), forward and backward of a mean cross-entropy,
 each client with its own parameters, timed four ways alternating A B C D (the best of --repeats
@@ -18,12 +19,17 @@ each, after two warm-up calls):
 
 With and without batch norm (the peers' FedAvgCNN). Prints ms a step, the ratios to
 ``sequential`` and ``shared``, and the fraction of the fp32 matmul peak measured in the same run;
-first, max-pooling of the first layer's activations in the two memory layouts.
+first, max-pooling of the first layer's activations in the two memory layouts. ``--profile`` adds,
+per setting, each way's milliseconds a step in each ATen kernel (``torch.profiler``'s self CPU
+time, the kernels with the most in any way): where a per-client step loses against the shared batch.
+The process keeps freed memory as a fedmeta run on the CPU does (fedmeta.allocator) unless
+``--glibc-thresholds``; each way's minor page faults a step are printed beside its time.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedmeta import functional as fn
+from fedmeta.allocator import keep_freed_memory
 from fedmeta.bench import device_peaks
 from fedmeta.fastest import hardware_name
 from fedmeta.models import ConvNet
@@ -116,15 +123,47 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, nargs="+", default=[10, 30])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch's threads (default 1: alone on one core)")
+    ap.add_argument("--profile", action="store_true", help="each way's ms a step per kernel, side by side")
+    ap.add_argument(
+        "--glibc-thresholds",
+        action="store_true",
+        help="leave malloc's thresholds as glibc sets them (freed blocks go back to the OS)",
+    )
     return ap
+
+
+def kernel_times(fns: dict, steps: int = 5, rows: int = 10) -> str:
+    """Each way's self CPU ms a step per ATen kernel (torch.profiler), the ``rows`` kernels with the
+    most time in any way, and what the Python around them costs (the step's total less its kernels)."""
+    per_way = {}
+    for name, f in fns.items():
+        with torch.profiler.profile() as prof:
+            for _ in range(steps):
+                f()
+        events = prof.key_averages()
+        per_way[name] = {
+            e.key: e.self_cpu_time_total / 1e3 / steps for e in events if e.key.startswith("aten::")
+        }
+        per_way[name]["(everything else)"] = sum(e.self_cpu_time_total for e in events) / 1e3 / steps - sum(
+            per_way[name].values()
+        )
+    kernels = sorted(
+        {k for t in per_way.values() for k in t}, key=lambda k: -max(t.get(k, 0) for t in per_way.values())
+    )
+    lines = [f"{'kernel (self CPU ms a step)':42s}" + "".join(f"{w:>12s}" for w in fns)]
+    for k in kernels[:rows] + ["(everything else)"] * ("(everything else)" not in kernels[:rows]):
+        lines.append(f"{k:42s}" + "".join(f"{per_way[w].get(k, 0):12.2f}" for w in fns))
+    return "\n".join(lines)
 
 
 def main():
     a = arguments().parse_args()
     torch.set_num_threads(a.threads)
+    kept = not a.glibc_thresholds and keep_freed_memory()
     peak = device_peaks(torch.device("cpu"), 2048)["fp32"]
     print(
-        f"{hardware_name(torch.device('cpu'))}; fp32 matmul peak {peak:.0f} GFLOP/s; {a.lanes} clients a step"
+        f"{hardware_name(torch.device('cpu'))}; fp32 matmul peak {peak:.0f} GFLOP/s; {a.lanes} clients a step; "
+        + ("freed memory kept (fedmeta.allocator)" if kept else "glibc's malloc thresholds")
     )
     activations = torch.randn(a.lanes, 32, 24, 24)
     for name, t in (("NCHW", activations), ("NHWC", activations.contiguous(memory_format=CL))):
@@ -144,23 +183,30 @@ def main():
         for batch in a.batch:
             fns, flops = ways(a.lanes, batch, batch_norm)
             best = dict.fromkeys(fns, float("inf"))
+            faults = dict.fromkeys(fns, 0)
             for f in fns.values():
                 f(), f()
             for _ in range(a.repeats):
                 for name, f in fns.items():
+                    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     start = time.perf_counter()
                     f()
                     best[name] = min(best[name], time.perf_counter() - start)
+                    faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
             ms = "".join(f"{best[w] * 1e3:12.1f}" for w in fns)
             ratios = "  ".join(
                 f"{w}/seq {best[w] / best['sequential']:.2f}" for w in ("vmap", "grouped", "shared")
             )
             bound = "  ".join(f"{w}/shared {best[w] / best['shared']:.2f}" for w in ("vmap", "grouped"))
             fraction = "  ".join(f"{w} {flops / best[w] / 1e9 / peak * 100:.0f} %" for w in fns)
+            faulted = "  ".join(f"{w} {faults[w] / a.repeats:.0f}" for w in fns)
             print(
-                f"{batch:5d}  {'yes' if batch_norm else 'no ':3s}{ms}   {ratios}  {bound}  {fraction}",
+                f"{batch:5d}  {'yes' if batch_norm else 'no ':3s}{ms}   {ratios}  {bound}  {fraction}  "
+                f"page faults a step: {faulted}",
                 flush=True,
             )
+            if a.profile:
+                print(kernel_times(fns), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from lightning_fabric import Fabric
 from omegaconf import DictConfig
 
 from fedmeta.algorithms import Algorithm, build_algorithm
+from fedmeta.allocator import keep_freed_memory
 from fedmeta.capture import resolve
 from fedmeta.data import Federation, federation_of
 from fedmeta.engine import Engine
@@ -118,6 +119,8 @@ def make_engine(cfg: DictConfig, device: torch.device) -> Engine:
         )
     if capture == "graph":  # one fixed layout, recorded once: cuDNN may time its algorithms for it
         torch.backends.cudnn.benchmark = True
+    if device.type == "cpu":
+        keep_freed_memory()
     return Engine(vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes, capture)
 
 
