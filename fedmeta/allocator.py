@@ -3,10 +3,11 @@
 glibc's malloc serves blocks above a threshold with their own ``mmap`` and returns them with
 ``munmap``, and trims the top of its heap back to the OS once more than a threshold is free there.
 A vmapped CPU step allocates and frees tens of megabytes a step (every client's activations and
-gradients as one tensor each), so every step faults in fresh zeroed pages: about 12,000 minor page
-faults a step for 10 RMNIST clients, 23 % of the step's time (measured in docs/performance.md). With
-both thresholds raised the blocks are reused as PyTorch's own caching allocator reuses GPU memory; a
-run's resident memory then stays at its peak rather than falling between steps.
+gradients as one tensor each), so every step faults in fresh zeroed pages: about 7,300 minor page
+faults a step for 10 RMNIST clients' batches of 10, and the step 11 % slower, than with both
+thresholds raised (benchmarks/cpu_round.py; docs/performance.md). Raised, the blocks are reused as
+PyTorch's caching allocator reuses GPU memory; a run's resident memory then stays at its peak rather
+than falling between steps.
 """
 
 from __future__ import annotations
