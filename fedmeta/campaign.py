@@ -49,8 +49,12 @@ from fedmeta.runs import summary_problem
 CARRIED = lease.UNFINISHED_FILES  # what an unfinished run leaves for the next job
 
 
-def load(path: Path = CONFIG_DIR / "campaign.yaml") -> DictConfig:
-    """configs/campaign.yaml, checked: each fault is one line naming the key and what it takes."""
+DEFAULT = CONFIG_DIR / "campaign.yaml"  # the paper's table; another campaign: fedmeta campaign --config FILE
+
+
+def load(path: Path = DEFAULT) -> DictConfig:
+    """A campaign's file (configs/campaign.yaml unless given), checked: each fault is one line naming
+    the key and what it takes."""
     import yaml
 
     try:
@@ -68,7 +72,13 @@ def load(path: Path = CONFIG_DIR / "campaign.yaml") -> DictConfig:
     problem = _campaign_problem(raw)
     if problem:
         raise FedmetaError(f"{path}: {problem}")
-    return OmegaConf.create(raw)
+    plan = OmegaConf.create(raw)
+    plan.file = "configs/campaign.yaml" if path == DEFAULT else str(path)  # what messages name
+    return plan
+
+
+def _file(campaign: DictConfig) -> str:
+    return campaign.get("file") or "configs/campaign.yaml"
 
 
 SETTINGS = {
@@ -160,14 +170,16 @@ def _setting_checks(raw: dict) -> list[tuple[bool, str]]:
     lease_plan = raw.get("lease", LEASE)
     checks.append(
         (
-            isinstance(lease_plan, dict)
+            lease_plan is None  # a machine of one's own: what is left is said in its hours
+            or isinstance(lease_plan, dict)
             and set(lease_plan) == set(LEASE)
             and all(number(v) and v >= 0 for v in lease_plan.values())
             and lease_plan["start_seconds"] + lease_plan["command_seconds"] <= lease_plan["device_seconds"]
             and lease_plan["command_overhead_seconds"] + lease_plan["profile_seconds"]
             < lease_plan["command_seconds"],
             "lease must be {device_seconds: S, start_seconds: s, command_seconds: c ≤ S − s, "
-            "between_commands_seconds: b, command_overhead_seconds: o, profile_seconds: p, o + p < c}, all ≥ 0",
+            "between_commands_seconds: b, command_overhead_seconds: o, profile_seconds: p, o + p < c}, all ≥ 0; "
+            "or null (a machine that is not lent)",
         )
     )
     not_in_leases = raw.get("not_in_leases") or {}
@@ -219,13 +231,13 @@ def units(campaign: DictConfig, root: Path) -> list[Unit]:
     unknown = [name for name in campaign.order if name not in preset.settings]
     if unknown:
         raise FedmetaError(
-            f"configs/campaign.yaml orders settings the preset {campaign.preset} lacks: {unknown}; "
+            f"{_file(campaign)} orders settings the preset {campaign.preset} lacks: {unknown}; "
             f"its settings: {sorted(preset.settings)}"
         )
     unknown = [name for name in campaign.get("methods") or [] if name not in preset.methods]
     if unknown:
         raise FedmetaError(
-            f"configs/campaign.yaml names methods the preset {campaign.preset} lacks: {unknown}; "
+            f"{_file(campaign)} names methods the preset {campaign.preset} lacks: {unknown}; "
             f"its methods: {list(preset.methods)}"
         )
     grids = sorted({setting.grid for setting in preset.settings.values()})
@@ -234,7 +246,8 @@ def units(campaign: DictConfig, root: Path) -> list[Unit]:
         jobs = grid.plan(preset, root, grids, [name], extra=list(campaign.overrides))
         rounds = compose(list(jobs[0].overrides)).federation.rounds  # the preset's, or the campaign's
         for method in campaign.get("methods") or preset.methods:
-            found.append(Unit(name, method, [job for job in jobs if job.method == method], rounds))
+            if any(job.method == method for job in jobs):  # a setting may name the methods it runs
+                found.append(Unit(name, method, [job for job in jobs if job.method == method], rounds))
     return found
 
 
@@ -383,7 +396,7 @@ def run(
             print(
                 f"the job's end came {over:.0f} s past its budget: a straggler's {grid.KILL_AFTER} s after "
                 f"SIGTERM and the last pack need more than reserve_seconds={campaign.reserve_seconds} "
-                "(configs/campaign.yaml)"
+                f"({_file(campaign)})"
             )
     if packer is None:  # here the kept runs are what the next job reads; a packing job's go with its archive
         with lease.collecting(kept):  # not beside a collect into the same runs
@@ -664,26 +677,30 @@ def status(campaign: DictConfig, kept: Path) -> str:
     no lease can run; then the jobs so far."""
     jobs = _jobs(kept)
     rows, left = _unit_rows(campaign, kept, jobs)
+    lent = _lent(campaign)
     lines = [
-        "# The paper's table as a campaign of short jobs",
+        "# The paper's table as a campaign of short jobs"
+        if lent
+        else f"# The preset {campaign.preset} as a campaign of jobs on this machine",
         "",
-        f"Written by `fedmeta campaign` from `{kept}` (configs/campaign.yaml: the order). A unit is a "
-        "setting × method over the preset's seeds, stacked in one process. *s/seed-round alone* is the "
+        f"Written by `fedmeta campaign` from `{kept}` ({_file(campaign)}: the order). A unit is a "
+        "setting × method over the preset's seeds, stacked in one process where its clients are vmapped "
+        "(else its seeds run one after another). *s/seed-round alone* is the "
         "median of a lockstep round's seconds per seed with nothing else on the machine: the unit's own "
         "rounds in jobs that ran one unit at a time, else a job's profile step or a measurement by hand "
         f"(`{JOB_LOGS}/`, `{ALONE_RECORDS}`); ≈ marks a unit that takes its method's speed on the same "
-        "data set. Rounds trained beside other units are not used: a card time-slices processes. "
-        "*evals left* are the new-client evaluations still due (the preset's `evaluations`); *card h* "
+        "data set. Rounds trained beside other units are not used: a card time-slices processes, and "
+        "two processes on a CPU's cores slow each other. "
+        f"*evals left* are the new-client evaluations still due (the preset's `evaluations`); *{_hours(lent)}* "
         "is what is left of the unit's training and evaluations at those speeds.",
         "",
-        "| # | setting | method | state | s/seed-round alone | evals left | card h |",
+        f"| # | setting | method | state | s/seed-round alone | evals left | {_hours(lent)} |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
         *_projection(campaign, left),
         "",
-        *_fill_lines(campaign.preset),
-        "",
+        *(_fill_lines(campaign.preset) + [""] if lent else []),
         "## Jobs",
         "",
         "| started (UTC) | hardware | budget s | wall s | units at once | rounds per seed: before → after |",
@@ -763,9 +780,20 @@ def training_per_lease(lease_plan: dict) -> tuple[float, float]:
     return one, one + max(0.0, second)
 
 
+def _lent(campaign: DictConfig) -> bool:
+    """Whether the campaign runs in leases (its file's ``lease``; null: on a machine of one's own)."""
+    return campaign.get("lease", LEASE) is not None
+
+
+def _hours(lent: bool) -> str:
+    return "card h" if lent else "h left"
+
+
 def _projection(campaign: DictConfig, left: dict) -> list[str]:
-    """What is left, in leases of one and of two commands, part by part; then the units no lease
-    can run, and why."""
+    """What is left, in leases of one and of two commands (or in hours of the machine, one unit at a
+    time), part by part; then the units no lease can run, and why."""
+    if not _lent(campaign):
+        return _machine_projection(left)
     lease_plan = {**LEASE, **(campaign.get("lease") or {})}
     one, two = training_per_lease(lease_plan)
     not_in_leases = dict(campaign.get("not_in_leases") or {})
@@ -811,6 +839,38 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
             f"**Not reachable in leases: {len(left_units)} units of {dataset}** "
             f"({', '.join(sorted({u.setting for u in left_units}))}): {not_in_leases[dataset]}.",
         ]
+    return lines
+
+
+def _machine_projection(left: dict) -> list[str]:
+    """What is left in hours of this machine, one unit at a time, part by part."""
+    states = left["states"]
+    lines = [
+        f"**{_count(states['done'], 'unit')} done, {states['under way']} under way, {states['to do']} to do.** "
+        "At the speeds measured alone, one unit at a time:",
+        "",
+    ]
+    for name, part in left["parts"].items():
+        unmeasured = part["unmeasured"]
+        if not part["units"] and not unmeasured:
+            lines.append(f"- **{name}:** nothing is left.")
+            continue
+        projection = (
+            f"{_count(part['units'], 'unit')} need **{part['seconds'] / 3600:.1f} h**"
+            if part["units"]
+            else "no unit measured alone yet: no projection"
+        )
+        if part["evaluations_unmeasured"]:
+            projection += (
+                f" (and {part['evaluations_unmeasured']} evaluations whose time is not measured yet, "
+                "not counted)"
+            )
+        if unmeasured:
+            projection += (
+                f"; {len(unmeasured)} more not measured yet ({', '.join(u.label for u in unmeasured[:3])}"
+                f"{' …' if len(unmeasured) > 3 else ''})"
+            )
+        lines.append(f"- **{name}:** {projection}.")
     return lines
 
 

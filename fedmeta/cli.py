@@ -200,10 +200,16 @@ def _campaign_parser(commands) -> None:
     campaign_cmd = commands.add_parser(
         "campaign",
         help="the paper's table from short jobs: continue the unfinished units, start the next, stop in time",
-        description="One job of the campaign configs/campaign.yaml: the unfinished units (setting × method × "
-        "seeds) first, then the next ones, every run stopped at the deadline at a round boundary with a "
-        "checkpoint; finished runs and unfinished checkpoints go to results/runs/<preset>/ for the next job, "
-        "the state of every unit to results/campaign.md. Without --budget: only the state.",
+        description="One job of a campaign (configs/campaign.yaml: the paper's table, unless --config): the "
+        "unfinished units (setting × method × seeds) first, then the next ones, every run stopped at the "
+        "deadline at a round boundary with a checkpoint; finished runs and unfinished checkpoints go to "
+        "results/runs/<preset>/ for the next job, the state of every unit to results/campaign.md "
+        "(results/campaign-<preset>.md for another preset). Without --budget: only the state.",
+    )
+    campaign_cmd.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the campaign's file (default configs/campaign.yaml; configs/campaign_cpu.yaml: the CPU grid)",
     )
     campaign_cmd.add_argument(
         "--budget", type=float, metavar="SECONDS", help="the job's time, from now to the last file written"
@@ -222,7 +228,10 @@ def _campaign_parser(commands) -> None:
         metavar="N",
         help="units that set up while others train, then wait for a turn (default: configs/campaign.yaml's)",
     )
-    campaign_cmd.add_argument("--out", default="results/campaign.md", help="the state of every unit")
+    campaign_cmd.add_argument(
+        "--out",
+        help="the state of every unit (default results/campaign.md; results/campaign-<preset>.md for another preset)",
+    )
     campaign_cmd.add_argument(
         "--pack",
         metavar="FOLDER",
@@ -721,8 +730,10 @@ def _campaign_command(args: argparse.Namespace) -> int:
     from fedmeta import campaign
     from fedmeta.config import compose
 
-    plan = campaign.load()
+    plan = campaign.load() if args.config is None else campaign.load(Path(args.config))
     kept = Path("results") / "runs" / plan.preset
+    if args.out is None:
+        args.out = "results/campaign.md" if plan.preset == "paper" else f"results/campaign-{plan.preset}.md"
     if args.until is not None:
         if args.budget is not None or not math.isfinite(args.until):
             raise FedmetaError(

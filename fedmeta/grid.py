@@ -82,6 +82,13 @@ def _preset_problem(preset: DictConfig) -> str | None:
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:
             return f"{key} lists {', '.join(twice)} twice: list each once"
+    for label, setting in preset.settings.items():
+        own = setting.get("methods") if isinstance(setting, DictConfig) else None
+        if own is not None and not (isinstance(own, ListConfig) and set(own) <= set(preset.methods)):
+            return (
+                f"settings.{label}.methods must list some of the preset's methods ({', '.join(preset.methods)}), "
+                f"got {own}"
+            )
     moved = [o for o in preset.get("overrides") or [] if str(o).split("=", 1)[0] == "output.root"]
     if moved:
         return f"overrides may not set output.root ({moved[0]}): the preset's runs go under runs/<preset>"
@@ -160,10 +167,11 @@ def plan(
             *preset.overrides,
             *extra,
         ]
+        own = setting.get("methods")  # a setting only some methods run (a figure's)
         for seed in seeds if seeds is not None else preset.seeds:
-            for method in (
-                methods or preset.methods
-            ):  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
+            for method in (  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
+                m for m in methods or preset.methods if own is None or m in own
+            ):
                 name, _, variant = method.partition("-")
                 picks = (f"method={name}", *([f"variant={variant}"] if variant else []))
                 link = chain.get(method)

@@ -247,6 +247,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
         + "In bold: the best mean among the cells of a column and block that share their rounds, their n and "
         "their test-time procedure (a cell with no such peer is not bold); tuned methods are a block of their own.",
         "",
+        *[f"**{setting}:** {note}" + "\n" for setting, note in (preset.get("notes") or {}).items()],
         f"Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{root}/`. The commands that ran its cells:",
         "",
         *_commands(shown),

@@ -595,3 +595,52 @@ def test_units_started_ahead_train_one_at_a_time_and_all_finish(tmp_path, mnist_
     assert waited["fedavg"] < 1.0 and waited["fedavg"] < waited["fedavg_ft"]
     for job in jobs:
         assert (tmp_path / job.setting / job.method / "seed0" / "summary.json").is_file()
+
+
+def test_the_cpu_campaign_runs_every_table_setting_then_the_heterogeneity_figures_four_methods():
+    """configs/campaign_cpu.yaml: the six settings of the paper's table with the nine methods, then
+    the heterogeneity figure's RMNIST points with the four methods the figure draws, at the CPU
+    preset's round budgets, Meta-Dataset on the sources this machine has."""
+    plan = campaign.load(Path("configs/campaign_cpu.yaml"))
+    preset = grid.load_preset(plan.preset)
+    units = campaign.units(plan, Path("runs/cpu"))
+    table = [u for u in units if preset.settings[u.setting].grid == "table"]
+    figure = [u for u in units if preset.settings[u.setting].grid == "heterogeneity"]
+    assert units == table + figure and len(table) == 6 * 9
+    assert {u.method for u in figure} == {"cafeme", "fedavg_ft", "ditto", "fedrep"} and len(figure) == 3 * 4
+    assert all(len(u.jobs) == 3 and all(j.method == u.method for j in u.jobs) for u in units)
+    rounds = {u.setting.split("-")[0]: u.rounds for u in units}
+    assert rounds == {"rmnist": 50, "femnist": 50, "cifar10": 20, "meta_dataset": 20}
+    meta = next(u for u in units if u.setting == "meta_dataset-sources")
+    sources = compose(list(meta.jobs[0].overrides)).dataset.options.sources
+    assert "fgvc_aircraft32" not in sources and "cifar_fs32" not in sources and len(sources) == 6
+    assert "federation.vectorize=auto" in meta.jobs[0].overrides  # the faster way measured here
+
+
+def test_a_setting_may_name_only_methods_of_its_preset(tmp_path):
+    """A figure's setting that names a method its preset does not run is refused in one line."""
+    bad = tmp_path / "preset"
+    bad.mkdir()
+    (bad / "odd.yaml").write_text(
+        "inherits: quick\nsettings:\n  rmnist-iid: {grid: heterogeneity, methods: [fedsgd], "
+        "overrides: [dataset=rmnist, partition=iid]}\n"
+    )
+    problem = grid._preset_problem(OmegaConf.merge(grid.load_preset("quick"), OmegaConf.load(bad / "odd.yaml")))
+    assert problem.startswith("settings.rmnist-iid.methods must list some of the preset's methods")
+
+
+def test_a_campaign_on_a_machine_of_its_own_speaks_in_its_hours(tmp_path, mnist_dir, monkeypatch):
+    """``lease: null``: what is left is the units' hours on this machine, one unit at a time; no
+    leases and no card."""
+    monkeypatch.chdir(tmp_path)
+    plan = tiny_campaign(mnist_dir, lease=None)
+    kept = tmp_path / "kept"
+    units = campaign.units(plan, kept)
+    for unit in units:  # every seed at 2 s a round alone, none begun
+        for folder in unit.folders(kept):
+            folder.mkdir(parents=True)
+            (folder / "metrics.csv").write_text("round,round_seconds\n1,2.0\n2,2.0\n")
+    state = campaign.status(plan, kept)
+    seconds = sum(len(u.jobs) * u.rounds * 2.0 for u in units)
+    assert f"{len(units)} units need **{seconds / 3600:.1f} h**" in state
+    assert "| h left |" in state and "lease" not in state.lower() and "Filling the card" not in state
