@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from fedmeta.algorithms import Algorithm, build_algorithm
 from fedmeta.allocator import keep_freed_memory
 from fedmeta.capture import resolve
-from fedmeta.data import Federation, federation_of
+from fedmeta.data import Federation, federation_of, scores_training_clients
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import draw_personalization
@@ -141,6 +141,7 @@ def rehearse(algorithm: Algorithm, federation: Federation, cfg: DictConfig) -> N
     disk: what only the data can refuse (a batch larger than a client's data) is said before a run
     folder exists to block the corrected run. A draw has no effect but its result."""
     algorithm.draw(min(federation.train_clients, key=lambda c: c.num_samples), 1)
-    draw_personalization(
-        algorithm, min(federation.new_clients, key=lambda c: c.num_samples), cfg.personalization
-    )
+    scored = list(federation.new_clients) if cfg.evaluation.protocol != "training_clients" else []
+    if scores_training_clients(cfg):
+        scored += [c.scoring() for c in federation.train_clients]
+    draw_personalization(algorithm, min(scored, key=lambda c: c.num_samples), cfg.personalization)

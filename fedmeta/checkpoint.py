@@ -44,6 +44,9 @@ def identity(cfg: DictConfig) -> dict:
     for section, keys in RESUMABLE.items():
         ident[section] = {k: v for k, v in ident[section].items() if k not in keys}
     ident["dataset"] = {k: v for k, v in ident["dataset"].items() if k not in ("dir", "download")}
+    protocol = (container.get("evaluation") or {}).get("protocol", "new_clients")
+    if protocol != "new_clients":  # training clients then keep a test split out of their training data
+        ident["evaluation"] = {"training_clients_test_split": True}
     return ident
 
 

@@ -569,17 +569,24 @@ def _train_command(args: argparse.Namespace) -> int:
         print(
             json.dumps({k: one[k] for k in ("dataset", "partition", "method", "variant", "seed", "rounds")})
         )
-        print(
-            f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
-            f"{100 * one['accuracy']:.2f} % (sd {100 * one['accuracy_std']:.2f} over its "
-            f"{one['new_clients']} new clients; step 0: {100 * one['curve'][0]:.2f} %), "
-            + (
-                f"{one['seconds_per_round']:.3f} s/round"
-                if one["seconds_per_round"] is not None
-                else "no rounds trained"
+        speed = (
+            f"{one['seconds_per_round']:.3f} s/round"
+            if one["seconds_per_round"] is not None
+            else "no rounds trained"
+        ) + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else "")
+        if one["protocol"] != "training_clients":
+            print(
+                f"new-client accuracy after {cfg.personalization.steps} personalization steps: "
+                f"{100 * one['accuracy']:.2f} % (sd {100 * one['accuracy_std']:.2f} over its "
+                f"{one['new_clients']} new clients; step 0: {100 * one['curve'][0]:.2f} %), {speed}"
             )
-            + (f" per seed ({one['seeds_stacked']} stacked)" if one["seeds_stacked"] > 1 else "")
-        )
+        if trained := one.get("training_clients"):
+            print(
+                f"training-client accuracy on their test splits: {100 * trained['accuracy']:.2f} % (sd "
+                f"{100 * trained['accuracy_std']:.2f} over {trained['clients']} clients; sample-weighted "
+                f"{100 * trained['weighted_accuracy']:.2f} %)"
+                + (f", {speed}" if one["protocol"] == "training_clients" else "")
+            )
     folders = [Path(cfg.output.root) / run_name(one) for one in seed_configs(cfg)]
     print(f"run folder: {folders[0]}" + (f" and {len(folders) - 1} more" if len(folders) > 1 else ""))
     return 0
@@ -854,7 +861,12 @@ def _flower_command(args: argparse.Namespace) -> int:
             f"--port must leave room for the SuperLink's and {args.nodes} SuperNodes' ports in "
             f"1024..65535, got {args.port}; e.g. --port {min(9091, highest)}"
         )
-    compose(args.overrides)  # bad overrides are refused before anything starts
+    cfg = compose(args.overrides)  # bad overrides are refused before anything starts
+    if cfg.evaluation.protocol != "new_clients":
+        raise FedmetaError(
+            f"fedmeta flower scores the new clients only (their nodes personalize them): "
+            f"evaluation.protocol={cfg.evaluation.protocol} runs with fedmeta train"
+        )
     try:
         from fedmeta import flower
     except ImportError as exc:

@@ -567,9 +567,18 @@ def _validate_choices(cfg: DictConfig, choices: dict[str, list]) -> None:
 def _validate_federation(cfg: DictConfig) -> None:
     fed = cfg.federation
     _require(fed.num_clients >= 2, f"federation.num_clients must be ≥ 2, got {fed.num_clients}")
+    protocols = ("new_clients", "training_clients", "both")
+    protocol = cfg.evaluation.protocol
     _require(
-        0 < fed.num_new_clients < fed.num_clients,
-        f"federation.num_new_clients must be between 1 and num_clients-1, got {fed.num_new_clients}",
+        protocol in protocols, f"evaluation.protocol must be one of {', '.join(protocols)}, got {protocol!r}"
+    )
+    least = (
+        0 if protocol == "training_clients" else 1
+    )  # the new clients are scored unless only training ones are
+    _require(
+        least <= fed.num_new_clients < fed.num_clients,
+        f"federation.num_new_clients must be between {least} and num_clients-1, got {fed.num_new_clients}"
+        + ("" if least == 0 else " (0 only with evaluation.protocol=training_clients)"),
     )
     train_clients = fed.num_clients - fed.num_new_clients
     _require(

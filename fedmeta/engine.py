@@ -472,44 +472,52 @@ class Engine:
 
     # ---- the shared test-time procedure ------------------------------------------------------
     def personalization_curves(
-        self, lanes: list[Lane], cfg, done: Callable[[int], None] = lambda clients: None
+        self, lanes: list[Lane], cfg, done: Callable[[int], None] = lambda clients: None, kept: bool = False
     ) -> torch.Tensor:
         """(lanes, steps + 1): each new client's held-out accuracy after 0…steps personalization steps.
-        ``done(n)`` is called as each n clients are finished (a progress bar)."""
+        ``done(n)`` is called as each n clients are finished (a progress bar). ``kept``: the lanes are
+        training clients (their scoring views), each starting from the model its method keeps for it."""
         if not lanes:
             return torch.empty(0, cfg.steps + 1)
         if self.vectorize and len(lanes) > 1:
             try:
                 return torch.cat(
-                    self._in_chunks(lambda c: _then(self._vectorized_curves(c, cfg), done, len(c)), lanes)
+                    self._in_chunks(
+                        lambda c: _then(self._vectorized_curves(c, cfg, kept), done, len(c)), lanes
+                    )
                 )
             except (FedmetaError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 — vmap could not run it: one at a time instead
                 self._give_up(lanes[0][0], exc)
 
-        return torch.stack(self.map(lambda item: _then(personalize_client(*item, cfg)[1], done, 1), lanes))
-
-    def _vectorized_curves(self, lanes: list[Lane], cfg) -> torch.Tensor:
-        algorithm = _for_vmap(lanes)
-        shared = all(a is algorithm for a, _ in lanes)
-        params = algorithm.global_params() if shared else stack([a.global_params() for a, _ in lanes])
-        key, indices, gather = self._indices(
-            "curves", lanes, [draw_personalization(a, c.indexed(), cfg) for a, c in lanes]
+        return torch.stack(
+            self.map(lambda item: _then(personalize_client(*item, cfg, kept)[1], done, 1), lanes)
         )
 
-        def curve(p, d):
-            _, accuracies, losses = personalize(algorithm, p, d, cfg)
+    def _vectorized_curves(self, lanes: list[Lane], cfg, kept: bool = False) -> torch.Tensor:
+        algorithm = _for_vmap(lanes)
+        shared = all(a is algorithm for a, _ in lanes)
+        globals_ = [a.global_params() for a, _ in lanes]
+        params = globals_[0] if shared else stack(globals_)
+        states = stack([a.client_state(c.id, p) for (a, c), p in zip(lanes, globals_)]) if kept else {}
+        key, indices, gather = self._indices(
+            "kept curves" if kept else "curves",
+            lanes,
+            [draw_personalization(a, c.indexed(), cfg) for a, c in lanes],
+        )
+
+        def curve(p, s, d):
+            _, accuracies, losses = personalize(algorithm, p, d, cfg, s if kept else None)
             return accuracies, losses
 
-        def curves_all(params, indices):
+        def curves_all(params, states, indices):
             data = gather(indices)
+            dims = (None if shared else in_dims(params), in_dims(states), in_dims(data))
             with vmapped():
-                return torch.func.vmap(curve, in_dims=(None if shared else in_dims(params), in_dims(data)))(
-                    params, data
-                )
+                return torch.func.vmap(curve, in_dims=dims)(params, states, data)
 
-        curves, losses = self.capture.run((*key, str(cfg)), curves_all, (params, indices))
+        curves, losses = self.capture.run((*key, str(cfg)), curves_all, (params, states, indices))
         for (_, client), client_losses in zip(lanes, losses):
             check_finite(client, client_losses)
         return curves.cpu()

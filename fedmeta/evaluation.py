@@ -28,11 +28,17 @@ from fedmeta.functional import Params, grad_and_value, masked_mean, sgd
 @dataclass
 class PersonalizationResult:
     curves: torch.Tensor  # (clients, steps + 1) held-out accuracy per client after each step
+    samples: torch.Tensor | None = None  # (clients,) the samples each was scored on: the weighted mean
+    clients: str = "new"  # "new" | "training": which protocol scored them
+    training: PersonalizationResult | None = None  # beside the new clients', the training clients' (both)
 
     def __post_init__(
         self,
     ):  # a client that could not be evaluated (its node gone: fedmeta.flower) is a row of NaN
-        self.curves = self.curves[~torch.isnan(self.curves).all(1)]
+        scored = ~torch.isnan(self.curves).all(1)
+        self.curves = self.curves[scored]
+        if self.samples is not None:
+            self.samples = self.samples[scored]
 
     @property
     def curve(self) -> list[float]:
@@ -45,6 +51,20 @@ class PersonalizationResult:
     @property
     def accuracy_std(self) -> float:
         return self.curves[:, -1].std(unbiased=False).item() if len(self.curves) > 1 else 0.0
+
+    @property
+    def training_clients(self) -> PersonalizationResult | None:
+        """The training clients' result: this one, or the one beside it (protocol both), or None."""
+        return self if self.clients == "training" else self.training
+
+    @property
+    def weighted_accuracy(self) -> float:
+        """The share of all scored samples predicted right (each client weighted by its samples): what
+        PFLlib and FL-bench print; ``accuracy`` is the mean over clients."""
+        if self.samples is None:
+            return self.accuracy
+        weights = self.samples.to(self.curves.dtype)
+        return ((self.curves[:, -1] * weights).sum() / weights.sum()).item()
 
 
 def draw_personalization(algorithm: Algorithm, client: Client, cfg) -> ClientData:
@@ -81,12 +101,13 @@ def step_sizes(cfg) -> list[float]:
 
 
 def personalize(
-    algorithm: Algorithm, params: Params, data: ClientData, cfg
+    algorithm: Algorithm, params: Params, data: ClientData, cfg, kept: dict | None = None
 ) -> tuple[Params, torch.Tensor, torch.Tensor]:
     """From the global ``params``: the personalized parameters, the held-out accuracy after 0, 1, …,
     ``cfg.steps`` steps and the loss of each step. Accuracy is the share of correct predictions
-    (written out rather than torchmetrics', whose input checks cannot run under vmap)."""
-    start = algorithm.personal_params(params, data)
+    (written out rather than torchmetrics', whose input checks cannot run under vmap). ``kept``: a
+    training client's kept state (the training-clients protocol), the start its method's model of it."""
+    start = algorithm.personal_params(params, data) if kept is None else algorithm.kept_model(params, kept)
     held_out: list[Batch] = data["held_out"] if isinstance(data["held_out"], list) else [data["held_out"]]
 
     def held_out_accuracy(p: Params, last_batch: Batch) -> torch.Tensor:
@@ -127,15 +148,20 @@ def personalize(
 def check_finite(client: Client, losses: torch.Tensor) -> None:
     if not bool(torch.isfinite(losses).all()):
         raise FedmetaError(
-            f"personalizing new client {client.id} gave a non-finite loss: "
+            f"personalizing client {client.id} gave a non-finite loss: "
             "lower personalization.lr or use fabric.precision=32-true"
         )
 
 
-def personalize_client(algorithm: Algorithm, client: Client, cfg) -> tuple[Params, torch.Tensor]:
-    """One new client's personalized parameters and its held-out accuracy curve."""
+def personalize_client(
+    algorithm: Algorithm, client: Client, cfg, kept: bool = False
+) -> tuple[Params, torch.Tensor]:
+    """One new client's personalized parameters and its held-out accuracy curve; ``kept``: a training
+    client (its scoring view) from the model its method keeps for it."""
+    params = algorithm.global_params()
+    state = algorithm.client_state(client.id, params) if kept else None
     params, curve, losses = personalize(
-        algorithm, algorithm.global_params(), draw_personalization(algorithm, client, cfg), cfg
+        algorithm, params, draw_personalization(algorithm, client, cfg), cfg, state
     )
     check_finite(client, losses)
     return params, curve.cpu()

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from fedmeta.assemble import make_engine, make_fabric, seed_configs
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
-from fedmeta.rounds import evaluate_on_ranks, federated_rounds, gather_updates
+from fedmeta.rounds import evaluate_on_ranks, federated_rounds, gather_updates, scored_clients
 from fedmeta.run import Run
 from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn, check_wandb_login
 from fedmeta.stopping import FIRST_ROUND_ENDED, Stopper, process_seconds, stop_runs
@@ -84,15 +84,16 @@ def _evaluate(
 ) -> list:
     """``evaluate_on_ranks`` with a progress bar of its own: an evaluation (every new client
     personalized for ``personalization.steps`` steps) may take longer than many rounds."""
-    clients = sum(len(run.federation.new_clients[fabric.global_rank :: fabric.world_size]) for run in runs)
+    protocol = cfg.evaluation.protocol
+    clients, what = scored_clients(runs, protocol, fabric.global_rank, fabric.world_size)
     with tqdm(
         total=clients,
-        desc=f"round {round_}: personalizing the new clients",
+        desc=f"round {round_}: {what}",
         unit="client",
         leave=False,
         disable=not (show_progress and fabric.is_global_zero),
     ) as bar:
-        return evaluate_on_ranks(fabric, runs, cfg.personalization, engine, bar.update)
+        return evaluate_on_ranks(fabric, runs, cfg.personalization, engine, bar.update, protocol)
 
 
 def _row(round_: int, loss, seconds: float, dropped: int) -> dict:
@@ -105,6 +106,9 @@ def _row(round_: int, loss, seconds: float, dropped: int) -> dict:
         "eval_accuracy": "",
         "eval_accuracy_std": "",
         "eval_step0_accuracy": "",
+        "training_clients_accuracy": "",
+        "training_clients_accuracy_std": "",
+        "training_clients_weighted_accuracy": "",
     }
 
 
@@ -117,6 +121,12 @@ def _record(run: Run, row: dict, result, on_evaluation: Callable[[int, float], N
             eval_accuracy_std=result.accuracy_std,
             eval_step0_accuracy=result.curve[0],
         )
+        if (training := result.training_clients) is not None:
+            row.update(
+                training_clients_accuracy=training.accuracy,
+                training_clients_accuracy_std=training.accuracy_std,
+                training_clients_weighted_accuracy=training.weighted_accuracy,
+            )
         run.recorder.log_curve(row["round"], result.curve)
     run.recorder.log_round(row)
     if on_evaluation and result is not None:

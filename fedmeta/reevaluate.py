@@ -113,15 +113,24 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig, test_time: set[str]) -> dict:
         [Federated(algorithm, federation, cfg.seed)],
         cfg.personalization,
         make_engine(cfg, fabric.device),
+        protocol=cfg.evaluation.protocol,
     )[0]
     record = {
         "personalization": OmegaConf.to_container(cfg.personalization),
         # every method setting new clients read, changed or not: what scored this line
         "method": {key.removeprefix("method."): OmegaConf.select(cfg, key) for key in sorted(test_time)},
+        "protocol": cfg.evaluation.protocol,
         "accuracy": result.accuracy,
         "accuracy_std": result.accuracy_std,
         "curve": result.curve,
     }
+    if (training := result.training_clients) is not None:
+        record["training_clients"] = {
+            "accuracy": training.accuracy,
+            "accuracy_std": training.accuracy_std,
+            "weighted_accuracy": training.weighted_accuracy,
+            "curve": training.curve,
+        }
     if fabric.is_global_zero:
         append_text(run_dir / "evaluations.jsonl", json.dumps(record) + "\n")
     return record

@@ -257,6 +257,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
     for block, members in blocks:
         if members:
             lines += _table_block(block, members, settings, runs, paper, budget, at_paper_budget)
+    lines += _training_block(methods, settings, runs, budget)
     lines += _cell_costs(preset_name, settings, methods, runs)
     text = "\n".join(lines) + "\n"
     replace_section(out, preset_name, text)
@@ -320,6 +321,46 @@ def _table_block(
         )
     lines.append("")
     return lines
+
+
+def _training_block(methods: list[str], settings: list[str], runs: dict, budget) -> list[str]:
+    """The training clients' accuracy where the runs scored them too (``evaluation.protocol=both``):
+    the mean over seeds of each run's mean over clients ± its sd over seeds, and, after the slash, the
+    same of the sample-weighted accuracy the peer libraries print. No bold: a different question."""
+    scored = {
+        key: [s["training_clients"] for s in summaries if "training_clients" in s]
+        for key, summaries in runs.items()
+    }
+    if not any(scored.values()):
+        return []
+    lines = [
+        "The same runs' **training clients**, each scored on a test split kept out of its training with "
+        "the model its method keeps for it (docs/protocol.md): mean over clients / sample-weighted, each "
+        "the mean ± sd over seeds.",
+        "",
+        "| method | " + " | ".join(f"{setting} ({budget(setting)})" for setting in settings) + " |",
+        "|---|" + "---|" * len(settings),
+    ]
+    for method in methods:
+        cells = []
+        for setting in settings:
+            blocks = scored.get((setting, method), [])
+            if not blocks:
+                cells.append("–")
+                continue
+            mean, std = _mean_std([100 * b["accuracy"] for b in blocks])
+            weighted, weighted_std = _mean_std([100 * b["weighted_accuracy"] for b in blocks])
+            spread = len(blocks) > 1
+            cells.append(
+                f"{mean:.2f}"
+                + (f" ± {std:.2f}" if spread else "")
+                + f" / {weighted:.2f}"
+                + (f" ± {weighted_std:.2f}" if spread else "")
+                + f" (n={len(blocks)})"
+            )
+        if any(c != "–" for c in cells):
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _cell_costs(preset_name: str, settings: list[str], methods: list[str], runs: dict) -> list[str]:

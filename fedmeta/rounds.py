@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from lightning_fabric import Fabric
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.algorithms import Algorithm, ClientUpdate
 from fedmeta.data import Federation
@@ -216,23 +216,72 @@ def evaluate_on_ranks(
     personalization: DictConfig,
     engine: Engine | None = None,
     done: Callable[[int], None] = lambda clients: None,
+    protocol: str = "new_clients",
 ) -> list[PersonalizationResult]:
-    """The shared test-time procedure on every federation's new clients, all computed together
-    and spread over the Fabric world like a round (rank r takes clients r, r+W, …); each
-    federation's curves are gathered back in client order. ``done(n)``: n of this rank's clients finished."""
+    """Every federation's clients scored by ``protocol`` (docs/protocol.md): the new clients by the
+    shared test-time procedure, the training clients on their test splits with the model their
+    method keeps for each (or, where it keeps none, the same procedure), or both (the new clients'
+    result, the training clients' as its ``training``). All computed together and spread over the
+    Fabric world like a round (rank r takes clients r, r+W, …); each federation's curves are
+    gathered back in client order. ``done(n)``: n of this rank's clients finished."""
     engine = engine or Engine()
+    new = training = None
+    if protocol in ("new_clients", "both"):
+        new = _scored(fabric, runs, personalization, engine, done, "new")
+    if protocol in ("training_clients", "both"):
+        training = _scored(fabric, runs, personalization, engine, done, "training")
+    if new is None:
+        return training
+    for result, theirs in zip(new, training or [None] * len(new)):
+        result.training = theirs
+    return new
+
+
+def scored_clients(runs: list[Federated], protocol: str, rank: int, world: int) -> tuple[int, str]:
+    """How many clients this rank scores in an evaluation by ``protocol``, and what it does to them."""
+    kinds = {
+        "new_clients": ["new_clients"],
+        "training_clients": ["train_clients"],
+        "both": ["new_clients", "train_clients"],
+    }[protocol]
+    count = sum(len(getattr(run.federation, kind)[rank::world]) for run in runs for kind in kinds)
+    if protocol == "new_clients":
+        return count, "personalizing the new clients"
+    return count, f"scoring the {'new and training' if protocol == 'both' else 'training'} clients"
+
+
+def _scored(
+    fabric: Fabric,
+    runs: list[Federated],
+    personalization: DictConfig,
+    engine: Engine,
+    done: Callable[[int], None],
+    clients: str,
+) -> list[PersonalizationResult]:
+    """Each federation's new clients, or its training clients (their scoring views), scored."""
     world, rank = fabric.world_size, fabric.global_rank
-    mine = [run.federation.new_clients[rank::world] for run in runs]
+    kept = clients == "training" and runs[0].algorithm.keeps_client_models
+    if kept:  # scored as the method keeps them, not fine-tuned further
+        personalization = OmegaConf.merge(personalization, {"steps": 0})
+    every = [
+        run.federation.new_clients
+        if clients == "new"
+        else [c.scoring() for c in run.federation.train_clients]
+        for run in runs
+    ]
+    mine = [scored[rank::world] for scored in every]
     curves = engine.personalization_curves(
-        [(run.algorithm, c) for run, clients in zip(runs, mine) for c in clients], personalization, done
+        [(run.algorithm, c) for run, own in zip(runs, mine) for c in own], personalization, done, kept
     )
     results, offset = [], 0
-    for run, clients in zip(runs, mine):
-        own = curves[offset : offset + len(clients)]
-        offset += len(clients)
+    for scored, own in zip(every, mine):
+        part = curves[offset : offset + len(own)]
+        offset += len(own)
         results.append(
             PersonalizationResult(
-                own if world == 1 else _gather_curves(fabric, own, len(run.federation.new_clients))
+                part if world == 1 else _gather_curves(fabric, part, len(scored)),
+                torch.tensor([len(c.held_out) for c in scored]),
+                clients,
             )
         )
     return results

@@ -71,8 +71,7 @@ class Run:
         ]
         self.recorder = RunRecorder(self.dir, cfg, fabric.is_global_zero, self.history or None, tags)
         self.round_seconds = list(self.history.get("round_seconds", []))
-        curves = self.history.get("last_curves")
-        self.result = PersonalizationResult(curves) if curves is not None else None
+        self.result = _result_of(self.history, cfg.evaluation.protocol)
         self.resumed_at = state["round"] if state else None
         self.first_round = (state["round"] + 1) if state else 1
         self.saved_round = state["round"] if state else None
@@ -97,6 +96,7 @@ class Run:
                 "curves": self.recorder.curves,
                 "round_seconds": self.round_seconds,
                 "last_curves": None if self.result is None else self.result.curves,
+                **_history_of(self.result),
                 "pending_row": self.pending_row,
                 "wandb_id": self.recorder.wandb_id,
                 "warm_start": self.warm_start,
@@ -126,17 +126,57 @@ class Run:
             "method": cfg.method.name,
             "variant": cfg.variant,
             "seed": cfg.seed,
+            "protocol": cfg.evaluation.protocol,  # accuracy: the new clients', unless only training ones are scored
             "accuracy": self.result.accuracy,
             "accuracy_std": self.result.accuracy_std,
             "curve": self.result.curve,
+            **_training_summary(self.result),
             "rounds": cfg.federation.rounds,
             "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
             "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None,
             "resumed_at_round": self.resumed_at,
-            "new_clients": len(self.result.curves),
+            "new_clients": len(self.result.curves) if self.result.clients == "new" else 0,
             "device": str(fabric.device),
             "world_size": fabric.world_size,
             "seeds_stacked": self.stacked,
             "hardware": hardware_name(fabric.device),
             "init_from": self.warm_start,  # the run whose final model this one started from (model.init_from)
         }
+
+
+def _history_of(result: PersonalizationResult | None) -> dict:
+    """The training clients' last curves and sample counts, for a resumed run's summary."""
+    training = None if result is None else result.training_clients
+    if training is None:
+        return {}
+    return {"last_training_curves": training.curves, "last_training_samples": training.samples}
+
+
+def _result_of(history: dict, protocol: str) -> PersonalizationResult | None:
+    """The last evaluation a checkpoint's history holds, as the protocol scored it."""
+    curves, training = history.get("last_curves"), history.get("last_training_curves")
+    if curves is None:
+        return None
+    if protocol == "training_clients":
+        return PersonalizationResult(curves, history.get("last_training_samples"), "training")
+    result = PersonalizationResult(curves)
+    if training is not None:
+        result.training = PersonalizationResult(training, history.get("last_training_samples"), "training")
+    return result
+
+
+def _training_summary(result: PersonalizationResult) -> dict:
+    """summary.json's training-clients block: mean and sd over clients, the sample-weighted accuracy
+    the peer libraries print, the curve, how many clients."""
+    training = result.training_clients
+    if training is None:
+        return {}
+    return {
+        "training_clients": {
+            "accuracy": training.accuracy,
+            "accuracy_std": training.accuracy_std,
+            "weighted_accuracy": training.weighted_accuracy,
+            "curve": training.curve,
+            "clients": len(training.curves),
+        }
+    }

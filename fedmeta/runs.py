@@ -35,6 +35,9 @@ METRIC_FIELDS = [
     "eval_accuracy",
     "eval_accuracy_std",
     "eval_step0_accuracy",
+    "training_clients_accuracy",  # the training-clients protocol (evaluation.protocol both or training_clients)
+    "training_clients_accuracy_std",
+    "training_clients_weighted_accuracy",
 ]
 
 
@@ -266,6 +269,9 @@ LOGGED_AS = {
     "eval_accuracy": "eval/accuracy",
     "eval_accuracy_std": "eval/accuracy_std",
     "eval_step0_accuracy": "eval/step0_accuracy",
+    "training_clients_accuracy": "eval/training_clients_accuracy",
+    "training_clients_accuracy_std": "eval/training_clients_accuracy_std",
+    "training_clients_weighted_accuracy": "eval/training_clients_weighted_accuracy",
 }
 
 

@@ -158,6 +158,11 @@ QUICK_REPRESENTATIVES = {
     "test_lanes.py::test_every_methods_kept_state_travels_to_a_flower_node_unchanged": {"fedala"},
     "test_baselines.py::test_every_baseline_trains_end_to_end": {"fedavg_ft"},
     "test_figures.py::test_a_presets_figures_are_redrawn_from_its_committed_runs": {"tiny", "paper"},
+    # a training client scored with its kept model: a head of its own, a mixture
+    "test_protocol.py::test_a_training_client_is_scored_with_the_model_its_method_keeps_for_it": {
+        "fedrep",
+        "apfl",
+    },
 }
 QUICK_SLOW_FIXTURES = {"test_zoo_methods.py": "trained"}  # each method's training: its learning tests
 

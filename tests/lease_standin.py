@@ -29,6 +29,9 @@ METRIC_FIELDS = [
     "eval_accuracy",
     "eval_accuracy_std",
     "eval_step0_accuracy",
+    "training_clients_accuracy",
+    "training_clients_accuracy_std",
+    "training_clients_weighted_accuracy",
 ]
 
 

@@ -625,7 +625,9 @@ def test_a_setting_may_name_only_methods_of_its_preset(tmp_path):
         "inherits: quick\nsettings:\n  rmnist-iid: {grid: heterogeneity, methods: [fedsgd], "
         "overrides: [dataset=rmnist, partition=iid]}\n"
     )
-    problem = grid._preset_problem(OmegaConf.merge(grid.load_preset("quick"), OmegaConf.load(bad / "odd.yaml")))
+    problem = grid._preset_problem(
+        OmegaConf.merge(grid.load_preset("quick"), OmegaConf.load(bad / "odd.yaml"))
+    )
     assert problem.startswith("settings.rmnist-iid.methods must list some of the preset's methods")
 
 

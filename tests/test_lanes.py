@@ -78,8 +78,8 @@ def federations(rmnist):
     data = ImageDataset(x=rmnist.x[:800], y=rmnist.y[:800], num_classes=10)
     built = {}
     for seed in SEEDS:
-        federation = build_federation(
-            data, {"name": "dirichlet", "alpha": 0.1}, CLIENTS, NEW, 0.25, seed=seed
+        federation = build_federation(  # training clients keep test splits: both protocols score
+            data, {"name": "dirichlet", "alpha": 0.1}, CLIENTS, NEW, 0.25, seed=seed, test_fraction=0.25
         )
         federation.x = federation.x.double()
         built[seed] = federation
@@ -94,8 +94,8 @@ def federations(rmnist):
 
 def run(algorithm: str, federations: dict, seeds: tuple[int, ...], vectorize: bool) -> list[dict]:
     """``seeds``' runs of ``algorithm`` together (stacked when vectorized): per seed, the round
-    losses, the dropped clients, the federation state after the last round and the new clients'
-    curves."""
+    losses, the dropped clients, the federation state after the last round, the new clients'
+    curves and the training clients' (the training-clients protocol)."""
     cfg = config(algorithm)
     runs = []
     for seed in seeds:
@@ -106,7 +106,7 @@ def run(algorithm: str, federations: dict, seeds: tuple[int, ...], vectorize: bo
     )  # a round's lanes in several vmapped calls, seeds split across them
     outcomes = [federated_rounds(runs, r, PER_ROUND, engine=engine) for r in range(1, ROUNDS + 1)]
     world = SimpleNamespace(world_size=1, global_rank=0)
-    results = evaluate_on_ranks(world, runs, cfg.personalization, engine)
+    results = evaluate_on_ranks(world, runs, cfg.personalization, engine, protocol="both")
     assert engine.vectorize == vectorize and engine.describe()["fallback"] is None  # vmap did not fall back
     return [
         {
@@ -114,6 +114,7 @@ def run(algorithm: str, federations: dict, seeds: tuple[int, ...], vectorize: bo
             "dropped": [line for round_ in outcomes for line in round_[k].dropped],
             "state": run_.algorithm.federation_state(),
             "curves": result.curves,
+            "training_curves": result.training.curves,  # with the model each method keeps for each
         }
         for k, (run_, result) in enumerate(zip(runs, results))
     ]
@@ -123,9 +124,10 @@ def assert_same(got: dict, expected: dict, what: str) -> None:
     assert got["dropped"] == expected["dropped"] == [], f"{what}: clients dropped"
     assert got["losses"] == pytest.approx(expected["losses"], rel=1e-8, abs=1e-10), f"{what}: round losses"
     assert_same_tree(got["state"], expected["state"], f"{what}: federation state")
-    torch.testing.assert_close(
-        got["curves"], expected["curves"], rtol=0, atol=1e-10, msg=lambda m: f"{what}: curves: {m}"
-    )
+    for curves in ("curves", "training_curves"):
+        torch.testing.assert_close(
+            got[curves], expected[curves], rtol=0, atol=1e-10, msg=lambda m, c=curves: f"{what}: {c}: {m}"
+        )
 
 
 def assert_same_tree(got, expected, where: str, exact: bool = False) -> None:

@@ -492,6 +492,10 @@ def test_vmapped_convolution_runs_under_cpu_bf16_autocast_as_torchs_does():
         return F.conv2d(x, p["conv.weight"], p["conv.bias"], padding=1)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, expected = (torch.func.vmap(_conv_derivative(1, layers))(params, xs) for layers in (ours, torchs))
+        got, expected = (
+            torch.func.vmap(_conv_derivative(1, layers))(params, xs) for layers in (ours, torchs)
+        )
     assert got[0]["conv.weight"].dtype == torch.float32
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected[0]["conv.weight"].abs().max().item())
+    torch.testing.assert_close(
+        got, expected, rtol=2e-2, atol=2e-2 * expected[0]["conv.weight"].abs().max().item()
+    )

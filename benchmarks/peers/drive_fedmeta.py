@@ -5,16 +5,18 @@ Run by benchmarks/peers/run.py in fedmeta's own venv, with the partition run.py 
 
 fedmeta is driven through its own building blocks, not its CLI, because the experiment fixes what
 the CLI draws itself: the clients are the partition's 20 (each its 75 % train split as the data it
-trains on, ``method.train_split=pers``, and its 25 % test split held out), and all 20 take part in
-training (no new clients). Everything else is what ``fedmeta train`` runs: the config composed from
-configs/ with the experiment's overrides, the algorithm and model its registry builds
-(``model.batch_norm=false``: FedAvgCNN's plain CNN), Fabric's precision plugin, the engine of
-``federation.vectorize`` (one client at a time, or vmapped), and ``federated_round``.
+trains on, and its 25 % test split as the test split fedmeta's training-clients protocol keeps out of
+training), and all 20 take part in training (``federation.num_new_clients=0``). Everything else is
+what ``fedmeta train`` runs: the config composed from configs/ with the experiment's overrides, the
+algorithm and model its registry builds (``model.batch_norm=false``: FedAvgCNN's plain CNN), Fabric's
+precision plugin, the engine of ``federation.vectorize`` (one client at a time, or vmapped),
+``federated_round`` and ``evaluate_on_ranks``.
 
-The accuracy is the peers' protocol: every training client's test split scored with the model it
-has after the last round — the global model, with the parameters a client keeps merged in where
-its method keeps some (FedRep's head) — sample-weighted over the 20 clients, as PFLlib and FL-bench
-print it. Prints one line: PEER_RESULT {json}.
+The accuracy is the peers' protocol, fedmeta's ``evaluation.protocol=training_clients``: every
+training client's test split scored with the model it has after the last round — the global model,
+or its kept model where its method keeps one (FedRep: the global body with its own head) —
+sample-weighted over the 20 clients, as PFLlib and FL-bench print it. Prints one line:
+PEER_RESULT {json}.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ def overrides(a) -> list[str]:
         f"method.batch_size={a.batch_size}",
         "method.momentum=0.0",
         "method.train_split=pers",
-        # the federation below: these clients, all training, and the one unused new client fedmeta's
-        # protocol needs (checked against clients_per_round)
-        f"federation.num_clients={a.num_clients + 1}",
-        "federation.num_new_clients=1",
+        # the federation below: these clients, all training, scored as the peers score them
+        f"federation.num_clients={a.num_clients}",
+        "federation.num_new_clients=0",
+        "evaluation.protocol=training_clients",
         f"federation.clients_per_round={a.clients_per_round}",
         f"federation.vectorize={a.vectorize}",
         f"fabric.precision={a.precision}",
@@ -54,14 +56,6 @@ def overrides(a) -> list[str]:
     ):  # PFLlib's defaults: one head epoch, then one body epoch; the head the last Linear
         return [*common, "method.head_epochs=1", "method.body_epochs=1", "method.head=classifier"]
     return [*common, f"method.local_epochs={a.local_epochs}"]
-
-
-def scored_params(algorithm, client_id: int):
-    """The model a training client is scored with: the global one, with the parameters its kept state
-    holds by name (FedRep's head) in place of the global ones."""
-    params = algorithm.global_params()
-    kept = algorithm.client_state(client_id, params)
-    return {**params, **{name: t for name, t in kept.items() if name in params}}
 
 
 def main():
@@ -89,7 +83,7 @@ def main():
     from fedmeta.config import compose
     from fedmeta.data import ImageDataset
     from fedmeta.data.federation import Client, Federation
-    from fedmeta.rounds import federated_round
+    from fedmeta.rounds import Federated, evaluate_on_ranks, federated_round
 
     cfg = compose(overrides(a))
     fabric = make_fabric(cfg)
@@ -102,13 +96,11 @@ def main():
         ]
     dataset = ImageDataset(x=x, y=y, num_classes=10)
     parts = [torch.cat(split).numpy() for split in splits]
-    # built with one (never used) new client, as fedmeta's protocol needs one; then every client's
-    # splits are the partition's own and all of them train
-    federation = Federation(dataset, parts, 1, 0.25, a.seed)
+    # every client's splits the partition's own: its train split all it trains on, its test split kept
+    federation = Federation(dataset, parts, 0, 0.25, a.seed)
     federation.train_clients = [
-        Client(c, train, test, a.seed, federation) for c, (train, test) in enumerate(splits)
+        Client(c, train, train[:0], a.seed, federation, test) for c, (train, test) in enumerate(splits)
     ]
-    federation.new_clients = []
     algorithm = build_algorithm(cfg, 10, precision=fabric.strategy.precision)
     model = pc.check_model(algorithm.model)
     engine = make_engine(cfg, torch.device("cpu"))
@@ -120,16 +112,14 @@ def main():
         CLOCK.round_end()
 
     CLOCK.eval_start()
-    correct = total = 0
-    per_client = []
-    with torch.no_grad():
-        for client in federation.train_clients:
-            params = scored_params(algorithm, client.id)
-            batch = client.batch("held_out", None)
-            logits = algorithm.run_model(algorithm.model, params, batch.x)
-            hits = int((logits.argmax(1) == batch.y).sum())
-            correct, total = correct + hits, total + len(batch.y)
-            per_client.append(hits / len(batch.y))
+    world = argparse.Namespace(world_size=1, global_rank=0)
+    scored = evaluate_on_ranks(
+        world,
+        [Federated(algorithm, federation, a.seed)],
+        cfg.personalization,
+        engine,
+        protocol="training_clients",
+    )[0]
     CLOCK.eval_end("training clients' test splits")
 
     result = {
@@ -138,12 +128,13 @@ def main():
         "status": "ok",
         "rounds_requested": R,
         **pc.summarize(CLOCK, a.warmup, R),
-        "final_accuracy": correct / total,
-        "mean_client_accuracy": float(np.mean(per_client)),
+        "final_accuracy": scored.weighted_accuracy,
+        "mean_client_accuracy": scored.accuracy,
         "accuracy_protocol": (
-            "every training client's test split (25 %) scored with its model after the last round (FedAvg: the "
-            "global model; FedRep: the global body with the client's own head), sum of correct / sum of samples "
-            "over all 20 clients (sample-weighted); mean_client_accuracy: the unweighted mean"
+            "fedmeta's evaluation.protocol=training_clients: every training client's test split (25 %) scored "
+            "with its model after the last round (FedAvg: the global model; FedRep: the global body with the "
+            "client's own head), sum of correct / sum of samples over all 20 clients (sample-weighted); "
+            "mean_client_accuracy: the unweighted mean"
         ),
         "model": model,
         "settings": {

@@ -108,6 +108,10 @@ class APFL(Algorithm):
             return {"v": dict(params), "alpha": self.initial_alpha(next(iter(params.values())))}
         return {"v": kept["v"], "alpha": kept["alpha"]}
 
+    def kept_model(self, params: Params, state: dict) -> Params:
+        """w and the client's v mixed by its α: the model APFL's client predicts with."""
+        return {**params, **self.personal(state["v"], state["alpha"])}
+
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         cfg = self.cfg
         w, personal = params, self.personal(state["v"], state["alpha"])

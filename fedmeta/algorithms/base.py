@@ -354,6 +354,17 @@ class Algorithm(nn.Module):
         return params, total / steps, optimizer_state
 
     # ---- the shared test-time personalization (fedmeta.evaluation) ---------------------------
+    def kept_model(self, params: Params, state: dict) -> Params:
+        """The model a training client has from what the method keeps for it (``client_state``), given
+        the global ``params``: what the training-clients protocol scores, as it is. A method that
+        keeps no model per client does not define it: its training clients take the new clients'
+        test-time procedure (fedmeta.evaluation)."""
+        raise NotImplementedError
+
+    @property
+    def keeps_client_models(self) -> bool:
+        return type(self).kept_model is not Algorithm.kept_model
+
     def personalization_data(self, client: Client) -> ClientData:
         """Batches a method needs to choose a new client's starting point (IFCA's model choice)."""
         return {}

@@ -78,6 +78,12 @@ class FedALA(FedAvg):
             },
         }
 
+    def kept_model(self, params: Params, state: dict) -> Params:
+        """The global model with the client's top layers blended in by its kept weights, as its next
+        round would start (its bottom layers are the global ones then)."""
+        local, weights = state["local"], state["weights"]
+        return {**params, **{n: local[n] + (params[n] - local[n]) * weights[n] for n in self.top_names}}
+
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         received, local, weights = params, state["local"], state["weights"]
 

@@ -144,6 +144,9 @@ class FedPAC(FedProto):
             "prototypes": {k: v.to(like) for k, v in self.prototypes.items()},
         }
 
+    def kept_model(self, params: Params, state: dict) -> Params:
+        return {**params, **state["head"], **state["prototypes"]}  # the head the server combined for it
+
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         cfg, prototypes = self.cfg, state["prototypes"]
         params = {**params, **state["head"]}

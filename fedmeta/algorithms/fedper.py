@@ -48,6 +48,9 @@ class FedPer(FedAvg):
             "own": self.kept_params(client_id, params, self.own_names),
         }
 
+    def kept_model(self, params: Params, state: dict) -> Params:
+        return {**params, **state["own"]}
+
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         result = super().local_update({**params, **state["own"]}, state["fedavg"], data)
         return LocalResult(

@@ -93,6 +93,9 @@ class FedProto(FedAvg):
             "prototypes": {k: v.to(params[CLASSIFIER + "weight"]) for k, v in self.prototypes.items()},
         }
 
+    def kept_model(self, params: Params, state: dict) -> Params:
+        return {**params, **state["own"], **state["prototypes"]}  # its own model, the global prototypes
+
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         prototypes = state["prototypes"]
         own, loss = self.local_sgd(

@@ -65,8 +65,11 @@ class FedRep(Algorithm):
                 state[key] = self.kept_adam(client_id, key, {n: params[n] for n in names})
         return state
 
+    def kept_model(self, params: Params, state: dict) -> Params:
+        return {**params, **{n: state[n] for n in self.head_names if n in state}}  # its own head
+
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
-        params = {**params, **{n: state[n] for n in self.head_names if n in state}}
+        params = self.kept_model(params, state)
         lr, kept = self.cfg.local_lr, {}
         if "head_adam" in state:
             params, _, kept["head_adam"] = self.local_adam(

@@ -82,6 +82,9 @@ class FedRoD(FedAvg):
     def client_state(self, client_id: int, params: Params) -> dict:
         return {"own": self.kept_params(client_id, params, self.personal_names)}
 
+    def kept_model(self, params: Params, state: dict) -> Params:
+        return {**params, **state["own"]}  # the generic model with its personalized head
+
     def local_update(self, params: Params, state: dict, data: ClientData) -> LocalResult:
         batches = data["epochs"]
         classes = params[CLASSIFIER + "bias"].shape[0]

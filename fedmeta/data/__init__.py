@@ -5,6 +5,12 @@ from fedmeta.data.federation import Batch, Client, Federation, build_federation
 from fedmeta.data.sources import data_dir
 
 
+def scores_training_clients(cfg) -> bool:
+    """Whether the config's evaluation scores the training clients (each then keeps a test split
+    of the new clients' held-out fraction out of training)."""
+    return cfg.evaluation.protocol in ("training_clients", "both")
+
+
 def federation_of(cfg, device=None) -> tuple[ImageDataset, Federation]:
     """A config's data set and its clients (the data on ``device``), seeded by the config's seed."""
     dataset = load_dataset(
@@ -23,6 +29,7 @@ def federation_of(cfg, device=None) -> tuple[ImageDataset, Federation]:
         fed.held_out_fraction,
         cfg.seed,
         device=device,
+        test_fraction=fed.held_out_fraction if scores_training_clients(cfg) else 0.0,
     )
     return dataset, federation
 
@@ -35,4 +42,5 @@ __all__ = [
     "build_federation",
     "federation_of",
     "load_dataset",
+    "scores_training_clients",
 ]

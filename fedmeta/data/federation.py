@@ -120,6 +120,7 @@ class Client:
     held_out: torch.Tensor  # indices of the held-out split D_eval
     seed: int
     data: Federation = field(repr=False)
+    test: torch.Tensor | None = None  # a training client's test split (the training-clients protocol)
 
     def __post_init__(self):
         self._splits = {
@@ -128,6 +129,19 @@ class Client:
             "all": torch.cat([self.pers, self.held_out]),
         }
         self._indexed: Client | None = None
+        self._scoring: Client | None = None
+
+    def scoring(self) -> Client:
+        """This training client as the training-clients protocol scores it: its test split as the
+        held-out one, its training data (both splits training reads) as the personalization split."""
+        if self.test is None:
+            raise FedmetaError(
+                f"client {self.id} has no test split: evaluation.protocol=new_clients keeps none "
+                "(training_clients or both does)"
+            )
+        if self._scoring is None:
+            self._scoring = Client(self.id, self._splits["all"], self.test, self.seed, self.data)
+        return self._scoring
 
     def indexed(self) -> Client:
         """This client with batches of sample indices in place of images and labels (``x`` and ``y``
@@ -310,10 +324,11 @@ class Federation:
         held_out_fraction: float,
         seed: int,
         device: torch.device | str = "cpu",
+        test_fraction: float = 0.0,
     ):
-        if not 0 < num_new_clients < len(parts):
+        if not 0 <= num_new_clients < len(parts):
             raise FedmetaError(
-                f"num_new_clients must be between 1 and {len(parts) - 1}, got {num_new_clients}"
+                f"num_new_clients must be between 0 and {len(parts) - 1}, got {num_new_clients}"
             )
         if not 0 < held_out_fraction < 1:
             raise FedmetaError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
@@ -321,7 +336,7 @@ class Federation:
         self.y = dataset.y.to(device)
         self.num_classes = dataset.num_classes
         rng = np.random.default_rng([seed, 0x5E11])
-        clients = []
+        splits = []
         for client_id, indices in enumerate(parts):
             indices = rng.permutation(indices)
             n_held_out = int(round(len(indices) * held_out_fraction))
@@ -330,16 +345,14 @@ class Federation:
                     f"client {client_id} has {len(indices)} samples, too few for personalization and held-out "
                     f"splits of at least 2 each (held_out_fraction {held_out_fraction}): use fewer clients"
                 )
-            clients.append(
-                Client(
-                    client_id,
-                    torch.from_numpy(indices[n_held_out:]),
-                    torch.from_numpy(indices[:n_held_out]),
-                    seed,
-                    self,
-                )
-            )
+            splits.append((indices[n_held_out:], indices[:n_held_out], None))
         new_ids = set(rng.choice(len(parts), size=num_new_clients, replace=False).tolist())
+        if test_fraction:  # after every draw above: the new-client protocol's splits stay as they were
+            splits = _carve_tests(splits, new_ids, test_fraction, seed)
+        clients = [
+            Client(i, torch.from_numpy(pers), torch.from_numpy(held), seed, self, test)
+            for i, (pers, held, test) in enumerate(splits)
+        ]
         self.train_clients = [c for c in clients if c.id not in new_ids]
         self.new_clients = [c for c in clients if c.id in new_ids]
 
@@ -361,6 +374,28 @@ class Federation:
         return [self.train_clients[i] for i in chosen.tolist()]
 
 
+def _carve_tests(splits: list, new_ids: set, fraction: float, seed: int) -> list:
+    """Each training client's test split: ``fraction`` of its samples, drawn by a generator of its
+    own, taken out of both of its splits, so training never reads them (the new clients keep all)."""
+    rng = np.random.default_rng([seed, 0x7E57])
+    carved = []
+    for client_id, (pers, held_out, _) in enumerate(splits):
+        if client_id in new_ids:
+            carved.append((pers, held_out, None))
+            continue
+        samples = np.concatenate([pers, held_out])
+        test = samples[rng.permutation(len(samples))[: int(round(len(samples) * fraction))]]
+        pers, held_out = pers[~np.isin(pers, test)], held_out[~np.isin(held_out, test)]
+        if len(test) < 2 or len(pers) < 2 or len(held_out) < 2:
+            raise FedmetaError(
+                f"client {client_id} has {len(samples)} samples, too few for a test split of "
+                f"{fraction:g} beside personalization and held-out splits of at least 2 each: use fewer "
+                "clients, or evaluation.protocol=new_clients"
+            )
+        carved.append((pers, held_out, torch.from_numpy(test)))
+    return carved
+
+
 def build_federation(
     dataset: ImageDataset,
     partition_cfg: dict,
@@ -369,6 +404,7 @@ def build_federation(
     held_out_fraction: float,
     seed: int,
     device="cpu",
+    test_fraction: float = 0.0,
 ) -> Federation:
     params = {k: v for k, v in partition_cfg.items() if k != "name"}
     groups = dataset.groups.numpy() if dataset.groups is not None else None
@@ -376,4 +412,4 @@ def build_federation(
         parts = partition(partition_cfg["name"], dataset.y.numpy(), groups, num_clients, seed, **params)
     except TypeError as exc:
         raise FedmetaError(f"partition {partition_cfg['name']!r} got an unknown option: {exc}") from None
-    return Federation(dataset, parts, num_new_clients, held_out_fraction, seed, device)
+    return Federation(dataset, parts, num_new_clients, held_out_fraction, seed, device, test_fraction)
