@@ -809,30 +809,15 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
         "At the speeds measured alone:",
         "",
     ]
-    for name, part in left["parts"].items():
-        unmeasured = part["unmeasured"]
-        if not part["units"] and not unmeasured:
-            lines.append(f"- **{name}:** nothing is left that a lease can reach.")
-            continue
-        projection = (
+    lines += _part_lines(
+        left,
+        "nothing is left that a lease can reach",
+        lambda part: (
             f"{_count(part['units'], 'unit')} need {part['seconds'] / 3600:.2f} h of a card: "
             f"**{_count(math.ceil(part['seconds'] / one), 'lease')} of one command, "
             f"{math.ceil(part['seconds'] / two)} of two**"
-            if part["units"]
-            else "no unit measured alone yet: no projection"
-        )
-        if part["evaluations_unmeasured"]:
-            projection += (
-                f" (and {part['evaluations_unmeasured']} evaluations whose time is not measured yet, "
-                "not counted)"
-            )
-        more = (
-            f"; {len(unmeasured)} more not measured yet ({', '.join(u.label for u in unmeasured[:3])}"
-            f"{' …' if len(unmeasured) > 3 else ''})"
-            if unmeasured
-            else ""
-        )
-        lines.append(f"- **{name}:** {projection}{more}.")
+        ),
+    )
     for dataset, left_units in left["unreachable"].items():
         lines += [
             "",
@@ -845,21 +830,28 @@ def _projection(campaign: DictConfig, left: dict) -> list[str]:
 def _machine_projection(left: dict) -> list[str]:
     """What is left in hours of this machine, one unit at a time, part by part."""
     states = left["states"]
-    lines = [
+    return [
         f"**{_count(states['done'], 'unit')} done, {states['under way']} under way, {states['to do']} to do.** "
         "At the speeds measured alone, one unit at a time:",
         "",
+        *_part_lines(
+            left,
+            "nothing is left",
+            lambda part: f"{_count(part['units'], 'unit')} need **{part['seconds'] / 3600:.1f} h**",
+        ),
     ]
+
+
+def _part_lines(left: dict, nothing: str, need) -> list[str]:
+    """A line per part of the preset: what its measured units need (``need(part)``), the
+    evaluations not counted, the units not measured yet."""
+    lines = []
     for name, part in left["parts"].items():
         unmeasured = part["unmeasured"]
         if not part["units"] and not unmeasured:
-            lines.append(f"- **{name}:** nothing is left.")
+            lines.append(f"- **{name}:** {nothing}.")
             continue
-        projection = (
-            f"{_count(part['units'], 'unit')} need **{part['seconds'] / 3600:.1f} h**"
-            if part["units"]
-            else "no unit measured alone yet: no projection"
-        )
+        projection = need(part) if part["units"] else "no unit measured alone yet: no projection"
         if part["evaluations_unmeasured"]:
             projection += (
                 f" (and {part['evaluations_unmeasured']} evaluations whose time is not measured yet, "

@@ -873,11 +873,33 @@ class _Figures:
         cells = self.drawn(list(axis))
         rows = self.rows(cells)
         fig, axes = self.grid(rows, 1, width=7)  # the categories side by side, each with a point per method
+        numeric = {
+            k: float(v) for k, v in axis.items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        logarithmic = len(numeric) >= 2  # a real axis (Dirichlet α): categories without a number after it
+        if logarithmic:
+            order = sorted(numeric, key=numeric.get, reverse=True) + [k for k in axis if k not in numeric]
+            smallest = min(numeric.values())
+            x = {
+                k: numeric[k] if k in numeric else smallest / 10 ** (1 + i)
+                for i, k in enumerate(order[len(numeric) :])
+            }
+            x.update({k: numeric[k] for k in numeric})
+            xlabel = f"{xlabel}: Dirichlet α, log scale (i.i.d.-like on the left)"
+        else:
+            x = {k: float(i) for i, k in enumerate(axis)}
         for (_, members), (ax,) in zip(rows, axes):
             for index, method in enumerate(members):
                 dodge = (index - (len(members) - 1) / 2) * 0.6 / len(members)
-                self.point(ax, list(axis), method, dodge, self.look(method, members))
-            ax.set_xticks(range(len(axis)), [str(v) for v in axis.values()])
+                at = {k: v * 10 ** (dodge / 2) if logarithmic else v + dodge for k, v in x.items()}
+                self.point(ax, list(axis), method, at, self.look(method, members))
+            if logarithmic:
+                ax.set_xscale("log")
+                ax.invert_xaxis()
+                ax.minorticks_off()
+            ax.set_xticks(
+                [x[k] for k in axis], [f"α = {v:g}" if k in numeric else str(v) for k, v in axis.items()]
+            )
             ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
             ax.grid(alpha=0.3, axis="y")
         self.save(
@@ -891,12 +913,10 @@ class _Figures:
             POINT_AND_BAR,
         )
 
-    def point(self, ax, settings: list[str], method: str, dodge: float, look: dict) -> None:
-        """One method's points over the categories: a marker at the mean over seeds, a bar of ±1 std
-        where it has two seeds or more."""
-        done = [
-            (i + dodge, self.runs[(s, method)]) for i, s in enumerate(settings) if (s, method) in self.runs
-        ]
+    def point(self, ax, settings: list[str], method: str, at: dict, look: dict) -> None:
+        """One method's points over the categories (at ``at[setting]`` on the x-axis): a marker at the
+        mean over seeds, a bar of ±1 std where it has two seeds or more."""
+        done = [(at[s], self.runs[(s, method)]) for s in settings if (s, method) in self.runs]
         if not done:
             return
         xs = [x for x, _ in done]

@@ -211,3 +211,19 @@ def test_a_title_names_the_methods_when_only_a_few_of_the_presets_are_drawn(tmp_
     assert (
         "Not drawn (no finished run here, or left out as said above): CAFeMe, FedAvg." in figures.captions[-1]
     )
+
+
+def test_a_heterogeneity_axis_of_alphas_is_a_real_logarithmic_one_with_the_shards_after_it(tmp_path):
+    """Settings whose axis value is a Dirichlet α sit at that α on a logarithmic axis, i.i.d.-like on
+    the left; a partition without an α (shards) comes after the smallest."""
+    methods = ["cafeme", "fedavg_ft"]
+    runs = made_up_runs(tmp_path, methods, settings=("a", "b", "c"))
+    fig = drawn(tmp_path, methods, runs, {"a": 1000, "b": 0.3, "c": "shards"}).figures[
+        "fig_heterogeneity.png"
+    ]
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.xaxis_inverted()
+    ticks = dict(zip([t.get_text() for t in ax.get_xticklabels()], ax.get_xticks()))
+    assert ticks["α = 1000"] == 1000 and ticks["α = 0.3"] == pytest.approx(0.3) and ticks["shards"] < 0.3
+    xs = sorted(curves(ax)["cafeme"].get_xdata())  # near its setting's α, dodged a little
+    assert xs[0] < 0.1 and 0.2 < xs[1] < 0.45 and 500 < xs[2] < 2000
