@@ -554,7 +554,7 @@ def _judge(
     if finished:
         try:
             problem = summary_problem(json.loads(files["summary.json"].decode("utf-8")), unit.rounds)
-        except ValueError:
+        except (ValueError, RecursionError):
             problem = "cannot be read"
         if problem:
             return f"its summary.json {problem}: not taken", False
@@ -902,7 +902,7 @@ def _jobs(kept: Path) -> list[dict]:
                 and lease.record_problem(record | {"parallel": record.get("parallel", 1)}) is None
                 and isinstance(units_moved, dict)
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             valid = False
         if valid:
             records.append(record | {"parallel": record.get("parallel", 1)})
@@ -918,7 +918,7 @@ def fill_records(preset: str, logs: Path | None = None) -> list[dict]:
     for line in _logged(FILL, logs or JOB_LOGS):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if (
             isinstance(record, dict)
@@ -978,7 +978,7 @@ def alone_records(preset: str, records: Path | None = None, logs: Path | None = 
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(record, dict) or not isinstance(record.get("unit"), str):
             continue

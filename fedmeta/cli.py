@@ -498,6 +498,21 @@ def _stdout_to_devnull() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+# commands whose first line of their own comes after PyTorch's import (seconds; minutes at load 14)
+SLOW_TO_START = {
+    "train",
+    "evaluate",
+    "table",
+    "figures",
+    "sweep",
+    "campaign",
+    "bench",
+    "tune",
+    "flower",
+    "describe",
+}
+
+
 def _main(argv: list[str] | None) -> int:
     try:
         args = parse(argv)
@@ -507,6 +522,13 @@ def _main(argv: list[str] | None) -> int:
         except BrokenPipeError:  # argparse's help ignores a reader that left; so does its flush
             _stdout_to_devnull()
         return int(exit_.code or 0)
+    if args.command in SLOW_TO_START and sys.stderr.isatty():  # a person waiting: say why it is quiet
+        print(
+            f"fedmeta {args.command}: loading PyTorch, Lightning and the data "
+            "(a few seconds; longer on a busy machine) …",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
         if args.command in ("table", "figures", "sweep") and args.parallel is not None and args.parallel < 1:
@@ -747,13 +769,13 @@ def _campaign_command(args: argparse.Namespace) -> int:
                 f"--until takes the job's end as a Unix time, instead of --budget, got {args.until}"
             )
         args.budget = args.until - time.time()
+    if args.profile is not None:  # refused with --collect before anything is collected
+        return _profile_next_unit(args, plan, kept)
     if args.collect is not None:
         if args.budget is not None:
             raise FedmetaError("--collect takes back a job's files: run it without --budget")
         for line in campaign.collect(plan, Path(args.collect), kept, logs=Path("results") / "gpu"):
             print(line)
-    if args.profile is not None:
-        return _profile_next_unit(args, plan, kept)
     if args.carry_mib is not None and not (math.isfinite(args.carry_mib) and args.carry_mib >= 0):
         raise FedmetaError(f"--carry-mib must be a size in MiB ≥ 0, got {args.carry_mib}")
     if args.budget is not None:

@@ -254,7 +254,7 @@ FILE_BYTES = {
 def _read_json(path: Path):
     try:
         return json.loads(read_regular(path, MANIFEST_BYTES).decode("utf-8"))
-    except (OSError, ValueError, FedmetaError):
+    except (OSError, ValueError, RecursionError, FedmetaError):  # nested past the parser's depth
         return None
 
 
@@ -286,7 +286,7 @@ def read_output(source: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
         manifest = json.loads(read_regular(source / MANIFEST, MANIFEST_BYTES).decode("utf-8"))
     except FedmetaError as exc:
         raise FedmetaError(f"{exc}, not the manifest a job writes: nothing collected") from None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         manifest = None
     if manifest is None:
         older = (
@@ -577,7 +577,7 @@ def append_record(jobs: Path, record: dict) -> str:
 def _parse(line: str):
     try:
         return json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

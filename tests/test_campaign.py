@@ -646,3 +646,18 @@ def test_a_campaign_on_a_machine_of_its_own_speaks_in_its_hours(tmp_path, mnist_
     seconds = sum(len(u.jobs) * u.rounds * 2.0 for u in units)
     assert f"{len(units)} units need **{seconds / 3600:.1f} h**" in state
     assert "| h left |" in state and "lease" not in state.lower() and "Filling the card" not in state
+
+
+def test_profile_with_collect_is_refused_before_anything_is_collected(tmp_path, monkeypatch, capsys):
+    """``--profile`` measures on its own: given with ``--collect`` it is refused in one line, and the
+    folder it names is not collected first (nothing kept changes, no job recorded)."""
+    from fedmeta.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    collected = []
+    monkeypatch.setattr(campaign, "collect", lambda *a, **k: collected.append(a) or [])
+    config = Path(__file__).resolve().parent.parent / "configs" / "campaign.yaml"
+    assert main(["campaign", "--config", str(config), "--profile", "30", "--collect", str(tmp_path)]) == 2
+    assert collected == [] and not (tmp_path / "results").exists()
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "--profile measures the next unit on its own" in said[0]

@@ -548,3 +548,15 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(words, status):
     )
     os.close(writer)
     assert (done.returncode, done.stderr) == (status, "")
+
+
+def test_a_person_at_a_terminal_hears_at_once_why_a_command_is_quiet(capsys, monkeypatch):
+    """At a terminal, a command that imports PyTorch before its first line of its own says so first;
+    piped (a log, a test), stderr holds only what the command itself says."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["train", "federation.rounds=-1"]) == 2
+    first, *rest = capsys.readouterr().err.strip().splitlines()
+    assert first.startswith("fedmeta train: loading PyTorch") and rest[-1].startswith("fedmeta: error:")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert main(["train", "federation.rounds=-1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -166,9 +166,11 @@ def test_a_truncated_or_replaced_part_is_refused_and_nothing_kept_changes(plan, 
     part.unlink()
     with pytest.raises(FedmetaError, match="is missing"):
         campaign.collect(plan, out, kept)
-    (out / lease.MANIFEST).write_text("{not json")
-    with pytest.raises(FedmetaError, match="holds no readable lease.json"):
-        campaign.collect(plan, out, kept)
+    for unreadable in ("{not json", "[" * 200_000 + "]" * 200_000):  # nested past the parser's depth
+        (out / lease.MANIFEST).write_text(unreadable)
+        with pytest.raises(FedmetaError, match="holds no readable lease.json"):
+            campaign.collect(plan, out, kept)
+    assert lease._read_json(out / lease.MANIFEST) is None and lease._parse("[" * 200_000) is None
     assert snapshot(kept) == before
 
 

@@ -38,10 +38,12 @@ def _two(x: float) -> str:
 def _files(named: str) -> list[Path]:
     """The kept files a named path stands for (placeholders such as ``<method>`` match any name)."""
     pattern = re.sub(r"<[^>]*>|\{[^}]*\}", "*", named).rstrip("/.")
+    if Path(pattern).is_absolute() or ".." in Path(pattern).parts:  # a source outside the repository
+        return []
     found = []
     for path in ROOT.glob(pattern) if "*" in pattern else [ROOT / pattern]:
         found += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return [p for p in found if p.is_file() and p.suffix != ".png"]
+    return [p for p in found if p.is_file() and p.suffix != ".png" and p.resolve().is_relative_to(ROOT)]
 
 
 @cache
@@ -171,3 +173,8 @@ def test_a_changed_digit_or_an_unnamed_source_is_caught():
         "3: 96.44 (names no kept run or log)",
         "3: 96.71 (names no kept run or log)",
     ]
+
+
+def test_a_source_named_outside_the_repository_confirms_nothing():
+    assert _files("../shared/SPEC.md") == [] and _files("/etc/hostname") == [] and _files("/*") == []
+    assert _files("results/NOTES.md") == [ROOT / "results" / "NOTES.md"]
