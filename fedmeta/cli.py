@@ -493,6 +493,13 @@ def _stopped_while_starting(signum, frame) -> None:
     )
 
 
+def _exit_at_once(signum, frame) -> None:
+    """Ctrl-C after the stop line: out at once with 130, as the docs promise, the checkpoint already on
+    disk (not a KeyboardInterrupt traceback from whatever exit handler it lands in)."""
+    print("\nfedmeta: Ctrl-C again: stopped at once", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 def _stdout_to_devnull() -> None:
     """What is left in stdout's buffer goes nowhere: Python flushes it on exit."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -544,6 +551,8 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "train":
             said = said.replace("output.resume=true", "output.resume=true (make train RESUME=1)")
         print(f"fedmeta: {said}", file=sys.stderr)
+        if argv is None:  # the process is this command's (not a caller's): its way out may take a while
+            signal.signal(signal.SIGINT, _exit_at_once)
         return RunStopped.EXIT_STATUS
     except FedmetaError as exc:
         print(f"fedmeta: error: {exc}", file=sys.stderr)

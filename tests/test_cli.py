@@ -560,3 +560,28 @@ def test_a_person_at_a_terminal_hears_at_once_why_a_command_is_quiet(capsys, mon
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert main(["train", "federation.rounds=-1"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_after_the_stop_line_ends_the_process_at_once_with_130(monkeypatch, capsys):
+    """Once a run has said it stopped, a Ctrl-C during the way out (exit handlers, loggers) exits at
+    once with 130 and one line, not with a KeyboardInterrupt traceback and the stop's 75."""
+    import signal
+
+    import fedmeta.cli as cli
+    from fedmeta.errors import RunStopped
+
+    def stops(args):
+        raise RunStopped("stopped after round 3 of 10 (Ctrl-C); checkpointed in runs/x")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", stops)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        monkeypatch.setattr(sys, "argv", ["fedmeta", "train"])  # the command's own process, as a console
+        assert main() == RunStopped.EXIT_STATUS
+        handler = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    handler(signal.SIGINT, None)
+    assert exits == [130] and capsys.readouterr().err.strip().endswith("Ctrl-C again: stopped at once")
