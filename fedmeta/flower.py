@@ -274,9 +274,14 @@ class FlowerEngine:
             results.append(ClientUpdate(client.id, params, float(metrics["weight"]), float(metrics["loss"])))
         return results
 
-    def personalization_curves(self, lanes: list, cfg, done=lambda clients: None) -> torch.Tensor:
+    def personalization_curves(
+        self, lanes: list, cfg, done=lambda clients: None, kept: bool = False
+    ) -> torch.Tensor:
         """Each new client's curve; a client whose node did not answer gets a row of NaN (left out).
-        ``done(n)``: the engine's progress callback, called once all replies are in."""
+        ``done(n)``: the engine's progress callback, called once all replies are in. The training
+        clients' protocol (``kept``) is not run on nodes: ``fedmeta flower`` refuses it before it starts."""
+        if kept:
+            raise FedmetaError("fedmeta flower scores the new clients only: evaluation.protocol=new_clients")
         replies = self._exchange(lanes, "evaluate", 0)
         done(len(lanes))
         missing = [f"client {cid} {r}" for cid, r in replies.items() if isinstance(r, str)]
