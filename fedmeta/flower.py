@@ -43,6 +43,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
+from omegaconf import OmegaConf
 
 from fedmeta.algorithms.base import ClientUpdate
 from fedmeta.config import compose
@@ -83,12 +84,26 @@ def _client(msg: Message, context: Context, overrides: str | None) -> tuple:
     if client_id % partitions != partition:
         raise FedmetaError(f"client {client_id} is not held by partition {partition} of {partitions}")
     client = next(c for c in (*federation.train_clients, *federation.new_clients) if c.id == client_id)
+    if msg.metadata.message_type == "evaluate" and client in federation.train_clients:
+        client = client.scoring()  # a training client is scored on its own test split
     algorithm.model.load_state_dict(msg.content["model"].to_torch_state_dict())
     shared = msg.content["shared"].to_torch_state_dict() if "shared" in msg.content else {}
     algorithm.load_broadcast_state(
         {k: v.to(next(algorithm.model.parameters()).device) for k, v in shared.items()}, client_id
     )  # SCAFFOLD's server control variate, FedPAC's head for this client
     return cfg, algorithm, client
+
+
+def _read_kept(context: Context, algorithm, client: Client) -> ConfigRecord:
+    """The node's record of its clients' kept state, with ``client``'s (if any) made the
+    algorithm's own."""
+    kept = context.state.get(STATE, ConfigRecord())
+    algorithm.client_states = (
+        {client.id: torch.load(io.BytesIO(kept[str(client.id)]), weights_only=True)}
+        if str(client.id) in kept
+        else {}
+    )
+    return kept
 
 
 def _to_bytes(tree) -> bytes:
@@ -158,12 +173,7 @@ def make_client_app(overrides: str | None = None, dp: dict | None = None) -> Cli
     def train_client(msg: Message, context: Context) -> RecordDict:
         """One sampled client's local update, from the global model in the message."""
         _, algorithm, client = _client(msg, context, overrides)
-        kept = context.state.get(STATE, ConfigRecord())
-        algorithm.client_states = (
-            {client.id: torch.load(io.BytesIO(kept[str(client.id)]), weights_only=True)}
-            if str(client.id) in kept
-            else {}
-        )
+        kept = _read_kept(context, algorithm, client)
         update = algorithm.run_client(client, int(msg.content["config"]["round"]))
         if update.state is not None:  # what the client keeps stays on its node
             kept[str(client.id)] = _to_bytes(update.state)
@@ -180,11 +190,18 @@ def make_client_app(overrides: str | None = None, dp: dict | None = None) -> Cli
     @app.evaluate()
     @_replying
     def evaluate_client(msg: Message, context: Context) -> RecordDict:
-        """One new client's personalization curve (the shared test-time procedure), from the global model."""
+        """One client's personalization curve (the shared test-time procedure): a new client's from
+        the global model, a training client's on its own test split — from the model its method
+        keeps for it (``kept``: the state that waits on this node) where it keeps one."""
         from fedmeta.evaluation import personalize_client
 
         cfg, algorithm, client = _client(msg, context, overrides)
-        _, curve = personalize_client(algorithm, client, cfg.personalization)
+        kept = bool(msg.content["config"]["kept"])
+        if kept:
+            _read_kept(context, algorithm, client)
+        steps = int(msg.content["config"]["steps"])  # the server's: 0 where a kept model is scored as it is
+        personalization = OmegaConf.merge(cfg.personalization, {"steps": steps})
+        _, curve = personalize_client(algorithm, client, personalization, kept)
         return RecordDict({"metrics": MetricRecord({"client": client.id, "curve": curve.tolist()})})
 
     return app
@@ -218,8 +235,9 @@ class FlowerEngine:
     def label(self) -> str:
         return "clients on Flower SuperNodes"
 
-    def _exchange(self, lanes: list, kind: str, round_: int) -> dict[int, Message | str]:
-        """Send each lane's client its message; its reply, or why there is none, by client id."""
+    def _exchange(self, lanes: list, kind: str, round_: int, **config) -> dict[int, Message | str]:
+        """Send each lane's client its message (``config``: more of its config record); its reply,
+        or why there is none, by client id."""
         messages, model_bytes, gone = [], {}, {}
         connected = set(self.grid.get_node_ids())  # a node whose heartbeats stopped is no longer listed
         for algorithm, client in lanes:
@@ -228,7 +246,10 @@ class FlowerEngine:
                 continue
             state = algorithm.model.state_dict()
             content = RecordDict(
-                {"model": ArrayRecord(state), "config": ConfigRecord({"round": round_, "client": client.id})}
+                {
+                    "model": ArrayRecord(state),
+                    "config": ConfigRecord({"round": round_, "client": client.id, **config}),
+                }
             )
             shared = algorithm.broadcast_state(client.id)
             if (
@@ -277,18 +298,17 @@ class FlowerEngine:
     def personalization_curves(
         self, lanes: list, cfg, done=lambda clients: None, kept: bool = False
     ) -> torch.Tensor:
-        """Each new client's curve; a client whose node did not answer gets a row of NaN (left out).
-        ``done(n)``: the engine's progress callback, called once all replies are in. The training
-        clients' protocol (``kept``) is not run on nodes: ``fedmeta flower`` refuses it before it starts."""
-        if kept:
-            raise FedmetaError("fedmeta flower scores the new clients only: evaluation.protocol=new_clients")
-        replies = self._exchange(lanes, "evaluate", 0)
+        """Each client's curve, computed on the node that holds it (a training client on its test
+        split; ``kept``: from the state its node keeps); a client whose node did not answer gets a row of NaN
+        (left out). ``done(n)``: the engine's progress callback, called once all replies are in."""
+        replies = self._exchange(lanes, "evaluate", 0, kept=kept, steps=int(cfg.steps))
         done(len(lanes))
+        which = "training" if kept else "new"
         missing = [f"client {cid} {r}" for cid, r in replies.items() if isinstance(r, str)]
         for line in missing:
-            log.warning(f"evaluation: {line}; left out of the new-client accuracy")
+            log.warning(f"evaluation: {line}; left out of the {which}-client accuracy")
         if len(missing) == len(lanes):
-            raise FedmetaError(f"no new client answered the evaluation ({missing[0]})")
+            raise FedmetaError(f"no {which} client answered the evaluation ({missing[0]})")
         return torch.stack(
             [
                 torch.full((cfg.steps + 1,), float("nan"))

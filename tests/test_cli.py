@@ -585,11 +585,3 @@ def test_ctrl_c_after_the_stop_line_ends_the_process_at_once_with_130(monkeypatc
     monkeypatch.setattr(cli.os, "_exit", exits.append)
     handler(signal.SIGINT, None)
     assert exits == [130] and capsys.readouterr().err.strip().endswith("Ctrl-C again: stopped at once")
-
-
-def test_flower_refuses_the_training_clients_protocol_in_one_line(capsys):
-    """A Flower node personalizes its new clients; the training clients' protocol runs with fedmeta
-    train: said before anything starts (Flower installed or not)."""
-    assert main(["flower", "sim", "evaluation.protocol=both"]) == 2
-    said = capsys.readouterr().err.strip().splitlines()
-    assert len(said) == 1 and "scores the new clients only" in said[0] and "fedmeta train" in said[0]

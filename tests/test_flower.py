@@ -23,6 +23,7 @@ SMALL = [  # two rounds: the second reads what the first left on the nodes and t
     "federation.eval_every=2",
     "personalization.steps=3",
     "federation.num_new_clients=4",
+    "evaluation.protocol=both",  # the training clients scored on their nodes, from what each node keeps
     "model.conv_channels=[8,16]",
     "model.dense_units=[32]",
     "logger=[]",
@@ -88,6 +89,9 @@ def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_pa
 
     summary = json.loads((run / "summary.json").read_text())
     assert abs(summary["accuracy"] - alone["accuracy"]) < 1e-6 and summary["new_clients"] == 4
+    trained, trained_alone = summary["training_clients"], alone["training_clients"]
+    assert trained["clients"] == trained_alone["clients"] > 0
+    assert abs(trained["accuracy"] - trained_alone["accuracy"]) < 1e-6
     assert (run / "metrics.csv").read_text().count("\n") == 3 and (run / "curves.csv").exists()
 
 
