@@ -130,7 +130,14 @@ def fedmeta(root: Path, words: list[str]) -> subprocess.CompletedProcess:
 
 def guide_commands(tag: str = "extending") -> list[list[str]]:
     (block,) = re.findall(rf"```bash {tag}\n(.*?)```", GUIDE.read_text(), re.S)
-    return [line.split()[1:] for line in block.splitlines() if line.startswith("fedmeta ")]
+    commands = []
+    for line in block.splitlines():
+        words = line.split()
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # PYTHONPATH=examples fedmeta …
+            words.pop(0)
+        if words[:1] == ["fedmeta"]:
+            commands.append(words[1:])
+    return commands
 
 
 def test_the_guides_code_is_what_make_lint_accepts(extended):
@@ -288,3 +295,96 @@ def test_a_server_network_trained_in_aggregate_gives_clients_their_own_heads_and
     assert a["optimizer"]["state"][0]["step"] == 3  # one server step a round
     made = a["network"]["1.weight"] @ a["network"]["0.weight"].T  # each client's head correction
     assert made.abs().sum() > 0 and not torch.allclose(made[:, 0], made[:, 1])
+
+
+def test_the_guides_server_that_keeps_models_is_the_example_that_runs():
+    (code,) = [code for at, _, code in guide_blocks() if at == "examples/server_models.py"]
+    assert code == (ROOT / "examples" / "server_models.py").read_text()
+
+
+def server_models(cfg: dict):
+    """The guide's ServerModels on a two-parameter model, the method file's keys as given."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from server_models import ServerModels
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    from omegaconf import OmegaConf
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    settings = {"local_lr": 0.1, "momentum": 0.0, "local_batches": 0, "local_optimizer": "sgd", **cfg}
+    return ServerModels(model, OmegaConf.create(settings))
+
+
+def test_a_client_starts_from_the_similarity_weighted_mean_of_the_kept_models_on_flower_too():
+    """u_k by hand for three kept models; a client that sent none starts from the global model; a
+    Flower node, which keeps no models, computes the same start from what the server sent."""
+    from fedmeta.algorithms.base import ClientUpdate
+
+    server = server_models({"self_weight": 0.5, "sharpness": 2.0, "lam": 0.1, "kept_dtype": "float32"})
+    sent = {0: [1.0, 0.0], 1: [0.0, 1.0], 2: [1.0, 1.0]}
+    server.aggregate([ClientUpdate(k, {"weight": torch.tensor([w])}, 1.0, 0.0) for k, w in sent.items()])
+    glob = server.global_params()
+    assert torch.allclose(glob["weight"], torch.tensor([[2 / 3, 2 / 3]]))  # FedAvg's mean
+    # client 0: cos with client 1 is 0, with client 2 is 1/√2; the others share 1 − 0.5
+    e1, e2 = np.exp(0.0), np.exp(2.0 / np.sqrt(2))
+    hand = 0.5 * np.array([1.0, 0.0]) + 0.5 * (e1 * np.array([0.0, 1.0]) + e2 * np.array([1.0, 1.0])) / (
+        e1 + e2
+    )
+    start = server.client_state(0, glob)["own"]["weight"]
+    assert np.allclose(start.numpy().ravel(), hand)
+    assert server.kept_model(glob, server.client_state(0, glob))["weight"].equal(start)  # scored as it starts
+    assert torch.equal(server.client_state(7, glob)["own"]["weight"], glob["weight"])  # sent nothing yet
+    node = server_models({"self_weight": 0.5, "sharpness": 2.0, "lam": 0.1, "kept_dtype": "float32"})
+    node.load_broadcast_state(server.broadcast_state(0), 0)
+    assert not node.sent and torch.equal(node.client_state(0, glob)["own"]["weight"], start)
+
+
+@pytest.mark.slow  # two trainings
+def test_a_server_keeping_a_model_per_client_trains_scores_them_and_checkpoints_them_in_half_the_bytes(
+    tmp_path, monkeypatch, mnist_dir
+):
+    """The guide's ServerModels from a config home, run by the guide's command (a smaller federation
+    and model): it learns, the training-clients protocol scores each client's own start model, every client that
+    took part has its model in the checkpoint, and bfloat16 copies take half the bytes of float32."""
+    from fedmeta.config import compose
+    from fedmeta.loop import train
+
+    (method_file,) = [code for at, _, code in guide_blocks() if at == "configs/method/server_models.yaml"]
+    (tmp_path / "home" / "method").mkdir(parents=True)
+    (tmp_path / "home" / "method" / "server_models.yaml").write_text(method_file)
+    monkeypatch.setenv("FEDMETA_CONFIG_HOME", str(tmp_path / "home"))
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    (command,) = guide_commands("extending-server-models")
+    assert command[0] == "train"
+    args = [
+        *(a for a in command[1:] if not a.startswith("federation.rounds=")),
+        "federation.rounds=4",
+        "federation.eval_every=4",
+        "federation.num_clients=20",
+        "federation.num_new_clients=4",
+        "personalization.steps=5",
+        "model.conv_channels=[8,16]",
+        "model.dense_units=[32]",
+        "logger=[]",
+        f"dataset.dir={mnist_dir}",
+    ]
+    sizes = {}
+    for dtype in ("bfloat16", "float32"):
+        root = tmp_path / dtype
+        summary = train(
+            compose([*args, f"method.kept_dtype={dtype}", f"output.root={root}"]), show_progress=False
+        )
+        folder = root / "rmnist-shards" / "server_models" / "seed0"
+        assert (
+            summary["training_clients"]["accuracy"] > 0.4
+        )  # their own start models, as they are (chance 0.1)
+        assert summary["accuracy"] > summary["curve"][0]  # new clients adapt from the global model
+        sent = torch.load(folder / "checkpoint.ckpt", weights_only=True)["federation"]["sent"]
+        assert len(sent) >= 10 and {t.dtype for m in sent.values() for t in m.values()} == {
+            getattr(torch, dtype)
+        }
+        sizes[dtype] = sum(t.numel() * t.element_size() for m in sent.values() for t in m.values())
+        sizes[dtype + " clients"] = sorted(sent)
+    assert sizes["bfloat16 clients"] == sizes["float32 clients"]
+    assert sizes["bfloat16"] * 2 == sizes["float32"]
