@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 from lightning_fabric import Fabric
@@ -19,6 +20,8 @@ from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import draw_personalization
 from fedmeta.fastest import vmap_measured_faster
+
+phase = logging.getLogger("fedmeta.phase")  # at a terminal, what a slow start is doing (fedmeta.cli)
 
 
 class _TensorCoreAdvice(logging.Filter):
@@ -93,7 +96,13 @@ def make_fabric(cfg: DictConfig) -> Fabric:
 def build(fabric: Fabric, cfg: DictConfig) -> tuple[Federation, Algorithm]:
     """The federation (data on the device) and the algorithm of a config, seeded by its seed."""
     fabric.seed_everything(cfg.seed, verbose=False)
+    started = time.perf_counter()
     dataset, federation = federation_of(cfg, device=fabric.device)
+    phase.info(
+        f"{cfg.dataset.name}: {len(dataset):,} images over {len(federation.train_clients)} training and "
+        f"{len(federation.new_clients)} new clients ({cfg.partition.name}), "
+        f"seed {cfg.seed}, in {time.perf_counter() - started:.1f} s"
+    )
     # Fabric converts the model to the run's precision and places it; the algorithm calls it as a
     # function of its parameters (Algorithm.run_model), under the same precision plugin, so the
     # wrapper itself is not kept: clients' updates are aggregated by fedmeta, not by DDP's hooks.

@@ -466,11 +466,24 @@ class Notes(logging.Handler):
         print(f"fedmeta: {kind}: {record.getMessage()}", file=sys.stderr)
 
 
+class Phases(logging.Handler):
+    """The ``fedmeta.phase`` records (what a slow start is doing: the data, the model, the first
+    round), for a person at a terminal only: logs and pipes get the results, not the waiting."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if sys.stderr.isatty():
+            print(f"fedmeta: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
 def _show_notes() -> None:
     log = logging.getLogger("fedmeta")
     if not any(isinstance(handler, Notes) for handler in log.handlers):
         log.addHandler(Notes())
         log.setLevel(logging.INFO)
+    phases = logging.getLogger("fedmeta.phase")
+    if not any(isinstance(handler, Phases) for handler in phases.handlers):
+        phases.addHandler(Phases())
+        phases.propagate = False  # not a note
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,9 +44,8 @@ def train(
     Flower SuperNodes)."""
     check_wandb_login(cfg)  # before any process, data or folder
     fabric = make_fabric(cfg)
-    engine = engine or make_engine(
-        cfg, fabric.device
-    )  # a setting the device cannot run: refused before any folder
+    # a setting the device cannot run: refused before any folder
+    engine = engine or make_engine(cfg, fabric.device)
     configs = seed_configs(cfg)
     runs: list[Run] = []
     turn = DeviceTurn(cfg.output.turns) if cfg.output.get("turns") else None
@@ -245,6 +244,7 @@ def _round_bar(fabric: Fabric, cfg: DictConfig, seeds: int, engine: Engine, firs
         unit="round",
         initial=first - 1,
         total=cfg.federation.rounds,
+        postfix="first round: its kernels and caches warm up" if first == 1 else None,
     )
 
 

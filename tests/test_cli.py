@@ -562,6 +562,30 @@ def test_a_person_at_a_terminal_hears_at_once_why_a_command_is_quiet(capsys, mon
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_at_a_terminal_a_run_says_what_its_slow_start_is_doing(capsys, monkeypatch, tmp_path, mnist_dir):
+    """At a terminal: the data and federation line before the round bar, which says while the first
+    round runs that it is the first; piped, neither."""
+    tiny = [
+        "train",
+        "federation.rounds=1",
+        "personalization.steps=1",
+        "model.conv_channels=[4]",
+        "model.dense_units=[8]",
+        "logger=[]",
+        f"dataset.dir={mnist_dir}",
+    ]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main([*tiny, f"output.root={tmp_path / 'tty'}"]) == 0
+    said = capsys.readouterr().err
+    data = said.index(
+        "fedmeta: rmnist: 60,000 images over 80 training and 20 new clients (shards), seed 0, in "
+    )
+    assert said.index("first round: its kernels and caches warm up") > data
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert main([*tiny, f"output.root={tmp_path / 'piped'}"]) == 0
+    assert "fedmeta: rmnist:" not in capsys.readouterr().err
+
+
 def test_ctrl_c_after_the_stop_line_ends_the_process_at_once_with_130(monkeypatch, capsys):
     """Once a run has said it stopped, a Ctrl-C during the way out (exit handlers, loggers) exits at
     once with 130 and one line, not with a KeyboardInterrupt traceback and the stop's 75."""
