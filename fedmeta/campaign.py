@@ -548,7 +548,7 @@ def _judge(
     problem = _config_problem(files.get("config.yaml"), cfg)
     if problem:
         return f"its config.yaml {problem}: not taken", False
-    rows, problem = _metrics(files.get("metrics.csv"), unit.rounds if finished else None)
+    rows, problem = _metrics(files.get("metrics.csv"), unit.rounds if finished else None, unit.rounds)
     if problem:
         return f"its metrics.csv {problem}: not taken", False
     if finished:
@@ -569,17 +569,35 @@ def _judge(
     if problem:
         return f"its checkpoint {problem}: not taken", False
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    round_ = int(saved["round"])
+    round_ = saved.get("round") if isinstance(saved, dict) else None
+    if type(round_) is not int or not 0 < round_ <= unit.rounds:  # bool and "400" are not rounds
+        return f"its checkpoint's round {round_!r} is no round of a {unit.rounds}-round run: not taken", False
     if round_ <= have:
         return f"round {round_}, not beyond the kept {have}: kept as it was", False
-    try:
-        history = [(int(row["round"]), float(row["train_loss"])) for row in saved["history"]["metrics"]]
-    except (KeyError, TypeError, ValueError):
-        return "its checkpoint holds no history of its rounds: not taken", False
+    history, problem = _history(saved)
+    if problem:
+        return f"its checkpoint {problem}: not taken", False
+    if [r for r, _ in history] != list(range(1, round_ + 1)):
+        return f"its checkpoint's history does not hold its rounds 1 to {round_}: not taken", False
     problem = _continues(kept, have, history)
     return (
         (f"round {have} → {round_}", True) if not problem else (f"its checkpoint {problem}: not taken", False)
     )
+
+
+def _history(saved: dict) -> tuple[list[tuple[int, float]], str | None]:
+    """A checkpoint's (round, train_loss) history and None, or why it is not one fedmeta writes: a
+    round's loss is finite, or NaN where clients dropped out and none sent an update."""
+    try:
+        rows = saved["history"]["metrics"]
+        history = [(int(row["round"]), float(row["train_loss"])) for row in rows]
+        dropped = [float(row.get("clients_dropped") or 0) for row in rows]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return [], "holds no history of its rounds"
+    for (round_, loss), lost in zip(history, dropped):
+        if not (math.isfinite(loss) or (math.isnan(loss) and lost > 0)):
+            return [], f"has a loss {loss} at round {round_} that no round reports"
+    return history, None
 
 
 def _config_problem(data: bytes | None, cfg: DictConfig) -> str | None:
@@ -604,9 +622,12 @@ def _config_problem(data: bytes | None, cfg: DictConfig) -> str | None:
 ROUND_SECONDS = 24 * 3600  # a round's seconds beyond a day are not a measurement
 
 
-def _metrics(data: bytes | None, rounds: int | None) -> tuple[list[tuple[int, float]], str | None]:
+def _metrics(
+    data: bytes | None, rounds: int | None, limit: int
+) -> tuple[list[tuple[int, float]], str | None]:
     """A run's metrics.csv → its (round, train_loss) rows and None, or why it is not one fedmeta
-    writes (``rounds``: a finished run's, which its last row must reach)."""
+    writes (``rounds``: a finished run's, which its last row must reach; ``limit``: the run's
+    rounds, which no row passes)."""
     from fedmeta.runs import METRIC_FIELDS
 
     if data is None:
@@ -627,6 +648,8 @@ def _metrics(data: bytes | None, rounds: int | None) -> tuple[list[tuple[int, fl
             return [], f"has a row that is not numbers ({','.join(row)[:60]})"
         if len(row) != len(METRIC_FIELDS) or round_ != len(rows) + 1:
             return [], f"has a row {round_} where row {len(rows) + 1} belongs"
+        if round_ > limit:
+            return [], f"has a row {round_} of a {limit}-round run"
         if not 0 <= numbers.get("round_seconds", 0) <= ROUND_SECONDS or not all(
             0 <= numbers[key] <= 1 for key in numbers if key.startswith("eval_")
         ):

@@ -298,6 +298,52 @@ def test_a_run_of_another_method_or_one_that_does_not_continue_the_kept_run_is_r
     assert said[0] == f"{fedavg}: round 1 → 2"  # the run it continues is taken
 
 
+def forged(cfg, round_, history_rounds: int, loss: float = 1.0, dropped: str = "") -> dict[str, bytes]:
+    """An unfinished run's files whose checkpoint says round ``round_`` over ``history_rounds`` rows."""
+    files = checkpointed(cfg, history_rounds, loss)
+    _, rows = metrics(history_rounds, loss)
+    rows = [row | {"clients_dropped": dropped} for row in rows]
+    buffer = io.BytesIO()
+    torch.save({"round": round_, "identity": identity(cfg), "history": {"metrics": rows}}, buffer)
+    return files | {lease.CHECKPOINT: buffer.getvalue()}
+
+
+@pytest.mark.parametrize(
+    "files, said",
+    [
+        (lambda cfg: forged(cfg, "2", 2), "its checkpoint's round '2' is no round of a 3-round run"),
+        (lambda cfg: forged(cfg, True, 1), "its checkpoint's round True is no round of a 3-round run"),
+        (lambda cfg: forged(cfg, 400, 2), "its checkpoint is at round 400, beyond the run's 3"),
+        (lambda cfg: forged(cfg, 2, 1), "its checkpoint's history does not hold its rounds 1 to 2"),
+        (
+            lambda cfg: forged(cfg, 2, 2, float("nan")),
+            "its checkpoint has a loss nan at round 1 that no round",
+        ),
+        (lambda cfg: forged(cfg, 2, 2, float("inf"), "3"), "its checkpoint has a loss inf at round 1"),
+        (
+            lambda cfg: checkpointed(cfg, 2) | {"metrics.csv": metrics(200)[0]},
+            "its metrics.csv has a row 4 of a 3-round run",
+        ),
+    ],
+    ids=["round a string", "round a bool", "round past the run", "history behind", "nan loss", "inf", "rows"],
+)
+def test_a_forged_checkpoint_or_metrics_file_is_refused_saying_why(plan, configs, tmp_path, files, said):
+    """A checkpoint's round is an int within the run, its history holds exactly its rounds with
+    losses a round reports, and metrics.csv has no row past the run's rounds: else not taken."""
+    kept, fedavg = tmp_path / "kept", "rmnist-shards/fedavg/seed0"
+    lines = campaign.collect(plan, output(tmp_path / "out", {fedavg: files(configs[fedavg])}), kept)
+    assert lines[0].startswith(f"{fedavg}: {said}")
+    assert lines[0].endswith(": not taken") and not (kept / fedavg).exists()
+
+
+def test_a_round_whose_clients_all_dropped_out_has_a_nan_loss_and_is_taken(plan, configs, tmp_path):
+    kept, fedavg = tmp_path / "kept", "rmnist-shards/fedavg/seed0"
+    files = forged(configs[fedavg], 2, 2, float("nan"), dropped="5")
+    files["metrics.csv"] = checkpointed(configs[fedavg], 2)["metrics.csv"]
+    lines = campaign.collect(plan, output(tmp_path / "out", {fedavg: files}), kept)
+    assert lines[0] == f"{fedavg}: round 0 → 2" and (kept / fedavg / lease.CHECKPOINT).exists()
+
+
 def test_one_collect_at_a_time(plan, configs, tmp_path):
     kept, folder = tmp_path / "kept", "rmnist-shards/local/seed2"
     out = output(tmp_path / "out", {folder: checkpointed(configs[folder], 1)})
