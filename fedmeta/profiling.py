@@ -30,7 +30,9 @@ reads its speed and evaluation time from (``fedmeta.campaign.alone_records``); `
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,7 @@ import torch
 
 from fedmeta.bench import device_timer, stacked_runs
 from fedmeta.campaign import FILL, MEASURED
+from fedmeta.errors import FedmetaError
 from fedmeta.stopping import process_seconds
 
 TOP_KERNELS = 20
@@ -57,12 +60,38 @@ def profile_unit(
 ) -> dict:
     """Steps 1–5 above for ``preset``'s unit ``label`` (its runs' ``overrides``; ``partner``: step 5's
     unit, as a label and overrides), within ``seconds`` from now; returns what was measured (steps not
-    reached are absent)."""
+    reached are absent). Bounded by ``seconds``: past them it raises, saying so."""
+    deadline = time.monotonic() + seconds
+    with _bounded(seconds, label):
+        print(f"profile {label}: setting up its runs (data, model; {seconds:.0f} s in all) …", flush=True)
+        return _profile(label, preset, overrides, deadline, top, partner)
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float, label: str):
+    """Ends what runs inside after ``seconds`` (between two operators: a CPU's first round can
+    outlast a whole budget) with one line saying so; what was measured was printed as it ended."""
+
+    def ran_out(*_):
+        raise FedmetaError(
+            f"profile {label}: its {seconds:.0f} s ran out; what it measured is above (none: a first "
+            "round here takes longer, give it more seconds)"
+        )
+
+    previous = signal.signal(signal.SIGALRM, ran_out)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _profile(label, preset, overrides, deadline, top, partner) -> dict:
     from fedmeta.assemble import make_engine
     from fedmeta.fastest import hardware_name
     from fedmeta.rounds import evaluate_on_ranks, federated_rounds
 
-    deadline = time.monotonic() + seconds
     cfg, fabric, runs = stacked_runs(overrides)
     engine = make_engine(cfg, fabric.device)
     cuda = fabric.device.type == "cuda"
@@ -86,6 +115,7 @@ def profile_unit(
     def left() -> float:
         return deadline - time.monotonic()
 
+    print(f"profile {label}: set up {started:.1f} s after the process started; its first round …", flush=True)
     first = timed(next_round)
     measured["start_seconds"] = round(started, 2)  # imports, data, model: up to the first round
     measured["first_round_seconds"] = round(first, 2)  # the recording made in it

@@ -661,3 +661,21 @@ def test_profile_with_collect_is_refused_before_anything_is_collected(tmp_path, 
     assert collected == [] and not (tmp_path / "results").exists()
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "--profile measures the next unit on its own" in said[0]
+
+
+def test_a_profile_speaks_as_it_goes_and_ends_at_its_seconds(tmp_path, mnist_dir, monkeypatch, capsys):
+    """``--profile`` says what it is doing before each slow step, and its seconds bound it even
+    inside a first round longer than all of them: one line then says they ran out."""
+    from fedmeta.errors import FedmetaError
+    from fedmeta.profiling import profile_unit
+
+    monkeypatch.chdir(tmp_path)
+    plan = tiny_campaign(mnist_dir, methods=["fedavg"])
+    label, overrides = campaign.next_unit(plan, tmp_path / "kept", tmp_path / "runs", carry_mib=None)
+    started = time.monotonic()
+    with pytest.raises(FedmetaError, match=r"its 1 s ran out; what it measured is above") as raised:
+        profile_unit(label, plan.preset, [*overrides, "method.local_epochs=50"], seconds=1.0)
+    assert time.monotonic() - started < 10 and "\n" not in str(raised.value)
+    assert capsys.readouterr().out.startswith(
+        f"profile {label}: setting up its runs (data, model; 1 s in all)"
+    )
