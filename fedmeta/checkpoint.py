@@ -12,14 +12,17 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from lightning_fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.algorithms import Algorithm
 from fedmeta.errors import FedmetaError, write_failure
+
+if TYPE_CHECKING:  # a run's identity (grid, campaign, collect) is read without PyTorch or Lightning
+    from lightning_fabric import Fabric
+
+    from fedmeta.algorithms import Algorithm
 
 # Settings a run may change when it resumes: how long, how often, how fast — not what it computes.
 RESUMABLE = {
@@ -51,6 +54,8 @@ def identity(cfg: DictConfig) -> dict:
 
 
 def _rng_states() -> dict:
+    import torch
+
     numpy_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
@@ -62,6 +67,8 @@ def _rng_states() -> dict:
 
 
 def _set_rng_states(states: dict) -> None:
+    import torch
+
     torch.set_rng_state(states["torch"])
     pos, has_gauss, cached = states["numpy_rest"]
     np.random.set_state(("MT19937", states["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
@@ -197,6 +204,8 @@ def warm_start(algorithm: Algorithm, cfg: DictConfig) -> dict | None:
             + f", so it is not a finished run's folder: give one, {FINISHED_RUN}"
         )
     summary = _source_summary(source / "summary.json")
+    import torch
+
     try:
         model = torch.load(path, map_location="cpu", weights_only=True)["federation"]["model"]
     except Exception as exc:  # noqa: BLE001 — whatever a corrupt file raises

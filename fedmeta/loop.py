@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 from fedmeta.assemble import make_engine, make_fabric, seed_configs
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
+from fedmeta.loggers import check_wandb_login
 from fedmeta.rounds import evaluate_on_ranks, federated_rounds, gather_updates, scored_clients
 from fedmeta.run import Run
-from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn, check_wandb_login
+from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn
 from fedmeta.stopping import FIRST_ROUND_ENDED, Stopper, process_seconds, stop_runs
 
 log = logging.getLogger("fedmeta")
@@ -60,9 +61,8 @@ def train(
         if turn is not None:
             turn.release()
         for run in runs:
-            run.recorder.close(
-                "failed"
-            )  # a run that stopped early (error, pruner, Ctrl-C); after finish: nothing left
+            # a run that stopped early (error, pruner, Ctrl-C); after finish: nothing left
+            run.recorder.close("failed")
             run.lock.release()  # a run that failed to set up never took its lock
 
 

@@ -609,3 +609,21 @@ def test_ctrl_c_after_the_stop_line_ends_the_process_at_once_with_130(monkeypatc
     monkeypatch.setattr(cli.os, "_exit", exits.append)
     handler(signal.SIGINT, None)
     assert exits == [130] and capsys.readouterr().err.strip().endswith("Ctrl-C again: stopped at once")
+
+
+def test_the_commands_that_only_read_runs_do_not_load_pytorch_or_lightning():
+    """``fedmeta table --no-run`` reads kept runs: the grid, the report and a run's identity come
+    without PyTorch and Lightning (seconds and a gigabyte at every start); a run's loggers bring them."""
+    probe = (
+        "import sys, fedmeta.grid, fedmeta.report, fedmeta.checkpoint, fedmeta.runs; "
+        "print(sorted(m for m in ('torch', 'lightning_fabric') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, fedmeta.loggers; print('lightning_fabric' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == "True"  # the probe would see them

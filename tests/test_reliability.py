@@ -20,8 +20,9 @@ from fedmeta.config import compose
 from fedmeta.data.convert import _load_pickle
 from fedmeta.data.sources import _fingerprint, read_canonical
 from fedmeta.errors import FedmetaError, RunStopped
+from fedmeta.loggers import WANDB_INIT_TIMEOUT
 from fedmeta.loop import train
-from fedmeta.runs import WANDB_INIT_TIMEOUT, atomic_write_text
+from fedmeta.runs import atomic_write_text
 
 QUICK = [
     "method=local",
