@@ -564,6 +564,12 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "train":
             said = said.replace("output.resume=true", "output.resume=true (make train RESUME=1)")
         print(f"fedmeta: {said}", file=sys.stderr)
+        if argv is None and args.command in ("train", "evaluate"):  # this process is the run's alone
+            # its files are written and its loggers closed: the interpreter's teardown (freeing
+            # PyTorch's objects, exit handlers; a second here, a minute under load) waits for nothing
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(RunStopped.EXIT_STATUS)
         if argv is None:  # the process is this command's (not a caller's): its way out may take a while
             signal.signal(signal.SIGINT, _exit_at_once)
         return RunStopped.EXIT_STATUS

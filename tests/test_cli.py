@@ -597,10 +597,10 @@ def test_ctrl_c_after_the_stop_line_ends_the_process_at_once_with_130(monkeypatc
     def stops(args):
         raise RunStopped("stopped after round 3 of 10 (Ctrl-C); checkpointed in runs/x")
 
-    monkeypatch.setitem(cli.COMMANDS, "train", stops)
+    monkeypatch.setitem(cli.COMMANDS, "sweep", stops)
     previous = signal.getsignal(signal.SIGINT)
     try:
-        monkeypatch.setattr(sys, "argv", ["fedmeta", "train"])  # the command's own process, as a console
+        monkeypatch.setattr(sys, "argv", ["fedmeta", "sweep", "seed=0"])  # the command's own process
         assert main() == RunStopped.EXIT_STATUS
         handler = signal.getsignal(signal.SIGINT)
     finally:
@@ -609,6 +609,25 @@ def test_ctrl_c_after_the_stop_line_ends_the_process_at_once_with_130(monkeypatc
     monkeypatch.setattr(cli.os, "_exit", exits.append)
     handler(signal.SIGINT, None)
     assert exits == [130] and capsys.readouterr().err.strip().endswith("Ctrl-C again: stopped at once")
+
+
+def test_a_stopped_run_leaves_its_process_at_once_after_the_stop_line(monkeypatch, capsys):
+    """``fedmeta train`` as its own process: once the stop line is out (files written, loggers
+    closed), the process ends with 75 without the interpreter's teardown; called from Python, main
+    returns 75."""
+    import fedmeta.cli as cli
+    from fedmeta.errors import RunStopped
+
+    def stops(args):
+        raise RunStopped("stopped after round 3 of 10 (output.stop_at); checkpointed in runs/x")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", stops)
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append((code, capsys.readouterr().err)))
+    monkeypatch.setattr(sys, "argv", ["fedmeta", "train"])
+    main()
+    assert exits[0][0] == RunStopped.EXIT_STATUS and "stopped after round 3 of 10" in exits[0][1]
+    assert main(["train"]) == RunStopped.EXIT_STATUS and len(exits) == 1
 
 
 def test_the_commands_that_only_read_runs_do_not_load_pytorch_or_lightning():
