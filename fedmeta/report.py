@@ -605,17 +605,29 @@ def family(method: str) -> str:
     return next((group for group, members in FAMILIES.items() if name in members), OTHER)
 
 
-def style(index: int) -> dict:
-    """The look of a panel's ``index``-th method besides the reference: 10 colours (tab10) × 12
-    markers, so no two of a panel's first 60 methods share both, and curves that coincide still
-    show both markers."""
-    import matplotlib
+# Okabe & Ito's colour-blind-safe palette (black is the reference's; its yellow last: faint on white)
+PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#999999", "#F0E442")
 
-    return {
-        "color": matplotlib.colormaps["tab10"].colors[index % 10],
-        "marker": MARKERS[index % len(MARKERS)],
-        "linestyle": ("-", "--", ":")[index // 60 % 3],
-    }
+
+def style(method: str) -> dict:
+    """``method``'s look in every figure: the reference's black circles; else a colour-blind-safe
+    colour and a marker by the method's place in FAMILIES (no two methods of a family, which is a
+    row of panels, alike in colour; no two methods alike in both), the same whichever figure or
+    preset draws it. A variant ("fedrep-tuned") is its method's look, dashed, its markers hollow."""
+    name, _, variant = method.partition("-")
+    if name == REFERENCE:
+        look = dict(REFERENCE_LOOK)
+    else:
+        # FAMILIES' methods in order: consecutive within a family (distinct colours in its row), and
+        # unique pairs of 8 colours and 12 markers across the first 24 (any methods in one panel)
+        every = [m for members in FAMILIES.values() for m in members if m != REFERENCE]
+        index = every.index(name) if name in every else len(every) + sum(map(ord, name))  # OTHER
+        look = {
+            "color": PALETTE[index % len(PALETTE)],
+            "marker": MARKERS[index % len(MARKERS)],
+            "linestyle": "-",
+        }
+    return {**look, "linestyle": "--", "markerfacecolor": "none"} if variant else look
 
 
 def draw_figures(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path, kept: Path) -> list[Path]:
@@ -668,11 +680,18 @@ SERIES = {  # figure → (x label, y label, a run's (x, y) sequence, which runs 
             [int(r["round"]) for r in s["metrics"]],
             [float(r["eval_accuracy"]) for r in s["metrics"]],
         ),
-        lambda done: min(len(s["metrics"]) for s in done) >= MIN_EVALUATIONS,
+        lambda done: min(len(s["metrics"]) for s in done) >= MIN_EVALUATIONS and not _roundless(done),
         "New-client accuracy (%) after the shared personalization, at each evaluated round, one panel per "
-        f"setting (methods whose runs were evaluated at fewer than {MIN_EVALUATIONS} rounds are left out).",
+        f"setting (methods whose runs were evaluated at fewer than {MIN_EVALUATIONS} rounds are left out, and "
+        "so are those whose accuracy is the same at every round: Local trains nothing over rounds).",
     ),
 }
+
+
+def _roundless(done: list[dict]) -> bool:
+    """Whether every run's evaluated accuracy is the same at every round: a method that does not
+    train over rounds (Local), whose curve would read as converged from the first."""
+    return all(len({r["eval_accuracy"] for r in s["metrics"]}) == 1 for s in done)
 
 
 class _Figures:
@@ -716,9 +735,7 @@ class _Figures:
         return [(name, first + grouped[name]) for name in (*FAMILIES, OTHER) if grouped[name]]
 
     def look(self, method: str, members: list[str]) -> dict:
-        if method == self.reference:
-            return dict(REFERENCE_LOOK)
-        return style([m for m in members if m != self.reference].index(method))
+        return dict(REFERENCE_LOOK) if method == self.reference else style(method)
 
     def grid(self, rows, columns: int, width: float = 4.8):
         """A panel per row and column, ``width`` inches wide; save() widens the figure for the legends."""
@@ -731,6 +748,7 @@ class _Figures:
             columns,
             figsize=(width * columns, height * len(rows) + 0.5),
             squeeze=False,
+            sharey="row",  # a row's panels read against one scale
             layout="constrained",
         )
 
@@ -768,10 +786,14 @@ class _Figures:
             )
             if self.reference:
                 said += f" — with {self.label(self.reference)} (black circles) in every row as the common reference"
-            said += "; colours and markers are a row's own, no two methods of a panel alike in both."
+            said += (
+                "; each method keeps one colour (Okabe and Ito's colour-blind-safe palette) and one marker "
+                "in every figure, no two of a family alike in colour; a variant (tuned) is its method's look, "
+                "dashed and hollow"
+            )
         single = [f"{self.label(m)} ({st})" for st, m, done in cells if len(done) == 1]
         if single:
-            said += f" One seed (n = 1: no band or bar): {', '.join(single)}."
+            said += f" One seed (n = 1: dotted, no band or bar): {', '.join(single)}."
         drawn = {m for _, m, _ in cells}
         absent = [self.label(m) for m in self.preset.methods if m not in drawn]
         if absent:
@@ -782,7 +804,7 @@ class _Figures:
         """The figure's title: the preset and budget, the methods drawn where only a few of the preset's
         are, and what the spread is, with how many methods have one seed (the caption names them)."""
         drawn = list(dict.fromkeys(m for _, m, _ in cells))
-        title = f"{self.preset_name}: {self.budget_of(cells)}"
+        title = f"{self.preset_name}: new clients after {self.budget_of(cells)} of federated training"
         others = len(self.preset.methods) - len(drawn)
         if len(drawn) <= 2 and others:  # a figure of one or two methods says so, lest it read as the preset's
             title += (
@@ -838,14 +860,17 @@ class _Figures:
         """The mean over seeds: a line through two points or more, a marker alone at one (its legend a
         marker too); ±1 std around it only where there are two seeds or more."""
         means = np.array([100 * np.mean(v) for v in samples_per_x])
-        label = self.label(method, note)
+        seeds = min(len(v) for v in samples_per_x)
+        label = self.label(method, note) + f" (n = {seeds})"
+        if seeds < 2:  # one run: as precise as it looks only with seeds beside it
+            look = {**look, "linestyle": ":"}
         if len(xs) < 2:
             ax.plot(xs, means, ms=6, label=label, gid=method, **{**look, "linestyle": "none"})
         else:
             every = max(1, len(xs) // 8)  # markers staggered: methods whose curves coincide stay visible
             offset = self.methods.index(method) % every
             ax.plot(xs, means, ms=4, markevery=(offset, every), label=label, gid=method, **look)
-        if min(len(v) for v in samples_per_x) < 2:
+        if seeds < 2:
             return
         stds = np.array([100 * np.std(v, ddof=1) for v in samples_per_x])
         if len(xs) < 2:  # a band around one point would be a line of no width
@@ -922,7 +947,10 @@ class _Figures:
         xs = [x for x, _ in done]
         accuracies = [[100 * s["accuracy"] for s in summaries] for _, summaries in done]
         means = [np.mean(a) for a in accuracies]
-        ax.plot(xs, means, ms=5, label=self.label(method), gid=method, **{**look, "linestyle": "none"})
+        seeds = sorted({len(a) for a in accuracies})
+        n = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
+        label = self.label(method) + f" (n = {n})"
+        ax.plot(xs, means, ms=5, label=label, gid=method, **{**look, "linestyle": "none"})
         spread = [(x, m, np.std(a, ddof=1)) for x, m, a in zip(xs, means, accuracies) if len(a) > 1]
         if spread:
             x, mean, std = zip(*spread)

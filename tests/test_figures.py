@@ -102,7 +102,7 @@ def spreads(fig) -> set[str]:
 def legend_entries(fig) -> dict:
     """Every legend's labels → their handles."""
     return {
-        text.get_text(): handle
+        text.get_text().rsplit(" (n = ", 1)[0]: handle  # "FedAvg (n = 3)": the method's label
         for ax in fig.axes
         if ax.get_legend()
         for text, handle in zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)
@@ -187,7 +187,9 @@ def test_no_band_or_bar_where_a_method_has_one_seed_and_the_title_says_which(tmp
         fig = figures.figures[name]
         assert spreads(fig) == {"cafeme", "fedavg_ft"}
         assert f"{mark} where n ≥ 2; n = 1, no {mark}: Local" in fig.get_suptitle()
-    assert all("One seed (n = 1: no band or bar): Local (a), Local (b)." in c for c in figures.captions)
+    assert all(
+        "One seed (n = 1: dotted, no band or bar): Local (a), Local (b)." in c for c in figures.captions
+    )
     one_seed = drawn(tmp_path, methods, made_up_runs(tmp_path, methods, seeds=dict.fromkeys(methods, 1)))
     assert not spreads(one_seed.figures["fig_personalization.png"])
     assert "one seed each (n = 1)" in one_seed.figures["fig_personalization.png"].get_suptitle()
@@ -227,3 +229,38 @@ def test_a_heterogeneity_axis_of_alphas_is_a_real_logarithmic_one_with_the_shard
     assert ticks["α = 1000"] == 1000 and ticks["α = 0.3"] == pytest.approx(0.3) and ticks["shards"] < 0.3
     xs = sorted(curves(ax)["cafeme"].get_xdata())  # near its setting's α, dodged a little
     assert xs[0] < 0.1 and 0.2 < xs[1] < 0.45 and 500 < xs[2] < 2000
+
+
+def test_a_method_looks_the_same_in_every_figure_and_one_seed_or_no_rounds_show(crowded, tmp_path):
+    """A method's colour and marker are its own whichever figure or row draws it (colour-blind-safe
+    colours, distinct within a family's row), a row's panels share their y scale, a one-seed curve is
+    dotted and its legend says n, and a method whose accuracy does not move over rounds (Local) is
+    left out of the convergence figure."""
+    few = ["cafeme", "fedavg_ft", "fedrep", "local"]
+    runs = made_up_runs(tmp_path, few, seeds={"fedrep": 1})
+    for setting in ("a", "b"):
+        for summary in runs[(setting, "local")]:  # trains nothing over rounds: one accuracy at each
+            summary["metrics"] = [{"round": str(r), "eval_accuracy": "0.3"} for r in (2, 4, 6)]
+    alone = drawn(tmp_path, few, runs)
+    looks = {}
+    for figures in (alone, crowded[1]):
+        for fig in figures.figures.values():
+            for ax in fig.axes:
+                for method, line in curves(ax).items():
+                    look = (str(line.get_color()), line.get_marker())
+                    assert looks.setdefault(method, look) == look, method
+    for family, members in report.FAMILIES.items():
+        colours = [looks[m][0] for m in members if m in looks and m != "cafeme"]
+        assert len(set(colours)) == len(colours), family
+    assert {looks[m][0] for m in looks if m != "cafeme"} <= set(report.PALETTE)
+    personalization = alone.figures["fig_personalization.png"]
+    first, second = personalization.axes[:2]
+    assert first.get_ylim() == second.get_ylim()
+    assert (
+        curves(first)["fedrep"].get_linestyle() == ":" and curves(first)["fedavg_ft"].get_linestyle() == "-"
+    )
+    labels = [t.get_text() for t in personalization.axes[-1].get_legend().get_texts()]
+    assert "FedRep (n = 1)" in labels and "FedAvg-FT (n = 3)" in labels
+    convergence = alone.figures["fig_convergence.png"]
+    assert all("local" not in curves(ax) and "fedavg_ft" in curves(ax) for ax in convergence.axes)
+    assert "Local trains nothing over rounds" in next(c for c in alone.captions if "convergence" in c)
