@@ -609,24 +609,43 @@ def family(method: str) -> str:
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#999999", "#F0E442")
 
 
+# the paper's baselines: distinct colours among themselves, as they share the paper's panels
+PAPER_BASELINES = ("fedavg", "fedavg_ft", "ifca", "ifca_ft", "ditto", "fedrep", "perfedavg", "local")
+
+
+@functools.cache
+def _looks() -> dict[str, tuple[str, str]]:
+    """Every FAMILIES method's (colour, marker), chosen once in a fixed order: the paper's baselines
+    first, each a colour none of them has; then the rest, each a colour no method of its family has
+    (a family is a row of panels); a marker that no method of the same colour has."""
+    order = [m for m in PAPER_BASELINES] + [
+        m for members in FAMILIES.values() for m in members if m != REFERENCE and m not in PAPER_BASELINES
+    ]
+    looks: dict[str, tuple[str, str]] = {}
+    for method in order:
+        taken = {looks[m][0] for m in looks if family(m) == family(method)}
+        if method in PAPER_BASELINES:
+            taken |= {looks[m][0] for m in looks if m in PAPER_BASELINES}
+        free = [c for c in PALETTE if c not in taken] or list(PALETTE)
+        colour = min(free, key=lambda c: (sum(look[0] == c for look in looks.values()), PALETTE.index(c)))
+        used = {look[1] for look in looks.values() if look[0] == colour}
+        looks[method] = (colour, next(m for m in MARKERS if m not in used))
+    return looks
+
+
 def style(method: str) -> dict:
     """``method``'s look in every figure: the reference's black circles; else a colour-blind-safe
-    colour and a marker by the method's place in FAMILIES (no two methods of a family, which is a
-    row of panels, alike in colour; no two methods alike in both), the same whichever figure or
-    preset draws it. A variant ("fedrep-tuned") is its method's look, dashed, its markers hollow."""
+    colour and a marker chosen once for it (``_looks``: the paper's baselines all apart, no two
+    methods of a family — a row of panels — alike in colour, no two methods alike in both), the same
+    whichever figure or preset draws it. A variant ("fedrep-tuned") is its method's look, dashed,
+    its markers hollow."""
     name, _, variant = method.partition("-")
     if name == REFERENCE:
         look = dict(REFERENCE_LOOK)
     else:
-        # FAMILIES' methods in order: consecutive within a family (distinct colours in its row), and
-        # unique pairs of 8 colours and 12 markers across the first 24 (any methods in one panel)
-        every = [m for members in FAMILIES.values() for m in members if m != REFERENCE]
-        index = every.index(name) if name in every else len(every) + sum(map(ord, name))  # OTHER
-        look = {
-            "color": PALETTE[index % len(PALETTE)],
-            "marker": MARKERS[index % len(MARKERS)],
-            "linestyle": "-",
-        }
+        index = sum(map(ord, name))  # a method FAMILIES does not name: a look by its name
+        colour, marker = _looks().get(name, (PALETTE[index % len(PALETTE)], MARKERS[index % len(MARKERS)]))
+        look = {"color": colour, "marker": marker, "linestyle": "-"}
     return {**look, "linestyle": "--", "markerfacecolor": "none"} if variant else look
 
 
@@ -889,8 +908,10 @@ class _Figures:
     def points(self, figure: str, xlabel: str) -> None:
         """A figure over the preset's categories (heterogeneity, images per client): a point with its
         spread per method and setting, side by side, never joined by lines."""
-        axis = {
-            k: v for k, v in self.preset[figure].items() if any((k, m) in self.runs for m in self.methods)
+        axis = {  # a preset without this figure's axis draws none of it
+            k: v
+            for k, v in (self.preset.get(figure) or {}).items()
+            if any((k, m) in self.runs for m in self.methods)
         }
         if len(axis) < 2:
             (self.out_dir / f"fig_{figure}.png").unlink(missing_ok=True)

@@ -264,3 +264,14 @@ def test_a_method_looks_the_same_in_every_figure_and_one_seed_or_no_rounds_show(
     convergence = alone.figures["fig_convergence.png"]
     assert all("local" not in curves(ax) and "fedavg_ft" in curves(ax) for ax in convergence.axes)
     assert "Local trains nothing over rounds" in next(c for c in alone.captions if "convergence" in c)
+
+
+def test_a_preset_without_a_figures_axis_draws_the_others(tmp_path):
+    """A preset that names no ``images_per_client`` (or no ``heterogeneity``) axis: those figures are
+    not drawn, the others are (``fedmeta figures --preset cpu`` raised a KeyError)."""
+    methods = ["cafeme", "fedavg_ft"]
+    preset = OmegaConf.create(
+        {"methods": methods, "settings": {"a": {"grid": "table"}, "b": {"grid": "table"}}}
+    )
+    figures = report.draw("made_up", preset, made_up_runs(tmp_path, methods), tmp_path / "figures", tmp_path)
+    assert sorted(figures.figures) == ["fig_convergence.png", "fig_personalization.png"]
