@@ -27,7 +27,7 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   W_i has been trained (on Flower, on its node); the initial model's top layers (part of the
   federation state) stand in for a client's before its first round. The lower layers need no
   keeping: they always take the global model's.
-- Evaluation: only new clients are scored. A new client trains no round, so ALA does not run for
+- Evaluation: new clients are scored (the paper's protocol). A new client trains no round, so ALA does not run for
   it: the shared personalization procedure fine-tunes the global model (``personalization.steps``:
   50) — FedAvg-FT's procedure on FedALA's global model.
 """

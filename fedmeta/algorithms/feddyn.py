@@ -27,7 +27,7 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   (``federation.num_clients − num_new_clients``); a client that failed or dropped out adds nothing.
 - The authors' code divides α by each client's share of the data (α·n̄/n_k, so larger clients are
   regularized less); the paper and this implementation use one α for every client.
-- Evaluation: only new clients are scored; they fine-tune the server's θ^t (Algorithm 1's server
+- Evaluation: new clients are scored (the paper's protocol); they fine-tune the server's θ^t (Algorithm 1's server
   model, h's correction included: the one every next client receives) with the shared
   personalization procedure (``personalization.steps``: 50, as FedAvg-FT). The authors' code scores
   other models, the mean of the round's client models and of every client's latest one

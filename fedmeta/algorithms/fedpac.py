@@ -43,7 +43,7 @@ code, JianXu95/FedPAC, read for each):
   gives each client's model only the extractor).
 - Clients are sampled (5 a round here): the combination weighs the round's clients, as the
   authors' code with ``frac`` < 1.
-- Evaluation: only new clients are scored. A new client starts from the global model (averaged
+- Evaluation: new clients are scored (the paper's protocol). A new client starts from the global model (averaged
   extractor and head) and personalizes with the shared procedure on FedPAC's loss with the
   global centroids.
 """

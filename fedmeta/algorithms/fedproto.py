@@ -30,7 +30,7 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   samples clients each round: a class none of the round's clients holds keeps its last global
   prototype (the authors' code trains every client every round). They travel to a client with
   the model (``broadcast_state``) and are part of the federation state.
-- Evaluation: only new clients are scored. A new client has no model of its own: it starts from
+- Evaluation: new clients are scored (the paper's protocol). A new client has no model of its own: it starts from
   the initial model, as Local's, and personalizes with the shared procedure on FedProto's loss —
   the global prototypes are what the federation gives it (in its personalization data, so that
   vmapped new clients of stacked seeds each read their own federation's). It predicts with its classifier (the

@@ -18,7 +18,7 @@ Where fedmeta's protocol decides what the paper leaves open:
 - Sampling and averaging: Algorithm 2 samples devices with probability p_k and averages the
   results with equal weights; the authors' code samples uniformly and weights by sample count.
   fedmeta does the latter, as its FedAvg (``method.averaging=uniform``: equal weights).
-- Evaluation: the paper scores the global model. Here only new clients are scored; they fine-tune
+- Evaluation: the paper scores the global model. Here new clients are scored (the paper's protocol); they fine-tune
   the global model with the shared personalization procedure (``personalization.steps``: 50, as
   FedAvg-FT; 0 scores the global model as it is, as the paper does). The proximal term is a
   training device: a new client's fine-tuning minimizes its plain loss.

@@ -21,7 +21,7 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   the generic head at initialization (PFLlib's deep copy); the server never averages it.
 - What travels: the body and the generic head; the personalized head is per-client state (on
   Flower, on its node).
-- Evaluation: only new clients are scored. A new client has no personalized head: it starts from
+- Evaluation: new clients are scored (the paper's protocol). A new client has no personalized head: it starts from
   zero, so its first prediction is the generic model's, and the shared personalization procedure
   trains that head alone on the two heads' summed logits, as a training client's head step does
   (the paper's hypernetwork for new clients is not implemented). Averaging: FedAvg's, by sample

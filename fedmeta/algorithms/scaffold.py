@@ -26,7 +26,7 @@ As implemented, and where fedmeta's protocol decides what the paper leaves open:
   clients whose updates arrived (one that failed or dropped out keeps its old c_i and adds nothing).
 - Initial state: c = 0 and c_i = 0 (a client that never took part starts from 0 and keeps nothing
   until it does: per-client state only for clients that took part). η_g = 1, the paper's value.
-- Evaluation: only new clients are scored; they fine-tune the global model x with the shared
+- Evaluation: new clients are scored (the paper's protocol); they fine-tune the global model x with the shared
   personalization procedure (``personalization.steps``: 50, as FedAvg-FT). Control variates are a
   training device: a new client has no c_i and its fine-tuning is plain SGD.
 - The loss a client reports is its plain training loss over its steps (no correction term).
