@@ -1,0 +1,349 @@
+"""Claims a results page makes, written where a test can read them and checked against the runs.
+
+A hand-written page (results/NOTES.md) follows the numbers of a sentence with the statistics they
+claim, in an HTML comment a reader of the rendered page does not see::
+
+    CAFeMe 96.88 ± 0.66 against FedAvg 43.19 ± 6.47 (n = 3)<!--= ms cpu/rmnist-shards/cafeme;
+    ms cpu/rmnist-shards/fedavg; n cpu/rmnist-shards/fedavg -->
+
+The comment's items, separated by ``;``, give in order the numbers written since the previous
+comment (or the start of the list item, table cell or paragraph); each is computed and must read
+as the number written, at the decimals written. A section (``##``) with a claim in it is checked
+whole: every number in its prose must be claimed (numbers in code spans are names, not results).
+Items (``R`` a run folder, ``G`` a folder of seeds, both under ``results/runs/`` unless the path
+starts with ``results/``; ``{a,b}`` expands an item into one per name, in order):
+
+    ms G [@r] [k=s] [seeds=0,1]   the seeds' mean ± sd of new-client accuracy (%): two numbers
+    mean G … / sd G …             one of them
+    n G                           the seeds that finished
+    min G … / max G …             the lowest / highest seed
+    acc R [@r] [k=s]              one run's new-client accuracy (%)
+    csd R [@r]                    its new clients' standard deviation (%)
+    step0 R [@r]                  its accuracy before personalization (%)
+    spr R / spr G                 seconds a round (a run's, or the seeds' mean)
+    rounds R                      the rounds it trained
+    evaluated R|G r               r, where every run was evaluated at round r ("at round r")
+    diff G1 G2 [@r] [k=s]         mean(G1) − mean(G2), points
+    paper SETTING METHOD          the paper's mean ± sd (configs/paper_results.yaml): two numbers
+    paper-mean SETTING METHOD     its mean alone
+    paper-diff SETTING M1 M2      the paper's mean of M1 less M2's, points
+    file PATH KEY                 a number in a kept file: a JSON key path (a.b.0.c), or /regex/
+                                  whose first group is the number, in a text file
+    cfg PATH KEY                  a setting in a config file (a YAML key path; a list: its length)
+
+and assertions, which claim an order and write no number: ``above G1 G2`` (mean(G1) > mean(G2)),
+``level G1 G2`` (the means closer than either group's sd: a gap its seeds do not settle), ``apart
+G1 G2`` (further apart than both sds). ``@r`` is an evaluated round (default: the run's last),
+``k=s`` a personalization step of the curve at that round (default: the protocol's last)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = Path("results") / "runs"
+CLAIM = re.compile(r"<!--=(.*?)-->", re.S)
+# a number as prose writes it: 1,024 · 96.44 · −0.8 · +1.2 (not a part of a name: CIFAR-10, fp32, v2)
+NUMBER = re.compile(r"(?<![\w.,/^-])(?:[-−+](?=\d))?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w|\.\d)")
+# names, not results: code, link targets, comments, addresses, a seed's index ("seed 0", "seeds 0–4")
+CODE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\bseeds? \d+(?:(?:[–,-]| and )\d+)*", re.S)
+
+
+class ClaimError(ValueError):
+    """A claim that cannot be computed: a folder with no runs, a round never evaluated, a bad item."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.line}: {self.message}"
+
+
+def _path(name: str) -> Path:
+    path = Path(name) if name.startswith(("results/", "configs/")) else RUNS / name
+    if path.is_absolute() or ".." in path.parts:
+        raise ClaimError(f"{name}: a claim reads only what the repository keeps")
+    return ROOT / path
+
+
+@cache
+def _run(folder: Path) -> dict:
+    """A finished run's summary, its evaluated rounds (round → metrics row) and its curves."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        raise ClaimError(f"{folder.relative_to(ROOT)}: no finished run (summary.json)") from None
+    rows = {}
+    if (folder / "metrics.csv").is_file():
+        with open(folder / "metrics.csv", encoding="utf-8") as f:
+            rows = {int(r["round"]): r for r in csv.DictReader(f) if r.get("eval_accuracy")}
+    curves: dict[int, dict[int, float]] = {}
+    if (folder / "curves.csv").is_file():
+        with open(folder / "curves.csv", encoding="utf-8") as f:
+            for r in csv.DictReader(f):
+                curves.setdefault(int(r["round"]), {})[int(r["step"])] = float(r["accuracy"])
+    return {"summary": summary, "rows": rows, "curves": curves}
+
+
+def _seeds(group: Path, seeds: list[int] | None) -> list[Path]:
+    runs = sorted(p.parent for p in group.glob("seed*/summary.json"))
+    if seeds is not None:
+        runs = [r for r in runs if int(r.name.removeprefix("seed")) in seeds]
+    if not runs:
+        raise ClaimError(f"{group.relative_to(ROOT)}: no finished seed")
+    return runs
+
+
+def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accuracy") -> float:
+    run = _run(folder)
+    summary, rows = run["summary"], run["rows"]
+    last = max(rows) if rows else summary.get("rounds")
+    at = last if at is None else at
+    if step is not None:
+        curve = run["curves"].get(at)
+        if curve is None or step not in curve:
+            raise ClaimError(
+                f"{folder.relative_to(ROOT)}: no personalization curve at round {at}, step {step}"
+            )
+        return 100 * curve[step]
+    column = {"accuracy": "eval_accuracy", "csd": "eval_accuracy_std", "step0": "eval_step0_accuracy"}[what]
+    if at not in rows or not rows[at].get(column):
+        if at == last and what != "step0":  # a run that keeps no metrics row for its end: its summary
+            return 100 * summary["accuracy" if what == "accuracy" else "accuracy_std"]
+        raise ClaimError(f"{folder.relative_to(ROOT)}: round {at} was not evaluated")
+    return 100 * float(rows[at][column])
+
+
+def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None]:
+    at = step = seeds = None
+    for word in words:
+        if word.startswith("@"):
+            at = int(word[1:])
+        elif word.startswith("k="):
+            step = int(word[2:])
+        elif word.startswith("seeds="):
+            seeds = [int(s) for s in word[6:].split(",")]
+        else:
+            raise ClaimError(f"{word!r}: an option is @round, k=step or seeds=a,b")
+    return at, step, seeds
+
+
+def _group(name: str, options: list[str]) -> list[float]:
+    at, step, seeds = _options(options)
+    return [_accuracy(run, at, step) for run in _seeds(_path(name), seeds)]
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _key(data, key: str):
+    for part in key.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
+def _file(name: str, key: str) -> float:
+    path = _path(name)
+    try:
+        text = path.read_text()
+    except OSError:
+        raise ClaimError(f"{name}: not a kept file") from None
+    if key.startswith("/") and key.endswith("/") and len(key) > 1:
+        found = re.search(key[1:-1], text)
+        if not found:
+            raise ClaimError(f"{name}: nothing matches {key}")
+        return float(found[1].replace(",", ""))
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        found = _key(data, key)
+        return float(len(found) if isinstance(found, list) else found)
+    except (KeyError, IndexError, ValueError, TypeError):
+        raise ClaimError(f"{name}: no number at {key}") from None
+
+
+def evaluate(item: str) -> list[float] | bool:
+    """The numbers one item claims, or for an assertion whether it holds."""
+    words = item.split()
+    if not words:
+        raise ClaimError("an empty claim")
+    kind, args = words[0], words[1:]
+    if kind in ("ms", "mean", "sd", "min", "max"):
+        values = _group(args[0], args[1:])
+        mean, sd = _mean_sd(values)
+        return {"ms": [mean, sd], "mean": [mean], "sd": [sd], "min": [min(values)], "max": [max(values)]}[
+            kind
+        ]
+    if kind == "n":
+        return [float(len(_seeds(_path(args[0]), None)))]
+    if kind in ("acc", "csd", "step0"):
+        at, step, _ = _options(args[1:])
+        return [_accuracy(_path(args[0]), at, step, "accuracy" if kind == "acc" else kind)]
+    if kind == "spr":
+        path = _path(args[0])
+        runs = [path] if (path / "summary.json").is_file() else _seeds(path, None)
+        return [statistics.mean(_run(r)["summary"]["seconds_per_round"] for r in runs)]
+    if kind == "evaluated":
+        at = int(args[1])
+        for run in (
+            _seeds(_path(args[0]), None)
+            if not (_path(args[0]) / "summary.json").is_file()
+            else [_path(args[0])]
+        ):
+            _accuracy(run, at, None)  # raises where the round was not evaluated
+        return [float(at)]
+    if kind == "rounds":
+        return [float(_run(_path(args[0]))["summary"]["rounds"])]
+    if kind in ("diff", "above", "level", "apart"):
+        a, b = _group(args[0], args[2:]), _group(args[1], args[2:])
+        (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
+        if kind == "diff":
+            return [ma - mb]
+        return {"above": ma > mb, "level": abs(ma - mb) < min(sa, sb), "apart": abs(ma - mb) > max(sa, sb)}[
+            kind
+        ]
+    if kind in ("paper", "paper-mean"):
+        mean, sd = _file_data("configs/paper_results.yaml")[args[0]][args[1]]
+        return [mean, sd] if kind == "paper" else [mean]
+    if kind == "paper-diff":
+        table = _file_data("configs/paper_results.yaml")[args[0]]
+        return [table[args[1]][0] - table[args[2]][0]]
+    if kind in ("file", "cfg"):
+        return [_file(args[0], " ".join(args[1:]))]
+    raise ClaimError(f"{kind!r}: not a kind of claim (fedmeta/claims.py lists them)")
+
+
+@cache
+def _file_data(name: str):
+    import yaml
+
+    return yaml.safe_load(_path(name).read_text())
+
+
+def _expand(item: str) -> list[str]:
+    found = re.search(r"\{([^{}]*)\}", item)
+    if not found:
+        return [item]
+    return [
+        e for name in found[1].split(",") for e in _expand(item[: found.start()] + name + item[found.end() :])
+    ]
+
+
+def _reads_as(value: float, written: str) -> bool:
+    plain = written.replace(",", "").replace("−", "-")
+    decimals = len(plain.split(".")[1]) if "." in plain else 0
+    shown = f"{value:.{decimals}f}"
+    return shown == plain.lstrip("+") or (shown == f"-{plain}" and float(plain) == 0)
+
+
+def _blocks(text: str):
+    """(first line, the text) of each list item, table row or paragraph: a claim reaches back to its start."""
+    start, block = 0, []
+    for i, line in enumerate(text.splitlines()):
+        new = not line.strip() or line.startswith("#") or re.match(r"\s*(?:[-*] |\| |\d+\. )", line)
+        if new and block:
+            yield start, "\n".join(block)
+            block = []
+        if line.strip():
+            if not block:
+                start = i
+            block.append(line)
+    if block:
+        yield start, "\n".join(block)
+
+
+def _line(block: str, offset: int) -> int:
+    return block.count("\n", 0, offset)
+
+
+def claimed_sections(text: str) -> list[tuple[int, int]]:
+    """The (first, last) lines of each ``##`` section with a claim in it: checked whole."""
+    lines = text.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("## ")] + [len(lines)]
+    spans = [(0, heads[0])] + list(zip(heads, heads[1:]))
+    return [(a, b) for a, b in spans if CLAIM.search("\n".join(lines[a:b]))]
+
+
+def check(text: str) -> list[Problem]:
+    """Every claim of the page against what it claims, and every number of a claimed section claimed."""
+    problems: list[Problem] = []
+    lines = text.splitlines()
+    for first, last in claimed_sections(text):
+        section = "\n".join(lines[first:last])
+        for start, block in _blocks(section):
+            position, line0 = 0, first + start + 1
+            for claim in [*CLAIM.finditer(block), None]:
+                end = claim.start() if claim else len(block)
+                prose = CODE.sub(lambda m: " " * len(m[0]), block[position:end])
+                written = [(m[0], position + m.start()) for m in NUMBER.finditer(prose)]
+                if claim is None:
+                    problems += [
+                        Problem(line0 + _line(block, at), f"{number}: no claim says what it is")
+                        for number, at in written
+                    ]
+                    break
+                problems += _check_claim(claim[1], written, block, line0)
+                position = claim.end()
+    return problems
+
+
+def _check_claim(source: str, written: list[tuple[str, int]], block: str, line0: int) -> list[Problem]:
+    problems, expected = [], []
+    where = line0 + _line(block, written[0][1]) if written else line0
+    for item in [e for part in source.split(";") if part.strip() for e in _expand(part.strip())]:
+        try:
+            result = evaluate(item)
+        except (ClaimError, KeyError, IndexError, ValueError) as exc:
+            problems.append(Problem(where, f"{item}: {exc}"))
+            continue
+        if isinstance(result, bool):
+            if not result:
+                problems.append(Problem(where, f"{item}: does not hold"))
+        else:
+            expected += [(item, v) for v in result]
+    if problems:
+        return problems
+    if len(expected) != len(written):
+        return [
+            Problem(
+                where,
+                f"{len(written)} numbers written ({', '.join(n for n, _ in written) or 'none'}) "
+                f"against {len(expected)} claimed ({source.strip()})",
+            )
+        ]
+    return [
+        Problem(line0 + _line(block, at), f"{number}: {item} gives {value:.4f}")
+        for (number, at), (item, value) in zip(written, expected)
+        if not _reads_as(value, number)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedmeta.claims PAGE …``: each page's claims that do not hold, one a line."""
+    import sys
+
+    pages = argv if argv is not None else sys.argv[1:]
+    bad = 0
+    for page in pages:
+        for problem in check(Path(page).read_text()):
+            print(f"{page}:{problem}")
+            bad += 1
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The claims a results page writes beside its numbers hold, and the checker catches what it is for:
+a wrong digit, a wrong statistic (the mean where the sentence says the sd, round 20 where it says
+round 10), a number with no claim, an order that does not hold (fedmeta/claims.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from fedmeta import claims
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", *(ROOT / "results").glob("*.md"), *(ROOT / "docs").glob("*.md")])
+# seeds 0-2, evaluated at rounds 10 and 20: 96.44 ± 0.49 at 20, 95.60 ± 0.77 at 10
+CAFEME = "quick/rmnist-shards/cafeme"
+FEDAVG_FT = "quick/rmnist-shards/fedavg_ft"  # 76.57 ± 6.67 at round 20
+
+
+def _problems(prose: str) -> list[str]:
+    return [p.message for p in claims.check(f"## A section\n\n{prose}\n")]
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if claims.CLAIM.search(p.read_text())], ids=lambda p: p.name
+)
+def test_every_claim_on_a_page_holds_and_every_number_of_its_section_is_claimed(page):
+    problems = claims.check(page.read_text())
+    assert not problems, f"{page.relative_to(ROOT)}:\n" + "\n".join(map(str, problems))
+
+
+def test_the_notes_claim_their_cpu_grid_section():
+    notes = (ROOT / "results" / "NOTES.md").read_text()
+    lines = notes.splitlines()
+    assert any(lines[a].startswith("## The CPU grid") for a, _ in claims.claimed_sections(notes))
+
+
+def test_a_true_sentence_passes():
+    assert _problems(f"CAFeMe 96.44 ± 0.49 (n = 3) <!--= ms {CAFEME}; n {CAFEME} -->") == []
+    assert (
+        _problems(
+            f"at round 10: 95.60 ± 0.77<!--= evaluated {CAFEME} 10; ms {CAFEME} @10 -->, "
+            f"seed 0 96.7 %<!--= acc {CAFEME}/seed0 -->"
+        )
+        == []
+    )
+    assert (
+        _problems(f"ahead by 19.9 points<!--= diff {CAFEME} {FEDAVG_FT}; above {CAFEME} {FEDAVG_FT} -->")
+        == []
+    )
+
+
+def test_a_wrong_digit_fails():
+    assert _problems(f"CAFeMe 96.45 ± 0.49<!--= ms {CAFEME} -->") == [f"96.45: ms {CAFEME} gives 96.4444"]
+    assert _problems(f"ahead by 19.8 points<!--= diff {CAFEME} {FEDAVG_FT} -->") != []
+
+
+def test_a_wrong_statistic_fails():
+    # the sd where the sentence says the mean, and the reverse
+    assert _problems(f"CAFeMe's sd 96.44<!--= sd {CAFEME} -->") != []
+    assert _problems(f"CAFeMe's mean 0.49<!--= mean {CAFEME} -->") != []
+    # round 20's mean claimed as round 10's
+    assert _problems(f"at round 10: 96.44<!--= evaluated {CAFEME} 10; mean {CAFEME} @10 -->") == [
+        f"96.44: mean {CAFEME} @10 gives 95.5972"
+    ]
+    # one seed's accuracy where the sentence claims the seeds' mean
+    assert _problems(f"the mean 96.71<!--= mean {CAFEME} -->") != []
+
+
+def test_a_number_with_no_claim_or_no_source_fails():
+    assert "round 15 was not evaluated" in _problems(f"at round 15: 96.44<!--= evaluated {CAFEME} 15 -->")[0]
+    assert _problems(f"CAFeMe 96.44<!--= mean {CAFEME} -->, FedAvg-FT 76.57.") == [
+        "76.57: no claim says what it is"
+    ]
+    assert _problems(f"CAFeMe 96.44 and 0.49<!--= mean {CAFEME} -->")[0].startswith("2 numbers written")
+    assert "no finished seed" in _problems("CAFeMe 96.44<!--= mean quick/rmnist-shards/nothing -->")[0]
+    assert "only what the repository keeps" in _problems("x 1.00<!--= file ../../etc/passwd /(1)/ -->")[0]
+    assert "not a kind of claim" in _problems("x 1.00<!--= guess 1.00 -->")[0]
+
+
+def test_an_order_that_does_not_hold_fails():
+    assert _problems(f"FedAvg-FT above CAFeMe<!--= above {FEDAVG_FT} {CAFEME} -->") == [
+        f"above {FEDAVG_FT} {CAFEME}: does not hold"
+    ]
+    # 19.9 points apart against sds of 0.49 and 6.67: apart, not level
+    assert _problems(f"level<!--= level {CAFEME} {FEDAVG_FT} -->") != []
+    assert _problems(f"apart<!--= apart {CAFEME} {FEDAVG_FT} -->") == []
+
+
+def test_numbers_in_code_and_names_are_not_results():
+    assert _problems("`results/runs/quick/rmnist-shards/cafeme/seed0`, CIFAR-10, fp32, `lr=0.01`") == []
+
+
+def test_braces_expand_one_claim_into_one_per_name():
+    assert _problems("96.44 and 76.57<!--= mean quick/rmnist-shards/{cafeme,fedavg_ft} -->") == []
