@@ -29,9 +29,12 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
     paper-diff SETTING M1 M2      the paper's mean of M1 less M2's, points
     file PATH KEY                 a number in a kept file: a JSON key path (a.b.0.c), or /regex/
                                   whose first group is the number, in a text file
+    row PATH KEY COLUMN           a number in a Markdown table of a kept file: the row whose first
+                                  cell is KEY, under the header COLUMN (``_`` for its spaces)
     cfg PATH KEY                  a setting in a config file (a YAML key path; a list: its length)
 
 and assertions, which claim an order and write no number: ``above G1 G2`` (mean(G1) > mean(G2)),
+``best G`` (G's mean above every other method's of its setting, tuned against tuned, untuned against untuned),
 ``level G1 G2`` (the means closer than either group's sd: a gap its seeds do not settle), ``apart
 G1 G2`` (further apart than both sds). ``@r`` is an evaluated round (default: the run's last),
 ``k=s`` a personalization step of the curve at that round (default: the protocol's last)."""
@@ -52,7 +55,7 @@ CLAIM = re.compile(r"<!--=(.*?)-->", re.S)
 # a number as prose writes it: 1,024 · 96.44 · −0.8 · +1.2 (not a part of a name: CIFAR-10, fp32, v2)
 NUMBER = re.compile(r"(?<![\w.,/^-])(?:[-−+](?=\d))?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w|\.\d)")
 # names, not results: code, link targets, comments, addresses, a seed's index ("seed 0", "seeds 0–4")
-CODE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\bseeds? \d+(?:(?:[–,-]| and )\d+)*", re.S)
+CODE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\b[Ss]eeds? \d+(?:(?:[–,-]| and )\d+)*", re.S)
 
 
 class ClaimError(ValueError):
@@ -208,6 +211,18 @@ def evaluate(item: str) -> list[float] | bool:
         return [float(at)]
     if kind == "rounds":
         return [float(_run(_path(args[0]))["summary"]["rounds"])]
+    if kind == "best":
+        group = _path(args[0])
+        mine = statistics.mean(_group(args[0], args[1:]))
+        tuned = group.name.endswith("-tuned")
+        peers = [
+            p
+            for p in sorted(group.parent.iterdir())
+            if p != group and p.name.endswith("-tuned") == tuned and list(p.glob("seed*/summary.json"))
+        ]
+        if not peers:
+            raise ClaimError(f"{args[0]}: no other method beside it to be best among")
+        return all(statistics.mean(_group(str(p.relative_to(ROOT)), args[1:])) < mine for p in peers)
     if kind in ("diff", "above", "level", "apart"):
         a, b = _group(args[0], args[2:]), _group(args[1], args[2:])
         (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
@@ -222,9 +237,32 @@ def evaluate(item: str) -> list[float] | bool:
     if kind == "paper-diff":
         table = _file_data("configs/paper_results.yaml")[args[0]]
         return [table[args[1]][0] - table[args[2]][0]]
+    if kind == "row":
+        return [_row(args[0], args[1], args[2])]
     if kind in ("file", "cfg"):
         return [_file(args[0], " ".join(args[1:]))]
     raise ClaimError(f"{kind!r}: not a kind of claim (fedmeta/claims.py lists them)")
+
+
+def _row(name: str, key: str, column: str) -> float:
+    """A number in a Markdown table of a kept file: the row whose first cell is ``key``, the column
+    whose header is ``column`` (``_`` for its spaces)."""
+    try:
+        lines = [line for line in _path(name).read_text().splitlines() if line.startswith("|")]
+    except OSError:
+        raise ClaimError(f"{name}: not a kept file") from None
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    names = (column, column.replace("_", " "))
+    header = next((row for row in cells if any(n in row for n in names)), None)
+    if header is None:
+        raise ClaimError(f"{name}: no table with a column {column}")
+    index = header.index(next(n for n in names if n in header))
+    for row in cells:
+        if row and row[0].strip("`*") == key and index < len(row):
+            found = re.search(r"[-−+]?\d[\d,]*(?:\.\d+)?", row[index])
+            if found:
+                return float(found[0].replace(",", "").replace("−", "-"))
+    raise ClaimError(f"{name}: no row {key} with a number under {column}")
 
 
 @cache
