@@ -31,6 +31,9 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
                                   whose first group is the number, in a text file
     row PATH KEY COLUMN           a number in a Markdown table of a kept file: the row whose first
                                   cell is KEY, under the header COLUMN (``_`` for its spaces)
+    pct PATH KEY                  the same, a fraction written as a percentage
+    key PATH KEY                  the last part of a JSON key path that holds a number ("at round 50")
+    reeval R i / reeval-csd R i   the i-th re-evaluation of a run (``fedmeta evaluate``): accuracy, clients' sd
     cfg PATH KEY                  a setting in a config file (a YAML key path; a list: its length)
 
 and assertions, which claim an order and write no number: ``above G1 G2`` (mean(G1) > mean(G2)),
@@ -54,8 +57,13 @@ RUNS = Path("results") / "runs"
 CLAIM = re.compile(r"<!--=(.*?)-->", re.S)
 # a number as prose writes it: 1,024 · 96.44 · −0.8 · +1.2 (not a part of a name: CIFAR-10, fp32, v2)
 NUMBER = re.compile(r"(?<![\w.,/^-])(?:[-−+](?=\d))?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w|\.\d)")
-# names, not results: code, link targets, comments, addresses, a seed's index ("seed 0", "seeds 0–4")
-CODE = re.compile(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\b[Ss]eeds? \d+(?:(?:[–,-]| and )\d+)*", re.S)
+# names, not results: code, link targets, comments, addresses, a seed's index ("seed 0", "seeds 0–4"),
+# a part of a paper ("Algorithm 1", "Table 2")
+CODE = re.compile(
+    r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\b[Ss]eeds? \d+(?:(?:[–,-]| and )\d+)*"
+    r"|\b(?:Algorithm|Table|Figure|Section|Eq\.|line)s? \d+",
+    re.S,
+)
 
 
 class ClaimError(ValueError):
@@ -239,8 +247,16 @@ def evaluate(item: str) -> list[float] | bool:
         return [table[args[1]][0] - table[args[2]][0]]
     if kind == "row":
         return [_row(args[0], args[1], args[2])]
-    if kind in ("file", "cfg"):
-        return [_file(args[0], " ".join(args[1:]))]
+    if kind in ("file", "cfg", "pct"):
+        value = _file(args[0], " ".join(args[1:]))
+        return [100 * value if kind == "pct" else value]
+    if kind == "key":
+        _file(args[0], args[1])  # raises where the file has no number there
+        return [float(args[1].rsplit(".", 1)[-1])]
+    if kind in ("reeval", "reeval-csd"):
+        lines = _path(args[0]).joinpath("evaluations.jsonl").read_text().splitlines()
+        evaluation = json.loads(lines[int(args[1]) - 1])
+        return [100 * evaluation["accuracy" if kind == "reeval" else "accuracy_std"]]
     raise ClaimError(f"{kind!r}: not a kind of claim (fedmeta/claims.py lists them)")
 
 
