@@ -22,6 +22,7 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
     step0 R [@r]                  its accuracy before personalization (%)
     spr R / spr G                 seconds a round (a run's, or the seeds' mean)
     rounds R                      the rounds it trained
+    behind R                      the rounds a chain's stage has behind it, its own with them
     evaluated R|G r               r, where every run was evaluated at round r ("at round r")
     diff G1 G2 [@r] [k=s]         mean(G1) − mean(G2), points
     paper SETTING METHOD          the paper's mean ± sd (configs/paper_results.yaml): two numbers
@@ -119,16 +120,20 @@ def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accur
     summary, rows = run["summary"], run["rows"]
     last = max(rows) if rows else summary.get("rounds")
     at = last if at is None else at
+    if what == "step0":
+        what, step = "accuracy", 0
     if step is not None:
         curve = run["curves"].get(at)
+        if curve is None and at == last and summary.get("curve"):  # a run that scored and trained none
+            curve = dict(enumerate(summary["curve"]))
         if curve is None or step not in curve:
             raise ClaimError(
                 f"{folder.relative_to(ROOT)}: no personalization curve at round {at}, step {step}"
             )
         return 100 * curve[step]
-    column = {"accuracy": "eval_accuracy", "csd": "eval_accuracy_std", "step0": "eval_step0_accuracy"}[what]
+    column = {"accuracy": "eval_accuracy", "csd": "eval_accuracy_std"}[what]
     if at not in rows or not rows[at].get(column):
-        if at == last and what != "step0":  # a run that keeps no metrics row for its end: its summary
+        if at == last:  # a run that keeps no metrics row for its end: its summary
             return 100 * summary["accuracy" if what == "accuracy" else "accuracy_std"]
         raise ClaimError(f"{folder.relative_to(ROOT)}: round {at} was not evaluated")
     return 100 * float(rows[at][column])
@@ -217,6 +222,12 @@ def evaluate(item: str) -> list[float] | bool:
         ):
             _accuracy(run, at, None)  # raises where the round was not evaluated
         return [float(at)]
+    if kind == "behind":  # the rounds of a chain's stages up to and with this one
+        stage, total = _run(_path(args[0]))["summary"], 0
+        while stage:
+            total += stage["rounds"]
+            stage = stage.get("init_from")
+        return [float(total)]
     if kind == "rounds":
         return [float(_run(_path(args[0]))["summary"]["rounds"])]
     if kind == "best":
@@ -335,10 +346,13 @@ def claimed_sections(text: str) -> list[tuple[int, int]]:
 def check(text: str) -> list[Problem]:
     """Every claim of the page against what it claims, and every number of a claimed section claimed."""
     problems: list[Problem] = []
+    text = re.sub(r"^```.*?^```", lambda m: "\n" * m[0].count("\n"), text, flags=re.S | re.M)  # code
     lines = text.splitlines()
     for first, last in claimed_sections(text):
         section = "\n".join(lines[first:last])
         for start, block in _blocks(section):
+            if block.startswith("    "):  # code: commands and their arguments, not results
+                continue
             position, line0 = 0, first + start + 1
             for claim in [*CLAIM.finditer(block), None]:
                 end = claim.start() if claim else len(block)

@@ -91,3 +91,9 @@ def test_numbers_in_code_and_names_are_not_results():
 
 def test_braces_expand_one_claim_into_one_per_name():
     assert _problems("96.44 and 76.57<!--= mean quick/rmnist-shards/{cafeme,fedavg_ft} -->") == []
+
+
+def test_code_blocks_hold_commands_not_results():
+    fenced = "```bash\nfedmeta train federation.rounds=100\n\nfedmeta table --seeds 3\n```"
+    indented = "    fedmeta train federation.rounds=100 seed=2"
+    assert _problems(f"{fenced}\n\n{indented}\n\nCAFeMe 96.44<!--= mean {CAFEME} -->") == []
