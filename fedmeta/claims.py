@@ -15,7 +15,7 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
 
     ms G [@r] [k=s] [seeds=0,1]   the seeds' mean ± sd of new-client accuracy (%): two numbers
     mean G … / sd G …             one of them
-    n G                           the seeds that finished
+    n G [so-far]                  the seeds that finished (so-far: and those under way)
     min G … / max G …             the lowest / highest seed
     acc R [@r] [k=s]              one run's new-client accuracy (%)
     csd R [@r]                    its new clients' standard deviation (%)
@@ -41,7 +41,8 @@ and assertions, which claim an order and write no number: ``above G1 G2`` (mean(
 ``best G`` (G's mean above every other method's of its setting, tuned against tuned, untuned against untuned),
 ``level G1 G2`` (the means closer than either group's sd: a gap its seeds do not settle), ``apart
 G1 G2`` (further apart than both sds). ``@r`` is an evaluated round (default: the run's last),
-``k=s`` a personalization step of the curve at that round (default: the protocol's last)."""
+``k=s`` a personalization step of the curve at that round (default: the protocol's last); a group
+is its finished seeds, with ``so-far`` (and an ``@r``) also its seeds still under way."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ NUMBER = re.compile(r"(?<![\w.,/^-])(?:[-−+](?=\d))?(?:\d{1,3}(?:,\d{3})+|\d+)
 # names, not results: code, link targets, comments, addresses, a seed's index ("seed 0", "seeds 0–4"),
 # a part of a paper ("Algorithm 1", "Table 2")
 CODE = re.compile(
-    r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\b[Ss]eeds? \d+(?:(?:[–,-]| and )\d+)*"
+    r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\b[Ss]eeds? \d+(?:(?:,\s?\d+)*\s+and\s+\d+|[–-]\d+|(?:,\d+)+)?"
     r"|\b(?:Algorithm|Table|Figure|Section|Eq\.|line)s? \d+",
     re.S,
 )
@@ -92,8 +93,10 @@ def _run(folder: Path) -> dict:
     """A finished run's summary, its evaluated rounds (round → metrics row) and its curves."""
     try:
         summary = json.loads((folder / "summary.json").read_text())
-    except (OSError, ValueError):
-        raise ClaimError(f"{folder.relative_to(ROOT)}: no finished run (summary.json)") from None
+    except (OSError, ValueError):  # a run still under way: its evaluations so far
+        if not (folder / "metrics.csv").is_file():
+            raise ClaimError(f"{folder.relative_to(ROOT)}: no run (summary.json, metrics.csv)") from None
+        summary = {}
     rows = {}
     if (folder / "metrics.csv").is_file():
         with open(folder / "metrics.csv", encoding="utf-8") as f:
@@ -106,12 +109,14 @@ def _run(folder: Path) -> dict:
     return {"summary": summary, "rows": rows, "curves": curves}
 
 
-def _seeds(group: Path, seeds: list[int] | None) -> list[Path]:
-    runs = sorted(p.parent for p in group.glob("seed*/summary.json"))
+def _seeds(group: Path, seeds: list[int] | None, so_far: bool = False) -> list[Path]:
+    """The group's finished seeds; with ``so_far`` its runs still under way too (their evaluations so far)."""
+    patterns = ("seed*/summary.json", "seed*/metrics.csv") if so_far else ("seed*/summary.json",)
+    runs = sorted({p.parent for pattern in patterns for p in group.glob(pattern)})
     if seeds is not None:
         runs = [r for r in runs if int(r.name.removeprefix("seed")) in seeds]
     if not runs:
-        raise ClaimError(f"{group.relative_to(ROOT)}: no finished seed")
+        raise ClaimError(f"{group.relative_to(ROOT)}: no seed has run")
     return runs
 
 
@@ -139,9 +144,10 @@ def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accur
     return 100 * float(rows[at][column])
 
 
-def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None]:
+def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None, bool]:
     at = step = seeds = None
-    for word in words:
+    so_far = "so-far" in words
+    for word in (w for w in words if w != "so-far"):
         if word.startswith("@"):
             at = int(word[1:])
         elif word.startswith("k="):
@@ -149,13 +155,15 @@ def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None
         elif word.startswith("seeds="):
             seeds = [int(s) for s in word[6:].split(",")]
         else:
-            raise ClaimError(f"{word!r}: an option is @round, k=step or seeds=a,b")
-    return at, step, seeds
+            raise ClaimError(f"{word!r}: an option is @round, k=step, seeds=a,b or so-far")
+    if so_far and at is None:
+        raise ClaimError("so-far takes the round it reads: @round")
+    return at, step, seeds, so_far
 
 
 def _group(name: str, options: list[str]) -> list[float]:
-    at, step, seeds = _options(options)
-    return [_accuracy(run, at, step) for run in _seeds(_path(name), seeds)]
+    at, step, seeds, so_far = _options(options)
+    return [_accuracy(run, at, step) for run in _seeds(_path(name), seeds, so_far)]
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -205,9 +213,9 @@ def evaluate(item: str) -> list[float] | bool:
             kind
         ]
     if kind == "n":
-        return [float(len(_seeds(_path(args[0]), None)))]
+        return [float(len(_seeds(_path(args[0]), None, "so-far" in args[1:])))]
     if kind in ("acc", "csd", "step0"):
-        at, step, _ = _options(args[1:])
+        at, step, _, _ = _options(args[1:])
         return [_accuracy(_path(args[0]), at, step, "accuracy" if kind == "acc" else kind)]
     if kind == "spr":
         path = _path(args[0])

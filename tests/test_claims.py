@@ -71,7 +71,7 @@ def test_a_number_with_no_claim_or_no_source_fails():
         "76.57: no claim says what it is"
     ]
     assert _problems(f"CAFeMe 96.44 and 0.49<!--= mean {CAFEME} -->")[0].startswith("2 numbers written")
-    assert "no finished seed" in _problems("CAFeMe 96.44<!--= mean quick/rmnist-shards/nothing -->")[0]
+    assert "no seed has run" in _problems("CAFeMe 96.44<!--= mean quick/rmnist-shards/nothing -->")[0]
     assert "only what the repository keeps" in _problems("x 1.00<!--= file ../../etc/passwd /(1)/ -->")[0]
     assert "not a kind of claim" in _problems("x 1.00<!--= guess 1.00 -->")[0]
 
@@ -86,7 +86,18 @@ def test_an_order_that_does_not_hold_fails():
 
 
 def test_numbers_in_code_and_names_are_not_results():
-    assert _problems("`results/runs/quick/rmnist-shards/cafeme/seed0`, CIFAR-10, fp32, `lr=0.01`") == []
+    claimed = f"CAFeMe 96.44<!--= mean {CAFEME} -->"  # a section with a claim is checked whole
+    assert (
+        _problems(f"{claimed}: `results/runs/quick/rmnist-shards/cafeme/seed0`, CIFAR-10, fp32, `lr=0.01`")
+        == []
+    )
+    assert _problems(f"{claimed}: seed 0, seeds 0–4, seeds 0, 1 and 2, Algorithm 1, Table 2") == []
+    assert _problems(f"{claimed}: seed 0, 20 rounds") == ["20: no claim says what it is"]
+
+
+def test_a_section_without_claims_is_left_to_the_weaker_check():
+    assert _problems("FedAvg-FT 76.57, 20 rounds.") == []
+    assert claims.claimed_sections("## A\n\n1.00\n\n## B\n\nx 96.44<!--= mean quick/x -->\n") == [(4, 7)]
 
 
 def test_braces_expand_one_claim_into_one_per_name():
@@ -97,3 +108,4 @@ def test_code_blocks_hold_commands_not_results():
     fenced = "```bash\nfedmeta train federation.rounds=100\n\nfedmeta table --seeds 3\n```"
     indented = "    fedmeta train federation.rounds=100 seed=2"
     assert _problems(f"{fenced}\n\n{indented}\n\nCAFeMe 96.44<!--= mean {CAFEME} -->") == []
+    assert _problems(f"fedmeta train federation.rounds=100\n\nCAFeMe 96.44<!--= mean {CAFEME} -->") != []
