@@ -23,7 +23,7 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
     spr R / spr G                 seconds a round (a run's, or the seeds' mean)
     rounds R                      the rounds it trained
     behind R                      the rounds a chain's stage has behind it, its own with them
-    evaluated R|G r               r, where every run was evaluated at round r ("at round r")
+    evaluated R|G r [so-far]      r, where every run was evaluated at round r ("at round r")
     diff G1 G2 [@r] [k=s]         mean(G1) − mean(G2), points
     paper SETTING METHOD          the paper's mean ± sd (configs/paper_results.yaml): two numbers
     paper-mean SETTING METHOD     its mean alone
@@ -224,7 +224,7 @@ def evaluate(item: str) -> list[float] | bool:
     if kind == "evaluated":
         at = int(args[1])
         for run in (
-            _seeds(_path(args[0]), None)
+            _seeds(_path(args[0]), None, "so-far" in args[2:])
             if not (_path(args[0]) / "summary.json").is_file()
             else [_path(args[0])]
         ):
