@@ -343,20 +343,22 @@ def _line(block: str, offset: int) -> int:
     return block.count("\n", 0, offset)
 
 
-def claimed_sections(text: str) -> list[tuple[int, int]]:
-    """The (first, last) lines of each ``##`` section with a claim in it: checked whole."""
+def claimed_sections(text: str, every: bool = False) -> list[tuple[int, int]]:
+    """The (first, last) lines of each ``##`` section with a claim in it (``every``: of each section),
+    checked whole."""
     lines = text.splitlines()
     heads = [i for i, line in enumerate(lines) if line.startswith("## ")] + [len(lines)]
     spans = [(0, heads[0])] + list(zip(heads, heads[1:]))
-    return [(a, b) for a, b in spans if CLAIM.search("\n".join(lines[a:b]))]
+    return [(a, b) for a, b in spans if every or CLAIM.search("\n".join(lines[a:b]))]
 
 
-def check(text: str) -> list[Problem]:
-    """Every claim of the page against what it claims, and every number of a claimed section claimed."""
+def check(text: str, every_section: bool = False) -> list[Problem]:
+    """Every claim of the page against what it claims, and every number of a claimed section claimed
+    (with ``every_section``, of every section: a page written wholly in claims)."""
     problems: list[Problem] = []
     text = re.sub(r"^```.*?^```", lambda m: "\n" * m[0].count("\n"), text, flags=re.S | re.M)  # code
     lines = text.splitlines()
-    for first, last in claimed_sections(text):
+    for first, last in claimed_sections(text, every_section):
         section = "\n".join(lines[first:last])
         for start, block in _blocks(section):
             if block.startswith("    "):  # code: commands and their arguments, not results
