@@ -28,6 +28,7 @@ import csv
 import io
 import json
 import math
+import shlex
 import shutil
 import statistics
 import tempfile
@@ -382,9 +383,15 @@ def run(
         limit = lease.ARCHIVE_BYTES if carry is None else int(carry * 2**20)
         packer = lease.Packer(root, out, lambda: folders, progress, limit_bytes=limit).start()
     jobs = [job for unit in todo for job in chunks(unit, carry)]
+    finished_before = report.finished_runs(root)
     lines = None
     try:
         lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at, ahead=ahead) if jobs else []
+        # what TABLES.md names as the command behind these cells: the campaign that trained them
+        extra = campaign.get("command_overrides") or []  # those given on its command line
+        command = shlex.join(["fedmeta", "campaign", "--config", _file(campaign), *extra])
+        launched = {folder for job in jobs for folder in job.folders(root)}
+        report.record_command(root, finished_before, command, launched)
     finally:  # a stop of the campaign itself still packs what its runs left
         record["ended"] = lines is not None
         record["not_done"] = (lines or []) + refused

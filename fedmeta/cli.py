@@ -824,6 +824,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
                 "fedmeta campaign runs under runs/<preset>, where its kept runs resume: drop output.root="
             )
         plan.overrides = [*plan.overrides, *args.overrides]
+        plan.command_overrides = list(args.overrides)  # what the runs' command.txt repeats
         compose(list(plan.overrides))  # a bad override: one line before anything runs
         record = campaign.run(
             plan,

@@ -195,6 +195,28 @@ def test_a_job_continues_the_units_under_way_first_then_the_next_in_order(tmp_pa
     assert (kept / "jobs.jsonl").read_text().count("\n") == 1 and record_["parallel"] == 1
 
 
+def test_the_runs_a_job_finishes_record_the_campaign_command_that_trained_them(
+    tmp_path, mnist_dir, monkeypatch
+):
+    """TABLES.md names each cell's command: a campaign's runs name the campaign (its file and the
+    overrides its command line added), not "command not recorded"."""
+    plan = tiny_campaign(mnist_dir, file="configs/campaign_cpu.yaml", command_overrides=["seeds_stacked=1"])
+    kept, root = tmp_path / "kept", tmp_path / "runs"
+
+    def finish(jobs, root_, parallel, kept_, stop_at, **_):
+        for folder in sorted({f for job in jobs[:2] for f in job.folders(root_)}):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "summary.json").write_text("{}")
+        return []
+
+    monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
+    monkeypatch.setattr(grid, "run", finish)
+    campaign.run(plan, 600, kept, root, parallel=1)
+    commands = {p.read_text() for p in root.rglob("command.txt")}
+    assert commands == {"fedmeta campaign --config configs/campaign_cpu.yaml seeds_stacked=1\n"}
+    assert len(list(root.rglob("command.txt"))) == len(list(root.rglob("summary.json"))) >= 1
+
+
 def test_units_whose_data_is_not_here_are_skipped_in_one_line(tmp_path, mnist_dir, monkeypatch, capsys):
     plan = tiny_campaign(mnist_dir)
     plan.overrides = [o for o in plan.overrides if not o.startswith("dataset.dir=")] + [
