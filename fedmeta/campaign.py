@@ -387,11 +387,7 @@ def run(
     lines = None
     try:
         lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at, ahead=ahead) if jobs else []
-        # what TABLES.md names as the command behind these cells: the campaign that trained them
-        extra = campaign.get("command_overrides") or []  # those given on its command line
-        command = shlex.join(["fedmeta", "campaign", "--config", _file(campaign), *extra])
-        launched = {folder for job in jobs for folder in job.folders(root)}
-        report.record_command(root, finished_before, command, launched)
+        _record_command(campaign, jobs, root, finished_before)
     finally:  # a stop of the campaign itself still packs what its runs left
         record["ended"] = lines is not None
         record["not_done"] = (lines or []) + refused
@@ -412,6 +408,14 @@ def run(
             progress()
             lease.append_record(kept / "jobs.jsonl", record)
     return record
+
+
+def _record_command(campaign: DictConfig, jobs: list[grid.Job], root: Path, finished_before: dict) -> None:
+    """Beside each run the job finished, the command TABLES.md names for its cell: the campaign
+    that trained it (its file and the overrides its command line added)."""
+    extra = campaign.get("command_overrides") or []
+    command = shlex.join(["fedmeta", "campaign", "--config", _file(campaign), *extra])
+    report.record_command(root, finished_before, command, {f for job in jobs for f in job.folders(root)})
 
 
 def _units_to_run(
