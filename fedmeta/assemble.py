@@ -130,7 +130,8 @@ def make_engine(cfg: DictConfig, device: torch.device) -> Engine:
         torch.backends.cudnn.benchmark = True
     if device.type == "cpu":
         keep_freed_memory()
-    return Engine(vectorize, cfg.federation.client_threads, cfg.federation.vectorize_lanes, capture)
+    fed = cfg.federation
+    return Engine(vectorize, fed.client_threads, fed.vectorize_lanes, capture, fed.lane_buckets)
 
 
 def seed_configs(cfg: DictConfig) -> list[DictConfig]:

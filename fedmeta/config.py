@@ -612,6 +612,12 @@ def _validate_federation(cfg: DictConfig) -> None:
         fed.vectorize_lanes >= 0,
         f"federation.vectorize_lanes must be ≥ 0 (0: all clients at once), got {fed.vectorize_lanes}",
     )
+    _require(
+        isinstance(fed.lane_buckets, int)
+        and not isinstance(fed.lane_buckets, bool)
+        and fed.lane_buckets >= 1,
+        f"federation.lane_buckets must be an integer ≥ 1 (1: one vmapped call), got {fed.lane_buckets!r}",
+    )
     _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
     _require(
         0 <= fed.client_failure_rate < 1,

@@ -329,10 +329,18 @@ def _for_vmap(lanes: list[Lane]) -> Algorithm:
 class Engine:
     """Runs the local updates of a round's lanes and the personalization of new clients."""
 
-    def __init__(self, vectorize: bool = False, threads: int = 1, max_lanes: int = 0, capture: str = "none"):
+    def __init__(
+        self,
+        vectorize: bool = False,
+        threads: int = 1,
+        max_lanes: int = 0,
+        capture: str = "none",
+        lane_buckets: int = 1,
+    ):
         self.vectorize = vectorize
         self.map = thread_map(threads)
         self.max_lanes = max_lanes  # lanes per vmapped call (memory); 0: all at once
+        self.lane_buckets = lane_buckets  # vmapped calls of clients of similar size (padding); 1: one call
         self.capture = Capture(capture)
         self.layouts: dict[tuple, Any] = {}  # per computation, the fixed layout its inputs are padded to
         self.banks: dict[tuple, DataBank] = {}
@@ -358,18 +366,36 @@ class Engine:
             "static": ", fixed layout",
         }.get(self.capture.mode, "")
 
-    def _chunks(self, lanes: list[Lane]) -> list[list[Lane]]:
+    def _chunks(self, lanes: list[Lane]) -> list[tuple[int, list[int]]]:
+        """(bucket, lane positions) of each vmapped call. With ``lane_buckets`` = k > 1 the lanes are
+        sorted by their client's data and cut into k groups of equal count, so a call pads its batches
+        to the largest of clients of similar size rather than of all of them (Dirichlet partitions,
+        FEMNIST's writers); each group is then cut to ``max_lanes``."""
+        order = list(range(len(lanes)))
+        buckets = max(1, min(self.lane_buckets, len(lanes)))
+        if buckets > 1:
+            order.sort(key=lambda i: lanes[i][1].num_samples)
+        per = -(-len(order) // buckets)
         size = self.max_lanes or len(lanes)
-        return [lanes[i : i + size] for i in range(0, len(lanes), size)]
+        return [
+            (bucket, group[i : i + size])
+            for bucket, group in enumerate(order[j : j + per] for j in range(0, len(order), per))
+            for i in range(0, len(group), size)
+        ]
 
-    def _in_chunks(self, run: Callable[[list[Lane]], Any], lanes: list[Lane]) -> list:
-        """``run`` on each chunk of lanes; out of memory, the chunks halve until they fit (a vmapped
-        call's results are applied only after all of them, so a repeated chunk changes nothing)."""
+    def _in_chunks(self, run: Callable[[list[Lane], int], Any], lanes: list[Lane]) -> list:
+        """Each lane's result, in lane order, from ``run(chunk, bucket)`` on each chunk of lanes (it
+        returns one result a lane of the chunk); out of memory, the chunks halve until they fit (a
+        vmapped call's results are applied only after all of them, so a repeated chunk changes nothing)."""
         while True:
             try:
-                return [run(chunk) for chunk in self._chunks(lanes)]
+                results: list = [None] * len(lanes)
+                for bucket, positions in self._chunks(lanes):
+                    for position, result in zip(positions, run([lanes[i] for i in positions], bucket)):
+                        results[position] = result
+                return results
             except torch.OutOfMemoryError:
-                size = len(self._chunks(lanes)[0])
+                size = len(self._chunks(lanes)[0][1])
                 if size == 1:
                     raise
                 self.max_lanes = size // 2
@@ -385,11 +411,7 @@ class Engine:
         """Each lane's update, or a failed client's reason (one line), in lane order."""
         if self.vectorize and len(lanes) > 1:
             try:
-                return [
-                    update
-                    for chunk in self._in_chunks(lambda c: self._vectorized_updates(c, round_), lanes)
-                    for update in chunk
-                ]
+                return self._in_chunks(lambda c, bucket: self._vectorized_updates(c, round_, bucket), lanes)
             except (FedmetaError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # noqa: BLE001 — find out below whether a client or vmap failed
@@ -411,11 +433,14 @@ class Engine:
 
         return self.map(attempt, lanes)
 
-    def _indices(self, kind: str, lanes: list[Lane], draws: list) -> tuple[tuple, Any, Callable]:
+    def _indices(
+        self, kind: str, lanes: list[Lane], draws: list, bucket: int = 0
+    ) -> tuple[tuple, Any, Callable]:
         """The lanes' stacked index batches on the device (padded to the computation's layout when
-        it is recorded), the computation's key, and the function that gathers their data."""
+        it is recorded: one layout per bucket of client sizes), the computation's key, and the
+        function that gathers their data."""
         federations = list({id(c.data): c.data for _, c in lanes}.values())
-        key = (kind, len(lanes), *(id(a) for a, _ in lanes), *(id(f) for f in federations))
+        key = (kind, bucket, len(lanes), *(id(a) for a, _ in lanes), *(id(f) for f in federations))
         indices = stack(draws)
         if self.capture.pads:
             self.layouts[key] = merge_layouts(self.layouts.get(key), layout_of(indices))
@@ -442,14 +467,16 @@ class Engine:
             lambda both: stack([gather(*xy, lane(both[0], i)) for i, xy in enumerate(data)]),
         )
 
-    def _vectorized_updates(self, lanes: list[Lane], round_: int) -> list[ClientUpdate]:
+    def _vectorized_updates(self, lanes: list[Lane], round_: int, bucket: int = 0) -> list[ClientUpdate]:
         algorithm = _for_vmap(lanes)
         shared = all(
             a is algorithm for a, _ in lanes
         )  # one federation: the global parameters need no stacking
         params = [a.global_params() for a, _ in lanes]
         states = stack([a.client_state(c.id, p) for (a, c), p in zip(lanes, params)])
-        key, indices, gather = self._indices("round", lanes, [a.draw(c.indexed(), round_) for a, c in lanes])
+        key, indices, gather = self._indices(
+            "round", lanes, [a.draw(c.indexed(), round_) for a, c in lanes], bucket
+        )
         params_in = params[0] if shared else stack(params)
 
         def update_all(params_in, states, indices):
@@ -481,9 +508,10 @@ class Engine:
             return torch.empty(0, cfg.steps + 1)
         if self.vectorize and len(lanes) > 1:
             try:
-                return torch.cat(
+                return torch.stack(
                     self._in_chunks(
-                        lambda c: _then(self._vectorized_curves(c, cfg, kept), done, len(c)), lanes
+                        lambda c, bucket: _then(self._vectorized_curves(c, cfg, kept, bucket), done, len(c)),
+                        lanes,
                     )
                 )
             except (FedmetaError, KeyboardInterrupt):
@@ -495,7 +523,7 @@ class Engine:
             self.map(lambda item: _then(personalize_client(*item, cfg, kept)[1], done, 1), lanes)
         )
 
-    def _vectorized_curves(self, lanes: list[Lane], cfg, kept: bool = False) -> torch.Tensor:
+    def _vectorized_curves(self, lanes: list[Lane], cfg, kept: bool = False, bucket: int = 0) -> torch.Tensor:
         algorithm = _for_vmap(lanes)
         shared = all(a is algorithm for a, _ in lanes)
         globals_ = [a.global_params() for a, _ in lanes]
@@ -505,6 +533,7 @@ class Engine:
             "kept curves" if kept else "curves",
             lanes,
             [draw_personalization(a, c.indexed(), cfg) for a, c in lanes],
+            bucket,
         )
 
         def curve(p, s, d):

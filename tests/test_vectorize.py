@@ -13,6 +13,7 @@ divide by 2δ = 0.002 — which is why the float32 end-to-end test compares accu
 import csv
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -134,6 +135,27 @@ def test_vectorized_rounds_and_evaluation_equal_sequential(method, capture, imag
     assert_vectorized_equals_sequential(fabric, cfg, built, capture)
 
 
+@pytest.mark.parametrize("method, capture", [("fedavg_ft", "none"), ("cafeme", "static")])
+def test_clients_bucketed_by_size_compute_what_one_at_a_time_computes(method, capture, images):
+    """``lane_buckets``: a round's clients sorted by size into vmapped calls of similar clients, each
+    padded only to its own largest, give what one client at a time gives, their results in lane order."""
+    fabric, cfg, built = paths(method, images)
+    assert_vectorized_equals_sequential(fabric, cfg, built, capture, lane_buckets=2)
+
+
+def test_buckets_group_clients_of_similar_size_and_keep_each_lanes_place():
+    sizes = [500, 38, 260, 41, 120]
+    lanes = [(None, SimpleNamespace(num_samples=n)) for n in sizes]
+    assert Engine(True)._chunks(lanes) == [(0, [0, 1, 2, 3, 4])]  # one call, as before
+    assert Engine(True, lane_buckets=2)._chunks(lanes) == [(0, [1, 3, 4]), (1, [2, 0])]
+    assert Engine(True, max_lanes=2, lane_buckets=2)._chunks(lanes) == [(0, [1, 3]), (0, [4]), (1, [2, 0])]
+    assert Engine(True, lane_buckets=9)._chunks(lanes) == [(b, [i]) for b, i in enumerate([1, 3, 4, 2, 0])]
+    results = Engine(True, lane_buckets=2)._in_chunks(
+        lambda chunk, _: [c.num_samples for _, c in chunk], lanes
+    )
+    assert results == sizes
+
+
 @pytest.mark.parametrize(
     "method",
     [  # quick: one representative of each draw (epochs; independent batches); CI runs the others
@@ -156,14 +178,15 @@ def test_clients_of_one_size_are_stacked_as_steps_and_compute_what_one_at_a_time
     assert_vectorized_equals_sequential(fabric, cfg, built, "static")
 
 
-def assert_vectorized_equals_sequential(fabric, cfg, built, capture: str) -> None:
+def assert_vectorized_equals_sequential(fabric, cfg, built, capture: str, lane_buckets: int = 1) -> None:
     """Three rounds and an evaluation, one client at a time and vmapped: the same parameters, losses,
     curves and kept states, in float64."""
     results = []
     for (algorithm, federation), vectorize in zip(built, (False, True)):
+        # the 4 clients of a round in two vmapped calls: cut at 3, or two buckets of sizes
         engine = Engine(
-            vectorize, max_lanes=3, capture=capture
-        )  # the 4 clients of a round in two vmapped calls
+            vectorize, max_lanes=3 if lane_buckets == 1 else 0, capture=capture, lane_buckets=lane_buckets
+        )
         losses = [federated_round(algorithm, federation, r, 4, seed=0, engine=engine).loss for r in (1, 2, 3)]
         curves = evaluate_on_ranks(
             fabric, [Federated(algorithm, federation, 0)], cfg.personalization, engine
@@ -257,11 +280,11 @@ def test_out_of_memory_halves_the_lanes_per_call_and_keeps_vmapping(images, monk
     expected = [federated_round(*built[0], r, 4, seed=0, engine=Engine()).loss for r in (1, 2)]
     honest, sizes = Engine._vectorized_updates, []
 
-    def small_memory(self, lanes, round_):  # a card that holds 2 lanes' activations, not 4
+    def small_memory(self, lanes, round_, bucket=0):  # a card that holds 2 lanes' activations, not 4
         sizes.append(len(lanes))
         if len(lanes) > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return honest(self, lanes, round_)
+        return honest(self, lanes, round_, bucket)
 
     monkeypatch.setattr(Engine, "_vectorized_updates", small_memory)
     engine = Engine(True)
