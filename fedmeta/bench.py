@@ -262,11 +262,13 @@ def measure_round(
     return {
         **extra,
         "dataset": cfg.dataset.name,
+        "partition": cfg.partition.name,
         "method": cfg.method.name,
         "variant": cfg.variant,
         "precision": cfg.fabric.precision,
         "matmul_precision": cfg.fabric.matmul_precision,
         "client_threads": fed.client_threads,
+        "lane_buckets": fed.lane_buckets,
         "clients": "vmap" if ran["vectorized"] else "sequential",
         "capture": ran["capture"] if ran["recorded"] or ran["capture"] == "static" else "none",
         "fallback": ran["fallback"],
@@ -342,19 +344,19 @@ def speedups(rows: list[dict]) -> list[dict]:
     method, variant, precision and client threads — seconds per round (per seed), per personalized
     client and per whole evaluation (per seed) — and a recorded row's over the eager vmapped row of
     the same seeds (``vs_eager``). All come from the same bench run."""
-    key = ("dataset", "method", "variant", "precision", "matmul_precision", "client_threads")
+    key = ("dataset", "partition", "method", "variant", "precision", "matmul_precision", "client_threads")
     baseline: dict[tuple, dict] = {}
     eager: dict[tuple, dict] = {}
     for r in rows:
         if (
             r["clients"] == "sequential" and r["seeds"] == 1
         ):  # the first: a vmap row that fell back is sequential too
-            baseline.setdefault(tuple(r[k] for k in key), r)
+            baseline.setdefault(tuple(r.get(k) for k in key), r)
         if r["clients"] == "vmap" and r["capture"] == "none":
-            eager.setdefault((*(r[k] for k in key), r["seeds"]), r)
+            eager.setdefault((*(r.get(k) for k in key), r["seeds"], r.get("lane_buckets", 1)), r)
     result = []
     for row in rows:
-        base = baseline.get(tuple(row[k] for k in key))
+        base = baseline.get(tuple(row.get(k) for k in key))
         if base is None or (row["clients"] == "sequential" and row["seeds"] == 1):
             continue
         ratio = {
@@ -365,12 +367,13 @@ def speedups(rows: list[dict]) -> list[dict]:
             ratio["evaluation"] = (base["evaluation_seconds"] / base["new_clients"]) / (
                 row["evaluation_seconds"] / row["new_clients"]
             )
-        same = eager.get((*(row[k] for k in key), row["seeds"]))
+        same = eager.get((*(row.get(k) for k in key), row["seeds"], row.get("lane_buckets", 1)))
         if row["capture"] != "none" and same is not None:
             ratio["vs_eager"] = same["seconds_per_round"] / row["seconds_per_round"]
         result.append(
             {
-                **{k: row[k] for k in key},
+                **{k: row.get(k) for k in key},
+                "lane_buckets": row.get("lane_buckets", 1),
                 "clients": row["clients"],
                 "capture": row["capture"],
                 "seeds": row["seeds"],
@@ -505,8 +508,18 @@ def checked_bench(config: Path, datasets: list[str] | None, methods: list[str] |
     return bench
 
 
+def _clients(row: dict) -> str:
+    """How a row ran its clients: sequential, vmap, vmap in k size buckets, recorded."""
+    way = row["clients"] if row["capture"] == "none" else f"{row['clients']}+{row['capture']}"
+    return way + (f"/{row['lane_buckets']}b" if row.get("lane_buckets", 1) > 1 else "")
+
+
+def _setting(row: dict) -> str:
+    return f"{row['dataset']}/{row['partition']}" if row.get("partition") else row["dataset"]
+
+
 ROW_HEADER = (
-    f"{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} "
+    f"{'setting':17s} {'method':10s} {'variant':8s} {'precision':10s} {'cl.thr':>6s} {'clients':>10s} "
     f"{'seeds':>5s} "
     f"{'s/round':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>6s} {'ops/rnd':>8s} {'reads':>5s} {'launch':>7s} "
     f"{'pers s/cl':>9s} "
@@ -518,10 +531,9 @@ def _row_line(row: dict) -> str:
     """A measured row as a line under ``ROW_HEADER``."""
     evaluation = f"{row['evaluation_seconds']:7.1f}" if "evaluation_seconds" in row else f"{'-':>7s}"
     launches = f"{row['launches_per_round']:7.0f}" if "launches_per_round" in row else f"{'-':>7s}"
-    clients = row["clients"] if row["capture"] == "none" else f"{row['clients']}+{row['capture']}"
     return (
-        f"{row['dataset']:9s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
-        f"{row['client_threads']:6d} {clients:>10s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
+        f"{_setting(row):17s} {row['method']:10s} {row['variant']:8s} {row['precision']:10s} "
+        f"{row['client_threads']:6d} {_clients(row):>13s} {row['seeds']:5d} {row['seconds_per_round']:8.3f} "
         f"{row['gflop_per_round']:7.1f} {row['gflops']:8.1f} {100 * row['peak_fraction']:6.1f} "
         f"{row['ops_per_round']:8.0f} {row['host_reads_per_round']:5.0f} {launches} "
         f"{row['personalize_seconds_per_client']:9.2f} {evaluation} "
@@ -533,7 +545,7 @@ def _print_speedups(rows: list[dict]) -> None:
     if not rows:
         return
     print(
-        f"\n{'data set':9s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>13s} {'seeds':>5s} "
+        f"\n{'setting':17s} {'method':10s} {'variant':8s} {'precision':10s} {'clients':>13s} {'seeds':>5s} "
         f"{'round ×':>8s} {'pers ×':>7s} {'eval ×':>7s} {'vs eager':>8s}   (sequential ÷ this; vs eager: vmapped "
         "eager ÷ this; > 1 is faster)"
     )
@@ -542,9 +554,8 @@ def _print_speedups(rows: list[dict]) -> None:
             f"{s[key]:{width}.2f}" if s.get(key) else f"{'-':>{width}s}"
             for key, width in (("round", 8), ("personalize", 7), ("evaluation", 7), ("vs_eager", 8))
         ]
-        clients = s["clients"] if s["capture"] == "none" else f"{s['clients']}+{s['capture']}"
         print(
-            f"{s['dataset']:9s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {clients:>13s} "
+            f"{_setting(s):17s} {s['method']:10s} {s['variant']:8s} {s['precision']:10s} {_clients(s):>13s} "
             f"{s['seeds']:5d} {' '.join(cells)}"
         )
 

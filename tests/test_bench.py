@@ -145,3 +145,27 @@ def test_a_gpu_this_machine_lacks_is_refused_at_once_in_one_line(command, capsys
     assert main([*command, "fabric.accelerator=cuda"]) == 2
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "fabric.accelerator=cuda: this machine has no CUDA device" in said[0]
+
+
+def test_a_rows_speed_up_is_over_the_sequential_row_of_its_own_partition_and_says_its_buckets():
+    """Dirichlet and shards rows of one data set are different experiments: each vmapped row is set
+    against the sequential row of its own partition, and a bucketed row says so."""
+
+    def row(partition, clients, seconds, buckets=1):
+        return {
+            "dataset": "rmnist", "partition": partition, "method": "fedavg_ft", "variant": "paper",
+            "precision": "32-true", "matmul_precision": "highest", "client_threads": 1, "lane_buckets": buckets,
+            "clients": clients, "capture": "none", "seeds": 1, "seconds_per_round": seconds,
+            "personalize_seconds_per_client": 1.0,
+        }  # fmt: skip
+
+    rows = [
+        row("dirichlet", "sequential", 8.0),
+        row("dirichlet", "vmap", 16.0),
+        row("dirichlet", "vmap", 10.0, buckets=2),
+        row("shards", "sequential", 6.0),
+        row("shards", "vmap", 7.5),
+    ]
+    ratios = {(s["partition"], s["lane_buckets"]): s["round"] for s in bench.speedups(rows)}
+    assert ratios == {("dirichlet", 1): 0.5, ("dirichlet", 2): 0.8, ("shards", 1): 0.8}
+    assert bench._clients(rows[2]) == "vmap/2b" and bench._setting(rows[2]) == "rmnist/dirichlet"
