@@ -1,14 +1,15 @@
 """Which way of computing a round's clients the machine at hand measured faster.
 
 ``make bench`` times every row both ways — one client at a time and vmapped — and writes each row
-with the machine it ran on (``results/bench.json``: the CPU model and torch's threads, or the
-card). ``federation.vectorize=auto`` on a CPU asks here: the vmapped way where the bench's pair of
-rows for the run's data set and partition, method, variant, precision and lane buckets, measured
-on this CPU model with this many threads, shows it faster; one client at a time where it shows it
-slower or where the bench has no such pair (a CPU it never ran on: the CPU's default, which the
-bench measured faster for every method on the CPUs this project has). The rows are the data set's protocol (M = 5 clients a
-round, its batch size), so a run far from it (batches of 10, 50 clients a round) is better served
-by measuring it: ``fedmeta bench`` with its overrides, or ``federation.vectorize=true|false``.
+with the machine it ran on (``results/bench.json``: the CPU model and torch's threads, or the card).
+``federation.vectorize=auto`` on a CPU asks here: the vmapped way where the bench's pair of rows for
+the run's data set and partition, method, variant, precision and lane buckets, measured on this CPU
+model with this many threads, shows it faster; one client at a time where it shows it slower or
+where the bench has no such pair (a CPU it never ran on: the CPU's default, which the bench measured
+faster for every method on the CPUs this project has). The rows are the data set's protocol (M = 5
+clients a round, its batch size), so a run far from it (batches of 10, 50 clients a round) is better
+served by measuring it: ``fedmeta bench`` with its overrides, or
+``federation.vectorize=true|false``.
 """
 
 from __future__ import annotations
