@@ -74,6 +74,7 @@ BAD = [
     (["seeds=[0,0]"], "seeds must be a list of distinct integers"),
     (["seeds=abc"], "seeds must be a list, e.g. seeds=[0,1,2]"),
     (["federation.vectorize_lanes=-1"], "federation.vectorize_lanes must be ≥ 0"),
+    (["federation.lane_buckets=0"], "federation.lane_buckets must be an integer ≥ 1"),
     # paths: names from their folders only, settings without separators
     (["output.setting=x/../../escape"], "output.setting must be a plain folder name"),
     ([f"output.setting={'s' * 300}"], "output.setting must be a plain folder name"),
