@@ -28,6 +28,7 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
     paper SETTING METHOD          the paper's mean ± sd (configs/paper_results.yaml): two numbers
     paper-mean SETTING METHOD     its mean alone
     paper-diff SETTING M1 M2      the paper's mean of M1 less M2's, points
+    paper-gap SETTING METHOD G    the paper's mean less the group's, points
     file PATH KEY                 a number in a kept file: a JSON key path (a.b.0.c), or /regex/
                                   whose first group is the number, in a text file
     row PATH KEY COLUMN           a number in a Markdown table of a kept file: the row whose first
@@ -261,6 +262,11 @@ def evaluate(item: str) -> list[float] | bool:
     if kind in ("paper", "paper-mean"):
         mean, sd = _file_data("configs/paper_results.yaml")[args[0]][args[1]]
         return [mean, sd] if kind == "paper" else [mean]
+    if kind == "paper-gap":  # the paper's mean less a group's
+        return [
+            _file_data("configs/paper_results.yaml")[args[0]][args[1]][0]
+            - statistics.mean(_group(args[2], args[3:]))
+        ]
     if kind == "paper-diff":
         table = _file_data("configs/paper_results.yaml")[args[0]]
         return [table[args[1]][0] - table[args[2]][0]]
