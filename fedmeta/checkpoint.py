@@ -34,6 +34,7 @@ RESUMABLE = {
         "client_threads",
         "vectorize",
         "vectorize_lanes",
+        "lane_buckets",
         "capture",
     }
 }

@@ -18,9 +18,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +40,7 @@ EXECUTORS = ("pool", "local", "slurm")
 STOPPED = "stopped"  # a failure line that starts with it: the run stopped early, checkpointed, to continue
 LAST_START = 30  # at least: no run starts closer to the deadline (FirstRounds measures what a start needs)
 KILL_AFTER = 15  # seconds a run has after SIGTERM at the deadline to checkpoint and exit, then it is killed
+POLL_S = 0.5  # how often a waiting pool thread looks whether its grid was asked to stop
 
 
 def load_preset(name: str) -> DictConfig:
@@ -507,13 +510,14 @@ def dispatch(
     stop_at: float | None = None,
     may_start: Callable[[int], bool] = lambda running: True,
     lead: Callable[[], float] = lambda: LAST_START,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> list[str]:
     """Run ``todo`` at most ``parallel`` at a time, each as soon as the runs it starts from have
     finished (a chain on a fast setting does not wait for a slow setting's stage), never one whose
     source failed, none within ``lead()`` seconds of ``stop_at``, and each only when
     ``may_start(runs running)`` allows it.
     ``start(job)`` returns a handle with ``done()``; ``outcome(job, handle)`` a failure line or
-    None. Returns the failure lines."""
+    None; once ``stopped()``, nothing more starts. Returns the failure lines."""
     needs = {job: sources(job, todo) for job in todo}
     waiting, running, failures, succeeded, failed = list(todo), [], [], set(), set()
     with tqdm(total=len(todo), desc="runs", unit="run") as bar:
@@ -524,9 +528,12 @@ def dispatch(
                 failures.append(f"{job.label}: not run: the run it starts from failed")
                 tqdm.write(failures[-1])
                 bar.update()
-            if stop_at is not None and waiting and time.time() >= stop_at - lead():
-                for job in waiting:  # near the deadline: what has not started stays for the next job
-                    failures.append(f"{STOPPED}: {job.label}: not started before the deadline")
+            if waiting and (stopped() or (stop_at is not None and time.time() >= stop_at - lead())):
+                why = ": the grid was stopped by SIGTERM" if stopped() else " before the deadline"
+                for (
+                    job
+                ) in waiting:  # near the deadline or stopped: what has not started stays for the next job
+                    failures.append(f"{STOPPED}: {job.label}: not started{why}")
                     bar.update()
                 waiting.clear()
             ready = [j for j in waiting if all(s in succeeded for s in needs[j])]
@@ -638,7 +645,7 @@ def _run_pool(
     env = dict(os.environ) | (
         {"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {}
     )
-    first_rounds = FirstRounds()
+    first_rounds, stop = FirstRounds(), threading.Event()
 
     def execute(job: Job) -> str | None:
         log = logs / f"{job.label.replace('/', '-')}.log"
@@ -651,16 +658,18 @@ def _run_pool(
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-            code = _wait(process, stop_at)
+            code = _wait(process, stop_at, stop)
         first_rounds.ended(log)
-        if stop_at is not None and time.time() >= stop_at and code in (-signal.SIGTERM, -signal.SIGKILL):
+        at_deadline = stop_at is not None and time.time() >= stop_at
+        if (stop.is_set() or at_deadline) and code in (-signal.SIGTERM, -signal.SIGKILL):
             return (  # a stop, not a failure: it had no round boundary before the deadline
-                f"{STOPPED}: {job.label}: setting up or in a round at the deadline, "
+                f"{STOPPED}: {job.label}: setting up or in a round at "
+                f"{'SIGTERM' if stop.is_set() else 'the deadline'}, "
                 f"{'killed' if code == -signal.SIGKILL else 'stopped'}; its last checkpoint is kept"
             )
         return _failure(job, code, log)
 
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
+    with ThreadPoolExecutor(max_workers=parallel) as pool, _sigterm_sets(stop):
         return dispatch(
             todo,
             parallel,
@@ -669,17 +678,39 @@ def _run_pool(
             stop_at=stop_at,
             may_start=may_start,
             lead=first_rounds.lead,
+            stopped=stop.is_set,
         )
 
 
-def _wait(process: subprocess.Popen, stop_at: float | None) -> int:
-    """The run's exit status; one still running at ``stop_at`` (its own deadline check misjudged a
-    round) gets SIGTERM, to checkpoint at its next round boundary, and is killed if it has not
-    exited ``KILL_AFTER`` seconds later (its last checkpoint on disk is whole)."""
+@contextmanager
+def _sigterm_sets(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM to the grid's own process (``kill``, ``timeout``, ``docker stop``) stops its runs as
+    its deadline does — each checkpointed, nothing more started — and the caller goes on to what
+    follows them (a campaign archives its runs and records its job), where the default would end the
+    process on the spot."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
-        return process.wait(None if stop_at is None else max(0.0, stop_at - time.time()))
-    except subprocess.TimeoutExpired:
-        process.terminate()
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _wait(process: subprocess.Popen, stop_at: float | None, stop: threading.Event) -> int:
+    """The run's exit status; one still running at ``stop_at`` (its own deadline check misjudged a
+    round) or once ``stop`` is set gets SIGTERM, to checkpoint at its next round boundary, and is
+    killed if it has not exited ``KILL_AFTER`` seconds later (its last checkpoint on disk is whole)."""
+    while not stop.is_set():
+        left = POLL_S if stop_at is None else min(POLL_S, stop_at - time.time())
+        if left <= 0:
+            break
+        try:
+            return process.wait(left)
+        except subprocess.TimeoutExpired:
+            continue
+    process.terminate()
     try:
         return process.wait(KILL_AFTER)
     except subprocess.TimeoutExpired:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -215,6 +216,36 @@ def test_the_runs_a_job_finishes_record_the_campaign_command_that_trained_them(
     commands = {p.read_text() for p in root.rglob("command.txt")}
     assert commands == {"fedmeta campaign --config configs/campaign_cpu.yaml seeds_stacked=1\n"}
     assert len(list(root.rglob("command.txt"))) == len(list(root.rglob("summary.json"))) >= 1
+
+
+def test_a_job_stopped_by_sigterm_stops_its_runs_and_still_archives_and_records_itself(
+    tmp_path, mnist_dir, monkeypatch
+):
+    """``kill`` of the campaign's own process: its run checkpoints at a round boundary (here a
+    stand-in that says so on SIGTERM), nothing more starts, and the job archives its runs and
+    appends its record, as at its deadline, instead of dying with them unrecorded."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(
+        "#!/bin/sh\ntrap 'echo \"fedmeta: stopped after round 1 of 3 (SIGTERM)\"; exit 75' TERM\n"
+        "sleep 60 & wait\n"
+    )
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(grid.sys, "executable", str(stand_in))
+    monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
+    kept, root = tmp_path / "kept", tmp_path / "runs"
+    plan = tiny_campaign(mnist_dir)
+    previous = signal.getsignal(signal.SIGTERM)
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    record = campaign.run(plan, 3600, kept, root, parallel=1)
+    assert signal.getsignal(signal.SIGTERM) is previous  # the job's handler goes with it
+    stopped = [line for line in record["not_done"] if "not started" not in line]
+    assert stopped == ["stopped: rmnist-shards/cafeme/seeds0-1-2: stopped after round 1 of 3 (SIGTERM)"]
+    not_started = [line for line in record["not_done"] if line not in stopped]
+    assert len(not_started) == 5  # the tiny campaign's other units, each of three stacked seeds
+    assert all(line.endswith("not started: the grid was stopped by SIGTERM") for line in not_started)
+    assert [json.loads(line)["not_done"] for line in (kept / "jobs.jsonl").read_text().splitlines()] == [
+        record["not_done"]
+    ]
 
 
 def test_units_whose_data_is_not_here_are_skipped_in_one_line(tmp_path, mnist_dir, monkeypatch, capsys):

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from fedmeta.checkpoint import differences, identity
 from fedmeta.cli import main
 from fedmeta.config import compose
 from fedmeta.errors import FedmetaError
@@ -106,6 +107,26 @@ def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path, mnist_dir, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is corrupt or not a fedmeta checkpoint" in err[0]
     assert not (directory / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "federation.vectorize=true",
+        "federation.vectorize_lanes=2",
+        "federation.lane_buckets=2",
+        "federation.client_threads=2",
+        "federation.capture=static",
+        "federation.rounds=7",
+        "federation.checkpoint_every=3",
+    ],
+)
+def test_how_fast_or_long_a_run_goes_is_not_what_it_computes_so_it_may_resume_changed(setting):
+    # lane_buckets came after checkpoints of the CPU grid were written: their identity lacks it, and
+    # they must continue with it set, as with every setting equal to one client at a time.
+    written = identity(compose(["method=fedavg"]))
+    assert differences(written, identity(compose(["method=fedavg", setting]))) == []
+    assert differences(written, identity(compose(["method=fedavg", "method.local_epochs=2"])))
 
 
 def test_divergence_keeps_the_last_good_checkpoint(tmp_path, mnist_dir, monkeypatch):
