@@ -82,6 +82,21 @@ def _file(campaign: DictConfig) -> str:
     return campaign.get("file") or "configs/campaign.yaml"
 
 
+def only(campaign: DictConfig, settings: str) -> DictConfig:
+    """The campaign narrowed to some of its settings (``--settings a,b``), in its own order: two
+    jobs at once — two cores, two machines — each on settings of its own, never on the same units."""
+    names = [name.strip() for name in settings.split(",") if name.strip()]
+    unknown = [name for name in names if name not in campaign.order]
+    if unknown or not names:
+        raise FedmetaError(
+            f"--settings takes some of {_file(campaign)}'s settings, comma-separated, got {settings!r}; "
+            f"its settings: {', '.join(campaign.order)}"
+        )
+    narrowed = campaign.copy()
+    narrowed.order = [name for name in campaign.order if name in names]
+    return narrowed
+
+
 SETTINGS = {
     "preset",
     "order",

@@ -245,6 +245,12 @@ def _campaign_parser(commands) -> None:
         help="what the job's unfinished runs may leave for the next (default: configs/campaign.yaml's carry_mib)",
     )
     campaign_cmd.add_argument(
+        "--settings",
+        metavar="A,B",
+        help="the job takes only these of the campaign's settings, in its order (two jobs at once, on two "
+        "cores or machines, each on settings of its own)",
+    )
+    campaign_cmd.add_argument(
         "--collect",
         metavar="FOLDER",
         help="take back what a job packed into FOLDER (the folder its files came back to), then write the state",
@@ -797,6 +803,8 @@ def _campaign_command(args: argparse.Namespace) -> int:
                 f"--until takes the job's end as a Unix time, instead of --budget, got {args.until}"
             )
         args.budget = args.until - time.time()
+    if args.settings is not None and args.budget is None:
+        raise FedmetaError("--settings narrows a job: give it --budget or --until")
     if args.profile is not None:  # refused with --collect before anything is collected
         return _profile_next_unit(args, plan, kept)
     if args.collect is not None:
@@ -827,7 +835,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
         plan.command_overrides = list(args.overrides)  # what the runs' command.txt repeats
         compose(list(plan.overrides))  # a bad override: one line before anything runs
         record = campaign.run(
-            plan,
+            plan if args.settings is None else campaign.only(plan, args.settings),
             args.budget,
             kept,
             Path("runs") / plan.preset,

@@ -248,6 +248,31 @@ def test_a_job_stopped_by_sigterm_stops_its_runs_and_still_archives_and_records_
     ]
 
 
+def test_two_jobs_at_once_each_take_only_the_settings_given_them(tmp_path, mnist_dir, monkeypatch, capsys):
+    plan = tiny_campaign(mnist_dir, order=["rmnist-shards", "rmnist-dirichlet"])
+    started = []
+    monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
+    monkeypatch.setattr(grid, "run", lambda jobs, *args, **kwargs: started.extend(jobs) or [])
+    campaign.run(
+        campaign.only(plan, " rmnist-dirichlet"), 600, tmp_path / "kept", tmp_path / "runs", parallel=1
+    )
+    assert started and {job.setting for job in started} == {"rmnist-dirichlet"}
+    assert list(plan.order) == ["rmnist-shards", "rmnist-dirichlet"]  # the campaign itself is not changed
+    for wrong in ("cifar10-shards", ","):
+        with pytest.raises(
+            FedmetaError, match="--settings takes some of .*its settings: rmnist-shards, rmnist"
+        ):
+            campaign.only(plan, wrong)
+    from fedmeta.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parent.parent / "configs" / "campaign_cpu.yaml"
+    assert main(["campaign", "--config", str(config), "--settings", "x"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fedmeta: error: --settings narrows a job: give it --budget or --until"
+    )
+
+
 def test_units_whose_data_is_not_here_are_skipped_in_one_line(tmp_path, mnist_dir, monkeypatch, capsys):
     plan = tiny_campaign(mnist_dir)
     plan.overrides = [o for o in plan.overrides if not o.startswith("dataset.dir=")] + [
