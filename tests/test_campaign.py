@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -225,9 +224,9 @@ def test_a_job_stopped_by_sigterm_stops_its_runs_and_still_archives_and_records_
     stand-in that says so on SIGTERM), nothing more starts, and the job archives its runs and
     appends its record, as at its deadline, instead of dying with them unrecorded."""
     stand_in = tmp_path / "python"
-    stand_in.write_text(
+    stand_in.write_text(  # a run that asks its campaign to stop, then stops at SIGTERM as a run does
         "#!/bin/sh\ntrap 'echo \"fedmeta: stopped after round 1 of 3 (SIGTERM)\"; exit 75' TERM\n"
-        "sleep 60 & wait\n"
+        "kill -TERM $PPID\nsleep 60 & wait\n"
     )
     stand_in.chmod(0o755)
     monkeypatch.setattr(grid.sys, "executable", str(stand_in))
@@ -235,7 +234,6 @@ def test_a_job_stopped_by_sigterm_stops_its_runs_and_still_archives_and_records_
     kept, root = tmp_path / "kept", tmp_path / "runs"
     plan = tiny_campaign(mnist_dir)
     previous = signal.getsignal(signal.SIGTERM)
-    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
     record = campaign.run(plan, 3600, kept, root, parallel=1)
     assert signal.getsignal(signal.SIGTERM) is previous  # the job's handler goes with it
     stopped = [line for line in record["not_done"] if "not started" not in line]
