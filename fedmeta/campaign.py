@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedmeta import grid, lease, report
 from fedmeta.checkpoint import differences, identity
+from fedmeta.clock import ALONE_CORES
 from fedmeta.config import CONFIG_DIR, compose
 from fedmeta.errors import FedmetaError
 from fedmeta.runs import summary_problem
@@ -738,8 +739,9 @@ def status(campaign: DictConfig, kept: Path) -> str:
         "median of a lockstep round's seconds per seed with nothing else on the machine: the unit's own "
         "rounds in jobs that ran one unit at a time, else a job's profile step or a measurement by hand "
         f"(`{JOB_LOGS}/`, `{ALONE_RECORDS}`); ≈ marks a unit that takes its method's speed on the same "
-        "data set. Rounds trained beside other units are not used: a card time-slices processes, and "
-        "two processes on a CPU's cores slow each other. "
+        "data set. Rounds trained beside other units are not used (a card time-slices processes, and "
+        "two processes on a CPU's cores can slow each other), nor rounds during which other processes "
+        f"kept more than {ALONE_CORES} of a core busy on average (their `beside_cores` in metrics.csv). "
         f"*evals left* are the new-client evaluations still due (the preset's `evaluations`); *{_hours(lent)}* "
         "is what is left of the unit's training and evaluations at those speeds.",
         "",
@@ -1050,7 +1052,8 @@ def alone_records(preset: str, records: Path | None = None, logs: Path | None = 
 
 def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dict:
     """The unit's speed alone and an evaluation's seconds: its own rounds outside jobs that ran
-    several units at once, else the latest measurement of it (``alone_records``); {} if none."""
+    several units at once and with no other work busy beside them (their ``beside_cores``), else
+    the latest measurement of it (``alone_records``); {} if none."""
     shared = [
         (min(moved[0]), max(moved[1]))
         for job in jobs
@@ -1063,10 +1066,12 @@ def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dic
                 for row in csv.DictReader(f):
                     try:
                         round_, value = int(row.get("round") or 0), float(row.get("round_seconds") or "nan")
+                        beside = float(row.get("beside_cores") or 0)
                     except ValueError:
                         continue
                     # 1e308 would overflow what is left, nan compares false
-                    if 0 < value <= ROUND_SECONDS and not any(lo < round_ <= hi for lo, hi in shared):
+                    alone = beside <= ALONE_CORES and not any(lo < round_ <= hi for lo, hi in shared)
+                    if 0 < value <= ROUND_SECONDS and alone:
                         seconds.append(value)
         except (OSError, UnicodeDecodeError, csv.Error):
             continue

@@ -26,6 +26,7 @@ log = logging.getLogger("fedmeta")
 LOGGED_AS = {
     "train_loss": "train/loss",
     "round_seconds": "train/round_seconds",
+    "beside_cores": "train/beside_cores",
     "clients_dropped": "train/clients_dropped",
     "eval_accuracy": "eval/accuracy",
     "eval_accuracy_std": "eval/accuracy_std",

@@ -17,12 +17,13 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from fedmeta.assemble import make_engine, make_fabric, seed_configs
+from fedmeta.clock import RoundClock
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.loggers import check_wandb_login
 from fedmeta.rounds import evaluate_on_ranks, federated_rounds, gather_updates, scored_clients
 from fedmeta.run import Run
-from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn
+from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn, metrics_row
 from fedmeta.stopping import FIRST_ROUND_ENDED, Stopper, process_seconds, stop_runs
 
 log = logging.getLogger("fedmeta")
@@ -93,22 +94,6 @@ def _evaluate(
         disable=not (show_progress and fabric.is_global_zero),
     ) as bar:
         return evaluate_on_ranks(fabric, runs, cfg.personalization, engine, bar.update, protocol)
-
-
-def _row(round_: int, loss, seconds: float, dropped: int) -> dict:
-    """A round's metrics.csv row, its evaluation's columns empty until there is one."""
-    return {
-        "round": round_,
-        "train_loss": loss,
-        "round_seconds": seconds,
-        "clients_dropped": dropped,
-        "eval_accuracy": "",
-        "eval_accuracy_std": "",
-        "eval_step0_accuracy": "",
-        "training_clients_accuracy": "",
-        "training_clients_accuracy_std": "",
-        "training_clients_weighted_accuracy": "",
-    }
 
 
 def _record(run: Run, row: dict, result, on_evaluation: Callable[[int, float], None] | None) -> None:
@@ -254,7 +239,7 @@ def _train_round(
     """One lockstep round of the ``active`` runs: their outcomes, and each run that trained it with
     its metrics row (a diverged run fails here, its last good checkpoint kept as it is)."""
     fed = cfg.federation
-    tick = time.perf_counter()
+    clock = RoundClock()
     outcomes = federated_rounds(
         [run.federated for run in active],
         round_,
@@ -264,8 +249,9 @@ def _train_round(
         engine,
         fed.client_failure_rate,
     )
-    stopper.round_seconds.append(time.perf_counter() - tick)
-    seconds = (time.perf_counter() - tick) / len(active)  # a stacked seed's share of the lockstep round
+    wall, beside = clock.read()
+    stopper.round_seconds.append(wall)
+    seconds = wall / len(active)  # a stacked seed's share of the lockstep round
     trained = []
     for run, outcome in zip(active, outcomes):
         if outcome.error:
@@ -275,7 +261,7 @@ def _train_round(
         if fabric.is_global_zero:
             for line in outcome.dropped:
                 log.warning(f"round {round_}: {line}; dropped from the aggregate")
-        trained.append((run, _row(round_, outcome.loss, seconds, len(outcome.dropped))))
+        trained.append((run, metrics_row(round_, outcome.loss, seconds, len(outcome.dropped), beside)))
     return outcomes, trained
 
 

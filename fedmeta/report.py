@@ -364,24 +364,29 @@ def _training_block(methods: list[str], settings: list[str], runs: dict, budget)
 
 
 def _cell_costs(preset_name: str, settings: list[str], methods: list[str], runs: dict) -> list[str]:
-    """Every cell's seeds, rounds, seconds per round, wall time and hardware."""
+    """Every cell's seeds, rounds, seconds per round, wall time, hardware and what ran beside it."""
     lines = [
         f"### Every cell of `{preset_name}`: budget, hardware, wall time",
         "",
-        "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware |",
-        "|---|---|---|---|---|---|---|",
+        "*beside*: the cores other processes kept busy while its rounds trained, the median over its "
+        "runs' rounds (- where the runs are older than that measure).",
+        "",
+        "| setting | method | seeds | rounds | s/round (median) | wall time per run | hardware | beside |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for setting in settings:
         for method in methods:
             summaries = runs.get((setting, method), [])
             per_round = [s["seconds_per_round"] for s in summaries if s.get("seconds_per_round") is not None]
+            beside = [s["beside_cores"] for s in summaries if s.get("beside_cores") is not None]
             if summaries:  # a chain's scoring stage trains no rounds: no time per round
                 lines.append(
                     f"| {setting} | {method} | {','.join(str(s['seed']) for s in summaries)} | "
                     f"{'/'.join(sorted({str(s['rounds']) for s in summaries}))} | "
                     f"{f'{statistics.median(per_round):.2f}' if per_round else '-'} | "
                     f"{statistics.mean(s['seconds'] for s in summaries) / 60:.1f} min | "
-                    f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} |"
+                    f"{'; '.join(sorted({s.get('hardware', s['device']) for s in summaries}))} | "
+                    f"{f'{statistics.median(beside):.2f}' if beside else '-'} |"
                 )
     return lines
 

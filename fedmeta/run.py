@@ -134,6 +134,7 @@ class Run:
             "rounds": cfg.federation.rounds,
             "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
             "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None,
+            "beside_cores": _beside(self.recorder.rows),
             "resumed_at_round": self.resumed_at,
             "new_clients": len(self.result.curves) if self.result.clients == "new" else 0,
             "device": str(fabric.device),
@@ -180,3 +181,10 @@ def _training_summary(result: PersonalizationResult) -> dict:
             "clients": len(training.curves),
         }
     }
+
+
+def _beside(rows: list[dict]) -> float | None:
+    """The median over the run's rounds of the cores other processes kept busy beside it (rounds
+    trained before fedmeta measured it have none)."""
+    values = [float(row["beside_cores"]) for row in rows if row.get("beside_cores") not in (None, "")]
+    return statistics.median(values) if values else None

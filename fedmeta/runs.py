@@ -34,7 +34,19 @@ METRIC_FIELDS = [
     "training_clients_accuracy",  # the training-clients protocol (evaluation.protocol both or training_clients)
     "training_clients_accuracy_std",
     "training_clients_weighted_accuracy",
+    "beside_cores",  # the cores other processes kept busy during the round, on average (fedmeta.clock)
 ]
+
+
+def metrics_row(round_: int, loss, seconds: float, dropped: int, beside: float | None) -> dict:
+    """A trained round's metrics.csv row, its evaluation's columns empty until there is one."""
+    return dict.fromkeys(METRIC_FIELDS, "") | {
+        "round": round_,
+        "train_loss": loss,
+        "round_seconds": seconds,
+        "beside_cores": "" if beside is None else beside,
+        "clients_dropped": dropped,
+    }
 
 
 def atomic_write_text(path: Path, text: str) -> None:

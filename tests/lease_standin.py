@@ -32,6 +32,7 @@ METRIC_FIELDS = [
     "training_clients_accuracy",
     "training_clients_accuracy_std",
     "training_clients_weighted_accuracy",
+    "beside_cores",
 ]
 
 

@@ -344,7 +344,8 @@ def test_a_carried_checkpoint_continues_in_the_next_job_on_another_machine(
 def test_the_state_speaks_in_leases_of_one_and_two_commands_from_speeds_measured_alone(
     tmp_path, mnist_dir, monkeypatch
 ):
-    """Each unit's rounds measured alone (not those of a job that ran several units at once), and an
+    """Each unit's rounds measured alone (not those of a job that ran several units at once, nor those
+    with other work busy beside them), and an
     evaluation's seconds from a job's profile line, give the card time left and the leases of one
     and of two commands; the units no lease reaches are named."""
     from fedmeta.profiling import MEASURED
@@ -361,12 +362,14 @@ def test_the_state_speaks_in_leases_of_one_and_two_commands_from_speeds_measured
     plan = tiny_campaign(mnist_dir, lease=lease)
     kept = tmp_path / "kept"
     units = campaign.units(plan, kept)
-    for unit in units:  # every seed at 2 s a round alone, 9 s beside other units (round 1), none begun
+    # every seed at 2 s a round alone; 9 s beside other units (round 1, a job of two at once) and 7 s
+    # while other work kept more than a quarter of a core busy (rounds 3 and 6); none begun
+    for unit in units:
         for folder in unit.folders(kept):
             folder.mkdir(parents=True)
             (folder / "metrics.csv").write_text(
-                "round,round_seconds\n1,9.0\n2,2.0\n3,zz\n4,2.0\n"
-            )  # zz: skipped
+                "round,round_seconds,beside_cores\n1,9.0,\n2,2.0,0.1\n3,7.0,1.5\n4,zz,\n5,2.0,\n6,7.0,0.3\n"
+            )  # zz: skipped; no beside_cores: a round from before fedmeta measured it
     kept.joinpath("jobs.jsonl").write_text(
         json.dumps(
             {

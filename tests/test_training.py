@@ -2,6 +2,7 @@
 
 import csv
 import json
+import statistics
 
 import pytest
 import torch
@@ -50,7 +51,10 @@ def test_run_folder_holds_config_metrics_summary_and_checkpoint(cafeme_run):
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     assert [int(r["round"]) for r in rows] == list(range(1, 9))
     assert [bool(r["eval_accuracy"]) for r in rows] == [False] * 3 + [True] + [False] * 3 + [True]
+    beside = [float(r["beside_cores"]) for r in rows]  # what else ran: every round says, ≥ 0 cores
+    assert len(beside) == 8 and min(beside) >= 0
     on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["beside_cores"] == pytest.approx(statistics.median(beside))
     assert on_disk["accuracy"] == summary["accuracy"] and on_disk["rounds"] == 8
     assert {"accuracy", "accuracy_std", "curve", "rounds", "seconds"} <= on_disk.keys()
     curves = list(csv.DictReader(open(run_dir / "curves.csv")))
