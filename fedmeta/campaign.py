@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedmeta import grid, lease, report
-from fedmeta.checkpoint import differences, identity
+from fedmeta.checkpoint import differences, identity, identity_differences
 from fedmeta.clock import ALONE_CORES
 from fedmeta.config import CONFIG_DIR, compose
 from fedmeta.errors import FedmetaError
@@ -308,7 +308,7 @@ def _foreign(path: Path, cfg: DictConfig) -> str | None:
         saved_identity, round_ = saved["identity"], int(saved["round"])
     except Exception as exc:  # noqa: BLE001 — whatever a cut-off or foreign file raises
         return f"cannot be read ({type(exc).__name__})"
-    different = differences(saved_identity, identity(cfg))
+    different = identity_differences(saved_identity, cfg)
     if different:
         return f"was written by other settings ({different[0]})"
     if round_ > cfg.federation.rounds:

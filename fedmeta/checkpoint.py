@@ -44,14 +44,27 @@ IDENTITY = ("seed", "dataset", "partition", "method", "variant", "model", "feder
 def identity(cfg: DictConfig) -> dict:
     """What must match between a checkpoint and the run that resumes from it."""
     container = OmegaConf.to_container(cfg, resolve=True)
-    ident = {key: container.get(key) for key in IDENTITY}
-    for section, keys in RESUMABLE.items():
-        ident[section] = {k: v for k, v in ident[section].items() if k not in keys}
+    ident = _settled({key: container.get(key) for key in IDENTITY})
     ident["dataset"] = {k: v for k, v in ident["dataset"].items() if k not in ("dir", "download")}
     protocol = (container.get("evaluation") or {}).get("protocol", "new_clients")
     if protocol != "new_clients":  # training clients then keep a test split out of their training data
         ident["evaluation"] = {"training_clients_test_split": True}
     return ident
+
+
+def _settled(ident: dict) -> dict:
+    """``ident`` without the settings a run may change when it resumes (``RESUMABLE``)."""
+    return ident | {
+        section: {k: v for k, v in ident[section].items() if k not in keys}
+        for section, keys in RESUMABLE.items()
+        if isinstance(ident.get(section), dict)
+    }
+
+
+def identity_differences(saved: dict, cfg: DictConfig) -> list[str]:
+    """Where the identity a checkpoint saved differs from ``cfg``'s run: a setting that counted when
+    it was written and may change on resume now (``RESUMABLE``) is no difference."""
+    return differences(_settled(saved) if isinstance(saved, dict) else saved, identity(cfg))
 
 
 def _rng_states() -> dict:
@@ -136,7 +149,7 @@ def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> d
 
 def check_identity(path: Path, saved: dict, cfg: DictConfig, ignore: tuple[str, ...] = ()) -> None:
     """The checkpoint at ``path`` was written by a run of ``cfg``'s experiment (``ignore``: keys that may differ)."""
-    different = [d for d in differences(saved, identity(cfg)) if not d.startswith(ignore)]
+    different = [d for d in identity_differences(saved, cfg) if not d.startswith(ignore)]
     if different:
         raise FedmetaError(
             f"{path} belongs to another experiment ({'; '.join(different[:3])}): use the "
