@@ -359,7 +359,14 @@ def run(
     the first checkpoint on, a whole archive of what the job has gained (:mod:`fedmeta.lease`),
     its unfinished runs within ``carry_mib`` (default: configs/campaign.yaml's). ``parallel`` and
     ``ahead`` (units that set up while others train) default to configs/campaign.yaml's for this
-    machine's device."""
+    machine's device. SIGTERM to this process from its start to its record stops the job as its
+    deadline does (``grid.GridStop``): what its runs reached is archived and recorded."""
+    with grid.GridStop().installed() as stop:
+        return _job(campaign, budget, kept, root, parallel, out, carry_mib, ahead, stop)
+
+
+def _job(campaign, budget, kept, root, parallel, out, carry_mib, ahead, stop: grid.GridStop) -> dict:
+    """``run``'s job, ``stop`` installed."""
     started = time.time()
     stop_at = started + budget - campaign.reserve_seconds
     carry = campaign.carry_mib if carry_mib is None else carry_mib
@@ -402,7 +409,7 @@ def run(
     finished_before = report.finished_runs(root)
     lines = None
     try:
-        lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at, ahead=ahead) if jobs else []
+        lines = grid.run(jobs, root, parallel, kept, stop_at=stop_at, ahead=ahead, stop=stop) if jobs else []
         _record_command(campaign, jobs, root, finished_before)
     finally:  # a stop of the campaign itself still packs what its runs left
         record["ended"] = lines is not None
@@ -663,17 +670,19 @@ def _metrics(
         table = list(csv.reader(io.StringIO(data.decode("utf-8"))))
     except (UnicodeDecodeError, csv.Error):
         return [], "cannot be read"
-    if not table or table[0] != METRIC_FIELDS:
+    # columns are only ever added at the end: a run of an earlier version has the first of them
+    header = table[0] if table else []
+    if len(header) < 4 or header != METRIC_FIELDS[: len(header)]:
         return [], f"does not begin with fedmeta's columns ({','.join(METRIC_FIELDS)})"
     rows = []
     for row in table[1:]:
-        values = dict(zip(METRIC_FIELDS, row))
+        values = dict(zip(header, row))
         try:
             round_, loss = int(values["round"]), float(values["train_loss"])
-            numbers = {key: float(values[key]) for key in METRIC_FIELDS[2:] if values.get(key)}
+            numbers = {key: float(values[key]) for key in header[2:] if values.get(key)}
         except (KeyError, ValueError):
             return [], f"has a row that is not numbers ({','.join(row)[:60]})"
-        if len(row) != len(METRIC_FIELDS) or round_ != len(rows) + 1:
+        if len(row) != len(header) or round_ != len(rows) + 1:
             return [], f"has a row {round_} where row {len(rows) + 1} belongs"
         if round_ > limit:
             return [], f"has a row {round_} of a {limit}-round run"

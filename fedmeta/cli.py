@@ -805,8 +805,12 @@ def _campaign_command(args: argparse.Namespace) -> int:
         args.budget = args.until - time.time()
     if args.settings is not None and args.budget is None:
         raise FedmetaError("--settings narrows a job: give it --budget or --until")
+
+    def narrowed(plan):  # the job's settings: --settings, else all of the campaign's
+        return plan if args.settings is None else campaign.only(plan, args.settings)
+
     if args.profile is not None:  # refused with --collect before anything is collected
-        return _profile_next_unit(args, plan, kept)
+        return _profile_next_unit(args, narrowed(plan), kept)
     if args.collect is not None:
         if args.budget is not None:
             raise FedmetaError("--collect takes back a job's files: run it without --budget")
@@ -835,7 +839,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
         plan.command_overrides = list(args.overrides)  # what the runs' command.txt repeats
         compose(list(plan.overrides))  # a bad override: one line before anything runs
         record = campaign.run(
-            plan if args.settings is None else campaign.only(plan, args.settings),
+            narrowed(plan),
             args.budget,
             kept,
             Path("runs") / plan.preset,

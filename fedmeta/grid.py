@@ -41,6 +41,8 @@ STOPPED = "stopped"  # a failure line that starts with it: the run stopped early
 LAST_START = 30  # at least: no run starts closer to the deadline (FirstRounds measures what a start needs)
 KILL_AFTER = 15  # seconds a run has after SIGTERM at the deadline to checkpoint and exit, then it is killed
 POLL_S = 0.5  # how often a waiting pool thread looks whether its grid was asked to stop
+STOP_GRACE = 180  # seconds a run has after a SIGTERM to its grid to reach a round boundary (a stacked
+# CIFAR-10 round on one core takes about a minute), then it is killed; a second SIGTERM kills at once
 
 
 def load_preset(name: str) -> DictConfig:
@@ -447,9 +449,12 @@ def run(
     slurm: list[str] = (),
     stop_at: float | None = None,
     ahead: int = 0,
+    stop: GridStop | None = None,
 ) -> list[str]:
     """Run the jobs not yet finished on ``executor``; returns one line per run that failed or was
     stopped (its log holds the rest; a stopped one's line starts with ``STOPPED``).
+    ``stop`` (pool): the caller's, installed over more than the runs (a campaign's job); by default
+    the pool installs its own while its runs go.
     ``parallel`` 0: every process at once (a GPU shared by all of a setting's methods).
     ``ahead`` (pool): that many more processes start and set up while ``parallel`` train, each
     waiting for a turn (``output.turns``) before its first round.
@@ -477,9 +482,9 @@ def run(
             turns = DeviceTurn.make(root / "turns", parallel).resolve()
             todo = [replace(job, overrides=(*job.overrides, f"output.turns={turns}")) for job in todo]
             return _run_pool(
-                todo, logs, parallel + ahead, threads, stop_at, turn_gate(turns, parallel, ahead)
+                todo, logs, parallel + ahead, threads, stop_at, turn_gate(turns, parallel, ahead), stop
             )
-        return _run_pool(todo, logs, parallel, threads, stop_at)
+        return _run_pool(todo, logs, parallel, threads, stop_at, stop=stop)
     if executor == "local":
         return _run_submitit(todo, logs / "submitit", parallel, threads, executor, slurm)
     failures = []  # SLURM runs an array job's tasks in any order: a chain's stages go one array job each
@@ -641,11 +646,15 @@ def _run_pool(
     threads: int,
     stop_at: float | None = None,
     may_start: Callable[[int], bool] = lambda running: True,
+    stop: GridStop | None = None,
 ) -> list[str]:
+    if stop is None:
+        with (stop := GridStop()).installed():
+            return _run_pool(todo, logs, parallel, threads, stop_at, may_start, stop)
     env = dict(os.environ) | (
         {"OMP_NUM_THREADS": str(threads)} if threads and "OMP_NUM_THREADS" not in os.environ else {}
     )
-    first_rounds, stop = FirstRounds(), threading.Event()
+    first_rounds = FirstRounds()
 
     def execute(job: Job) -> str | None:
         log = logs / f"{job.label.replace('/', '-')}.log"
@@ -661,15 +670,15 @@ def _run_pool(
             code = _wait(process, stop_at, stop)
         first_rounds.ended(log)
         at_deadline = stop_at is not None and time.time() >= stop_at
-        if (stop.is_set() or at_deadline) and code in (-signal.SIGTERM, -signal.SIGKILL):
+        if (stop.asked.is_set() or at_deadline) and code in (-signal.SIGTERM, -signal.SIGKILL):
             return (  # a stop, not a failure: it had no round boundary before the deadline
                 f"{STOPPED}: {job.label}: setting up or in a round at "
-                f"{'SIGTERM' if stop.is_set() else 'the deadline'}, "
+                f"{'SIGTERM' if stop.asked.is_set() else 'the deadline'}, "
                 f"{'killed' if code == -signal.SIGKILL else 'stopped'}; its last checkpoint is kept"
             )
         return _failure(job, code, log)
 
-    with ThreadPoolExecutor(max_workers=parallel) as pool, _sigterm_sets(stop):
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
         return dispatch(
             todo,
             parallel,
@@ -678,31 +687,47 @@ def _run_pool(
             stop_at=stop_at,
             may_start=may_start,
             lead=first_rounds.lead,
-            stopped=stop.is_set,
+            stopped=stop.asked.is_set,
         )
 
 
-@contextmanager
-def _sigterm_sets(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM to the grid's own process (``kill``, ``timeout``, ``docker stop``) stops its runs as
-    its deadline does — each checkpointed, nothing more started — and the caller goes on to what
-    follows them (a campaign archives its runs and records its job), where the default would end the
-    process on the spot."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+class GridStop:
+    """SIGTERM to a grid's own process (``kill``, ``timeout``, a scheduler) stops its runs as its
+    deadline does — each at its next round boundary, checkpointed, with ``STOP_GRACE`` seconds to get
+    there, nothing more started — and the caller goes on to what follows them (a campaign archives its
+    runs and records its job), where the default would end the process on the spot. A second SIGTERM
+    kills the runs at once (their last checkpoints on disk are whole)."""
+
+    def __init__(self):
+        self.asked, self.hurried = threading.Event(), threading.Event()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        (self.hurried if self.asked.is_set() else self.asked).set()
+
+    @contextmanager
+    def installed(self) -> Iterator[GridStop]:
+        """While inside, SIGTERM to this process is this stop (the main thread only takes signals; a
+        process told to ignore SIGTERM keeps to it)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN or previous is None:  # None: a handler set from C, kept as it is
+            yield self
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
-def _wait(process: subprocess.Popen, stop_at: float | None, stop: threading.Event) -> int:
-    """The run's exit status; one still running at ``stop_at`` (its own deadline check misjudged a
-    round) or once ``stop`` is set gets SIGTERM, to checkpoint at its next round boundary, and is
-    killed if it has not exited ``KILL_AFTER`` seconds later (its last checkpoint on disk is whole)."""
-    while not stop.is_set():
+def _wait(process: subprocess.Popen, stop_at: float | None, stop: GridStop) -> int:
+    """The run's exit status. One still running at ``stop_at`` (its own deadline check misjudged a
+    round) gets SIGTERM, to checkpoint at its next round boundary, and is killed if it has not
+    exited ``KILL_AFTER`` seconds later; once ``stop`` is asked, the same with ``STOP_GRACE`` seconds
+    (it is then mid-round), killed at once if hurried. Its last checkpoint on disk is whole."""
+    while not stop.asked.is_set():
         left = POLL_S if stop_at is None else min(POLL_S, stop_at - time.time())
         if left <= 0:
             break
@@ -711,11 +736,14 @@ def _wait(process: subprocess.Popen, stop_at: float | None, stop: threading.Even
         except subprocess.TimeoutExpired:
             continue
     process.terminate()
-    try:
-        return process.wait(KILL_AFTER)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait()
+    grace_ends = time.time() + (STOP_GRACE if stop.asked.is_set() else KILL_AFTER)
+    while time.time() < grace_ends and not stop.hurried.is_set():
+        try:
+            return process.wait(min(POLL_S, max(0.0, grace_ends - time.time())))
+        except subprocess.TimeoutExpired:
+            continue
+    process.kill()
+    return process.wait()
 
 
 def _run_submitit(

@@ -61,7 +61,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def summary_problem(summary, rounds: int | None = None) -> str | None:
     """What makes ``summary`` (a parsed summary.json) not one a run can write, or None: an accuracy
-    or curve point outside [0, 1] or not a number, rounds not a count (or not ``rounds``)."""
+    or curve point outside [0, 1] or not a number, rounds not a count (or not ``rounds``), a duration
+    or a median of seconds or cores that is not a number ≥ 0."""
     if not isinstance(summary, dict):
         return "is not a mapping"
 
@@ -83,6 +84,15 @@ def summary_problem(summary, rounds: int | None = None) -> str | None:
         isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0
     ):
         return f"has seconds {seconds!r}, not a duration"
+    for key in ("seconds_per_round", "beside_cores"):  # medians the tables print
+        value = summary.get(key)
+        if value is not None and not (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value >= 0
+        ):
+            return f"has {key} {value!r}, not a number ≥ 0"
     return None
 
 
@@ -276,8 +286,9 @@ def _foreign_metrics(path: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        with open(path, newline="") as f:
-            return next(csv.reader(f), METRIC_FIELDS) != METRIC_FIELDS
+        with open(path, newline="") as f:  # an earlier version's: the first of today's columns
+            header = next(csv.reader(f), METRIC_FIELDS)
+            return len(header) < 4 or header != METRIC_FIELDS[: len(header)]
     except (UnicodeDecodeError, csv.Error):
         return True
 

@@ -57,7 +57,8 @@ class Stopper:
     A SIGTERM during a round's evaluation, or during a round whose evaluation is due, stops before
     that evaluation, the trained round checkpointed: the resume evaluates it first. Outside the
     rounds (setting up) SIGTERM stops at once, as Ctrl-C does: every checkpoint on disk is
-    complete, so nothing is lost."""
+    complete, so nothing is lost. A second Ctrl-C stops at once; a second SIGTERM changes nothing (a
+    group's signal reaches a grid's run twice: directly and passed on by its grid)."""
 
     MARGIN = 1.5  # a round may take longer than the median of the last ones
     SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
@@ -93,6 +94,8 @@ class Stopper:
         if signum == signal.SIGINT and self.signalled:  # a second Ctrl-C: at once, the round under way lost
             self.restore()
             raise KeyboardInterrupt
+        if signum == signal.SIGTERM and self.signalled and self.rounds_started and not self.evaluating:
+            return  # sent again (to the process group, and by a grid passing it on): the round still ends
         if not self.rounds_started or self.signalled or self.evaluating:
             self.signalled = name
             raise RunStopped(

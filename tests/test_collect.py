@@ -415,6 +415,25 @@ def test_the_campaigns_state_skips_a_rounds_seconds_no_run_has(plan, tmp_path):
     assert "of one command" in state and "| 2.0000 |" in state
 
 
+def test_a_metrics_file_of_an_earlier_version_is_read_by_its_own_columns(tmp_path):
+    """Columns are only ever added at the end: a run written before the last of them (beside_cores)
+    is still one fedmeta wrote, read by its own header; a renamed column or a short row is not."""
+    from fedmeta.runs import _foreign_metrics
+
+    earlier = METRIC_FIELDS[:-1]
+    row = ["1", "0.5", "2.0", "0"] + [""] * (len(earlier) - 4)
+    text = ",".join(earlier) + "\n" + ",".join(row) + "\n"
+    assert campaign._metrics(text.encode(), 1, 1) == ([(1, 0.5)], None)
+    (tmp_path / "metrics.csv").write_text(text)
+    assert not _foreign_metrics(tmp_path / "metrics.csv")
+    renamed = text.replace("round_seconds", "seconds", 1)
+    assert "does not begin with fedmeta's columns" in campaign._metrics(renamed.encode(), 1, 1)[1]
+    (tmp_path / "metrics.csv").write_text(renamed)
+    assert _foreign_metrics(tmp_path / "metrics.csv")
+    short = ",".join(earlier) + "\n" + ",".join(row[:-1]) + "\n"
+    assert "has a row 1 where row 1 belongs" in campaign._metrics(short.encode(), 1, 1)[1]
+
+
 def test_a_kept_metrics_row_that_is_not_numbers_skips_that_run_in_the_report(tmp_path, caplog):
     from fedmeta import report
 
