@@ -750,7 +750,9 @@ def status(campaign: DictConfig, kept: Path) -> str:
         f"(`{JOB_LOGS}/`, `{ALONE_RECORDS}`); ≈ marks a unit that takes its method's speed on the same "
         "data set. Rounds trained beside other units are not used (a card time-slices processes, and "
         "two processes on a CPU's cores can slow each other), nor rounds during which other processes "
-        f"kept more than {ALONE_CORES} of a core busy on average (their `beside_cores` in metrics.csv). "
+        f"kept more than {ALONE_CORES} of a core busy on average (their `beside_cores` in metrics.csv), "
+        "except where a unit has no other measure: ~ marks a speed from rounds with other work beside "
+        "them (a second job on the other core), taken as it is. "
         f"*evals left* are the new-client evaluations still due (the preset's `evaluations`); *{_hours(lent)}* "
         "is what is left of the unit's training and evaluations at those speeds.",
         "",
@@ -815,7 +817,8 @@ def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list
             part["units"] += 1
             part["evaluations_unmeasured"] += evaluations if evaluation_seconds is None else 0
         shown = state if state != "under way" else f"rounds {', '.join(map(str, done))} of {unit.rounds}"
-        speed_shown = "-" if not per_seed_round else f"{'' if speed is own else '≈'}{per_seed_round:.4f}"
+        mark = ("" if speed is own else "≈") + ("~" if speed.get("beside") else "")
+        speed_shown = "-" if not per_seed_round else f"{mark}{per_seed_round:.4f}"
         rows.append(
             f"| {i} | {unit.setting} | {unit.method} | {shown} | {speed_shown} | {evaluations} | "
             f"{'-' if seconds is None else f'{seconds / 3600:.2f}'} |"
@@ -1062,13 +1065,14 @@ def alone_records(preset: str, records: Path | None = None, logs: Path | None = 
 def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dict:
     """The unit's speed alone and an evaluation's seconds: its own rounds outside jobs that ran
     several units at once and with no other work busy beside them (their ``beside_cores``), else
-    the latest measurement of it (``alone_records``); {} if none."""
+    the latest measurement of it (``alone_records``), else, marked ``beside``, its rounds that had
+    other work beside them in a job of its own (two jobs at once, one a core); {} if none."""
     shared = [
         (min(moved[0]), max(moved[1]))
         for job in jobs
         if job["parallel"] > 1 and (moved := job["units"].get(unit.label))
     ]
-    seconds = []
+    seconds, beside_seconds = [], []
     for folder in unit.folders(kept):
         try:
             with open(folder / "metrics.csv", encoding="utf-8") as f:
@@ -1079,15 +1083,17 @@ def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dic
                     except ValueError:
                         continue
                     # 1e308 would overflow what is left, nan compares false
-                    alone = beside <= ALONE_CORES and not any(lo < round_ <= hi for lo, hi in shared)
-                    if 0 < value <= ROUND_SECONDS and alone:
-                        seconds.append(value)
+                    if not 0 < value <= ROUND_SECONDS or any(lo < round_ <= hi for lo, hi in shared):
+                        continue
+                    (seconds if beside <= ALONE_CORES else beside_seconds).append(value)
         except (OSError, UnicodeDecodeError, csv.Error):
             continue
     mine = [r for r in records if r["unit"] == unit.label]
     speed = dict(mine[-1]) if mine else {}
     if seconds:
         speed["seconds_per_seed_round"] = statistics.median(seconds)
+    elif beside_seconds and not mine:
+        speed |= {"seconds_per_seed_round": statistics.median(beside_seconds), "beside": True}
     return speed
 
 

@@ -803,8 +803,8 @@ def _campaign_command(args: argparse.Namespace) -> int:
                 f"--until takes the job's end as a Unix time, instead of --budget, got {args.until}"
             )
         args.budget = args.until - time.time()
-    if args.settings is not None and args.budget is None:
-        raise FedmetaError("--settings narrows a job: give it --budget or --until")
+    if args.settings is not None and args.budget is None and args.profile is None:
+        raise FedmetaError("--settings narrows a job or a profile: give it --budget, --until or --profile")
 
     def narrowed(plan):  # the job's settings: --settings, else all of the campaign's
         return plan if args.settings is None else campaign.only(plan, args.settings)

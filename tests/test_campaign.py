@@ -317,7 +317,7 @@ def test_two_jobs_at_once_each_take_only_the_settings_given_them(tmp_path, mnist
     config = Path(__file__).resolve().parent.parent / "configs" / "campaign_cpu.yaml"
     assert main(["campaign", "--config", str(config), "--settings", "x"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "fedmeta: error: --settings narrows a job: give it --budget or --until"
+        "fedmeta: error: --settings narrows a job or a profile: give it --budget, --until or --profile"
     )
 
 
@@ -470,6 +470,21 @@ def test_the_state_speaks_in_leases_of_one_and_two_commands_from_speeds_measured
         in state
     )
     assert "nothing is left that a lease can reach" in state
+
+
+def test_a_unit_measured_only_beside_other_work_takes_that_speed_marked_as_such(
+    tmp_path, mnist_dir, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # results/gpu/ here: the repository's measurements are not read
+    plan = tiny_campaign(mnist_dir, lease=None)
+    kept = tmp_path / "kept"
+    unit = campaign.units(plan, kept)[0]
+    for folder in unit.folders(kept):  # a second job on the other core all along: a core busy beside
+        folder.mkdir(parents=True)
+        (folder / "metrics.csv").write_text("round,round_seconds,beside_cores\n1,3.0,1.02\n2,3.2,0.98\n")
+    state = campaign.status(plan, kept)
+    assert f"| 1 | rmnist-shards | {unit.method} | to do | ~3.1000 |" in state
+    assert "~ marks a speed from rounds with other work beside them" in state
 
 
 def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back(
