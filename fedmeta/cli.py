@@ -742,7 +742,7 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
     kept = results / "runs" / folder  # the runs' small files, committed: what the report reads
     grids = ["table"] if args.command == "table" else ["heterogeneity", "images_per_client"]
     should_run, failures = (not args.no_run if args.command == "table" else args.run), []
-    jobs, fresh = [], []
+    jobs, fresh, stop = [], [], grid.GridStop()
     budget = args.budget if args.command == "table" else None
     if budget is not None and not (budget > 0 and math.isfinite(budget)):
         raise FedmetaError(f"--budget must be a number of seconds > 0, got {budget}")
@@ -750,15 +750,17 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
         jobs = grid.plan(preset, root, grids, args.datasets, args.methods, args.seeds, args.overrides)
         before = report.finished_runs(root)
         try:
-            failures = grid.run(
-                jobs,
-                root,
-                grid.default_parallel() if args.parallel is None else args.parallel,
-                kept,
-                args.executor,
-                args.slurm,
-                None if budget is None else time.time() + budget,
-            )
+            with stop.installed():
+                failures = grid.run(
+                    jobs,
+                    root,
+                    grid.default_parallel() if args.parallel is None else args.parallel,
+                    kept,
+                    args.executor,
+                    args.slurm,
+                    None if budget is None else time.time() + budget,
+                    stop=stop,
+                )
         finally:  # also the runs that finished before a Ctrl-C: the next grid counts them as done
             launched = set().union(*(job.folders(root) for job in jobs))
             fresh = report.record_command(root, before, shlex.join(["fedmeta", *argv]), launched)
@@ -784,6 +786,8 @@ def _grid_command(args: argparse.Namespace, argv: list[str]) -> int:
         cfg = compose(list(jobs[0].overrides) if jobs else [*preset.overrides, *args.overrides])
         if args.wandb or "wandb" in cfg.logger:
             report.log_report(args.preset, preset, runs, written, cfg.wandb)
+    if stop.asked.is_set():  # what finished is in the table; the rest continues when run again
+        return RunStopped.EXIT_STATUS
     return 1 if failures else 0
 
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from fedmeta import grid
 from fedmeta.cli import main
-from fedmeta.errors import FedmetaError
+from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.grid import Job, dispatch, load_preset, plan, preset_budget, sources
 from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN
 from fedmeta.stopping import FIRST_ROUND_ENDED
@@ -205,6 +205,29 @@ def test_sweep_runs_through_submitit_local_executor_skips_finished_and_reports_f
     assert main(bad) == 1
     err = capsys.readouterr().err
     assert err.count("fedmeta: failed run:") == 1 and "exit 2" in err and "nowhere" in err
+
+
+def test_a_table_stopped_by_sigterm_stops_its_runs_writes_what_finished_and_says_so(
+    tmp_path, monkeypatch, mnist_dir, capsys
+):
+    """SIGTERM to ``fedmeta table`` (here sent by its run, a stand-in that then stops as a run does):
+    the run stops checkpointed, the table is written from what finished, and the exit status is a
+    stop's (75), not success."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
+    stand_in = tmp_path / "python"
+    stand_in.write_text(
+        "#!/bin/sh\ntrap 'echo \"fedmeta: stopped after round 1 of 2 (SIGTERM)\"; exit 75' TERM\n"
+        "kill -TERM $PPID\nsleep 60 & wait\n"
+    )
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(grid.sys, "executable", str(stand_in))
+    args = ["table", "--datasets", "rmnist-shards", "--methods", "fedavg,local", "--seeds", "0", *TINY]
+    assert main(args) == RunStopped.EXIT_STATUS
+    err = capsys.readouterr().err
+    assert "fedmeta: stopped: rmnist-shards/fedavg/seed0: stopped after round 1 of 2 (SIGTERM)" in err
+    assert "not started: the grid was stopped by SIGTERM" in err and "failed run" not in err
+    assert (tmp_path / "results" / "TABLES.md").is_file()
 
 
 @pytest.mark.slow
