@@ -46,7 +46,7 @@ from fedmeta.checkpoint import differences, identity, identity_differences
 from fedmeta.clock import ALONE_CORES
 from fedmeta.config import CONFIG_DIR, compose
 from fedmeta.errors import FedmetaError
-from fedmeta.runs import summary_problem
+from fedmeta.runs import read_summary, summary_problem
 
 CARRIED = lease.UNFINISHED_FILES  # what an unfinished run leaves for the next job
 
@@ -754,7 +754,9 @@ def status(campaign: DictConfig, kept: Path) -> str:
         "except where a unit has no other measure: ~ marks a speed from rounds with other work beside "
         "them (a second job on the other core), taken as it is. "
         f"*evals left* are the new-client evaluations still due (the preset's `evaluations`); *{_hours(lent)}* "
-        "is what is left of the unit's training and evaluations at those speeds.",
+        "is what is left of the unit's training and evaluations at those speeds, an evaluation's seconds "
+        "from a job's profile, else from the unit's finished runs that trained one seed a process: their "
+        "wall time less their rounds', over their evaluations, for each of its seeds.",
         "",
         f"| # | setting | method | state | s/seed-round alone | evals left | {_hours(lent)} |",
         "|---|---|---|---|---|---|---|",
@@ -1072,8 +1074,10 @@ def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dic
         for job in jobs
         if job["parallel"] > 1 and (moved := job["units"].get(unit.label))
     ]
-    seconds, beside_seconds = [], []
+    seconds, beside_seconds, evaluating = [], [], []
     for folder in unit.folders(kept):
+        if (spent := _evaluation_seconds(folder)) is not None:
+            evaluating.append(spent)
         try:
             with open(folder / "metrics.csv", encoding="utf-8") as f:
                 for row in csv.DictReader(f):
@@ -1094,7 +1098,28 @@ def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dic
         speed["seconds_per_seed_round"] = statistics.median(seconds)
     elif beside_seconds and not mine:
         speed |= {"seconds_per_seed_round": statistics.median(beside_seconds), "beside": True}
+    if evaluating and speed.get("evaluation_seconds") is None:  # the unit's seeds, one after another
+        speed["evaluation_seconds"] = statistics.median(evaluating) * len(unit.jobs)
     return speed
+
+
+def _evaluation_seconds(folder: Path) -> float | None:
+    """What one evaluation of a finished run that trained its seed alone in its process cost: its
+    wall seconds less its rounds', over its evaluations (its setup and checkpoints counted in, a few
+    seconds of them); None for a stacked or unfinished run, or files that do not say."""
+    summary = read_summary(folder / "summary.json") if (folder / "summary.json").is_file() else None
+    if summary is None or summary.get("seeds_stacked", 1) != 1 or summary.get("resumed_at_round"):
+        return None  # a resumed run's wall time counts its setup twice
+    try:
+        with open(folder / "metrics.csv", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        trained = sum(float(row["round_seconds"]) for row in rows)
+    except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+        return None
+    evaluations = sum(1 for row in rows if row.get("eval_accuracy"))
+    if not evaluations or not _number(summary.get("seconds")) or summary["seconds"] < trained:
+        return None
+    return (summary["seconds"] - trained) / evaluations
 
 
 def _same_method(unit: Unit, all_units: list[Unit], speeds: dict) -> dict:

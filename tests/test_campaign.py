@@ -487,6 +487,22 @@ def test_a_unit_measured_only_beside_other_work_takes_that_speed_marked_as_such(
     assert "~ marks a speed from rounds with other work beside them" in state
 
 
+def test_an_evaluation_costs_what_a_finished_runs_wall_time_leaves_over_its_rounds(tmp_path):
+    """A run that trained its seed alone in one process: (wall − its rounds' seconds) / evaluations;
+    nothing from a stacked or a resumed run (whose wall time holds two setups)."""
+    run = tmp_path / "seed0"
+    run.mkdir()
+    (run / "metrics.csv").write_text(
+        "round,train_loss,round_seconds,eval_accuracy\n1,0.9,10.0,0.5\n2,0.8,10.0,\n3,0.7,10.0,0.6\n"
+    )
+    summary = {"accuracy": 0.6, "curve": [0.6], "rounds": 3, "seconds": 110.0, "seeds_stacked": 1}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert campaign._evaluation_seconds(run) == pytest.approx(40.0)
+    for other in ({"seeds_stacked": 3}, {"resumed_at_round": 2}, {"seconds": 20.0}):
+        (run / "summary.json").write_text(json.dumps(summary | other))
+        assert campaign._evaluation_seconds(run) is None, other
+
+
 def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back(
     tmp_path, mnist_dir, monkeypatch, capsys
 ):
