@@ -72,9 +72,10 @@ def given(named: tuple[str, ...]) -> tuple[frozenset, frozenset]:
             for point in summary.get("curve") or []:
                 add(100 * point)
             group["accuracy"].append(accuracy)
-            if summary.get("seconds_per_round"):
-                add(summary["seconds_per_round"])
-                group["seconds_per_round"].append(summary["seconds_per_round"])
+            for key in ("seconds_per_round", "beside_cores"):  # medians the cell table prints
+                if summary.get(key) is not None:
+                    add(summary[key])
+                    group[key].append(summary[key])
         elif path.name == "evaluations.jsonl" and "runs" in path.parts:  # a kept run scored again
             for evaluation in map(json.loads, path.read_text().splitlines()):
                 add(100 * evaluation["accuracy"], 100 * evaluation["accuracy_std"])
