@@ -586,7 +586,7 @@ def every_job_finishes(monkeypatch):
     """A grid whose every job leaves a finished run at once (no training)."""
     from fedmeta import grid
 
-    def run(jobs, root, *_):
+    def run(jobs, root, *_, **__):
         for job in jobs:
             finished_run(root / job.setting / job.method / f"seed{job.seed}", 0.5, job.seed)
         return []
@@ -635,7 +635,7 @@ def test_a_grid_claims_only_the_runs_it_ran_not_those_a_grid_beside_it_finished(
     monkeypatch.setattr(report, "log_report", lambda *args: None)
     beside = tmp_path / "runs" / "quick" / "rmnist-shards" / "local" / "seed1"
 
-    def run(jobs, root, *_):
+    def run(jobs, root, *_, **__):
         for job in jobs:
             finished_run(root / job.setting / job.method / f"seed{job.seed}", 0.5, job.seed)
         finished_run(beside, 0.5, 1)  # the grid beside this one finishes its run meanwhile
