@@ -961,20 +961,17 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
     root = Path(args.root)
     jobs = grid.sweep_plan(args.values, root)
-    failures = grid.run(
-        jobs,
-        root,
-        grid.default_parallel() if args.parallel is None else args.parallel,
-        None,
-        args.executor,
-        args.slurm,
-    )
+    parallel = grid.default_parallel() if args.parallel is None else args.parallel
+    with (stop := grid.GridStop()).installed():
+        failures = grid.run(jobs, root, parallel, None, args.executor, args.slurm, stop=stop)
     for line in failures:
-        print(f"fedmeta: failed run: {line}", file=sys.stderr)
+        print(f"fedmeta: {'' if line.startswith(grid.STOPPED) else 'failed run: '}{line}", file=sys.stderr)
     table = grid.sweep_report(jobs)
     (root / "sweep.md").write_text(f"# Sweep: fedmeta sweep {' '.join(args.values)}\n\n{table}")
     print(table, end="")
-    return 1 if failures else 0
+    if stop.asked.is_set():  # what finished is in the report; the rest continues when run again
+        return RunStopped.EXIT_STATUS
+    return 1 if any(not line.startswith(grid.STOPPED) for line in failures) else 0
 
 
 COMMANDS = {  # fedmeta <command> → what runs it (table and figures also read the command line)
