@@ -83,19 +83,32 @@ def _file(campaign: DictConfig) -> str:
     return campaign.get("file") or "configs/campaign.yaml"
 
 
-def only(campaign: DictConfig, settings: str) -> DictConfig:
-    """The campaign narrowed to some of its settings (``--settings a,b``), in its own order: two
-    jobs at once — two cores, two machines — each on settings of its own, never on the same units."""
-    names = [name.strip() for name in settings.split(",") if name.strip()]
-    unknown = [name for name in names if name not in campaign.order]
-    if unknown or not names:
-        raise FedmetaError(
-            f"--settings takes some of {_file(campaign)}'s settings, comma-separated, got {settings!r}; "
-            f"its settings: {', '.join(campaign.order)}"
-        )
+def only(campaign: DictConfig, settings: str | None = None, methods: str | None = None) -> DictConfig:
+    """The campaign narrowed to some of its settings (``--settings a,b``) and methods (``--methods
+    a,b``), in its own order: two jobs at once — two cores, two machines — each on settings of its
+    own, never on the same units; or a profile of one unit that is not next."""
     narrowed = campaign.copy()
-    narrowed.order = [name for name in campaign.order if name in names]
+    if settings is not None:
+        narrowed.order = _some(settings, list(campaign.order), "--settings", "settings", campaign)
+    if methods is not None:
+        preset = grid.load_preset(campaign.preset)
+        narrowed.methods = _some(
+            methods, list(campaign.get("methods") or preset.methods), "--methods", "methods", campaign
+        )
     return narrowed
+
+
+def _some(given: str, names: list[str], flag: str, what: str, campaign: DictConfig) -> list[str]:
+    """Those of ``names`` that ``given`` (comma-separated) names, in their order; one line if it names
+    none or one that is not there."""
+    wanted = [name.strip() for name in given.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in names]
+    if unknown or not wanted:
+        raise FedmetaError(
+            f"{flag} takes some of {_file(campaign)}'s {what}, comma-separated, got {given!r}; "
+            f"its {what}: {', '.join(names)}"
+        )
+    return [name for name in names if name in wanted]
 
 
 SETTINGS = {
@@ -752,7 +765,8 @@ def status(campaign: DictConfig, kept: Path) -> str:
         "two processes on a CPU's cores can slow each other), nor rounds during which other processes "
         f"kept more than {ALONE_CORES} of a core busy on average (their `beside_cores` in metrics.csv), "
         "except where a unit has no other measure: ~ marks a speed from rounds with other work beside "
-        "them (a second job on the other core), taken as it is. "
+        "them (a second job on the other core, or beside a profile's rounds: its `beside_cores`), taken "
+        "as it is. "
         f"*evals left* are the new-client evaluations still due (the preset's `evaluations`); *{_hours(lent)}* "
         "is what is left of the unit's training and evaluations at those speeds, an evaluation's seconds "
         "from a job's profile, else from the unit's finished runs that trained one seed a process: their "
@@ -1052,7 +1066,7 @@ def alone_records(preset: str, records: Path | None = None, logs: Path | None = 
         speed = record.get("seconds_per_seed_round")
         if not (_number(speed) and 0 < speed <= ROUND_SECONDS):
             continue
-        evaluation = record.get("evaluation_seconds")
+        evaluation, beside, seeds = (record.get(k) for k in ("evaluation_seconds", "beside_cores", "seeds"))
         found.append(
             {
                 "unit": record["unit"],
@@ -1060,6 +1074,8 @@ def alone_records(preset: str, records: Path | None = None, logs: Path | None = 
                 "seconds_per_seed_round": float(speed),
                 "evaluation_seconds": float(evaluation) if _number(evaluation) and evaluation >= 0 else None,
             }
+            | ({"beside": True} if _number(beside) and beside > ALONE_CORES else {})
+            | ({"seeds": int(seeds)} if isinstance(seeds, int) and seeds > 0 else {})
         )
     return sorted(found, key=lambda r: r["date"])
 
@@ -1067,8 +1083,9 @@ def alone_records(preset: str, records: Path | None = None, logs: Path | None = 
 def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dict:
     """The unit's speed alone and an evaluation's seconds: its own rounds outside jobs that ran
     several units at once and with no other work busy beside them (their ``beside_cores``), else
-    the latest measurement of it (``alone_records``), else, marked ``beside``, its rounds that had
-    other work beside them in a job of its own (two jobs at once, one a core); {} if none."""
+    the latest measurement of it (``alone_records``; marked ``beside`` where other work was busy
+    beside it too), else, marked ``beside``, its rounds that had other work beside them in a job of
+    its own (two jobs at once, one a core) — a job's many rounds before a profile's few; {} if none."""
     shared = [
         (min(moved[0]), max(moved[1]))
         for job in jobs
@@ -1094,9 +1111,12 @@ def _alone(unit: Unit, kept: Path, jobs: list[dict], records: list[dict]) -> dic
             continue
     mine = [r for r in records if r["unit"] == unit.label]
     speed = dict(mine[-1]) if mine else {}
+    if speed.get("evaluation_seconds") and speed.get("seeds"):  # a profile of one seed of a unit of three
+        speed["evaluation_seconds"] *= len(unit.jobs) / speed["seeds"]  # whose seeds run one after another
     if seconds:
         speed["seconds_per_seed_round"] = statistics.median(seconds)
-    elif beside_seconds and not mine:
+        speed.pop("beside", None)
+    elif beside_seconds and (not mine or speed.get("beside")):  # a job's rounds over a profile's few
         speed |= {"seconds_per_seed_round": statistics.median(beside_seconds), "beside": True}
     if evaluating and speed.get("evaluation_seconds") is None:  # the unit's seeds, one after another
         speed["evaluation_seconds"] = statistics.median(evaluating) * len(unit.jobs)

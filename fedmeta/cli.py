@@ -251,6 +251,11 @@ def _campaign_parser(commands) -> None:
         "cores or machines, each on settings of its own)",
     )
     campaign_cmd.add_argument(
+        "--methods",
+        metavar="A,B",
+        help="the job takes only these of the campaign's methods (with --profile: measure a unit that is not next)",
+    )
+    campaign_cmd.add_argument(
         "--collect",
         metavar="FOLDER",
         help="take back what a job packed into FOLDER (the folder its files came back to), then write the state",
@@ -807,11 +812,12 @@ def _campaign_command(args: argparse.Namespace) -> int:
                 f"--until takes the job's end as a Unix time, instead of --budget, got {args.until}"
             )
         args.budget = args.until - time.time()
-    if args.settings is not None and args.budget is None and args.profile is None:
-        raise FedmetaError("--settings narrows a job or a profile: give it --budget, --until or --profile")
+    for flag, given in (("--settings", args.settings), ("--methods", args.methods)):
+        if given is not None and args.budget is None and args.profile is None:
+            raise FedmetaError(f"{flag} narrows a job or a profile: give it --budget, --until or --profile")
 
-    def narrowed(plan):  # the job's settings: --settings, else all of the campaign's
-        return plan if args.settings is None else campaign.only(plan, args.settings)
+    def narrowed(plan):  # the job's settings and methods: --settings, --methods, else all of the campaign's
+        return campaign.only(plan, args.settings, args.methods)
 
     if args.profile is not None:  # refused with --collect before anything is collected
         return _profile_next_unit(args, narrowed(plan), kept)

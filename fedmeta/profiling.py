@@ -42,6 +42,7 @@ import torch
 
 from fedmeta.bench import device_timer, stacked_runs
 from fedmeta.campaign import FILL, MEASURED
+from fedmeta.clock import RoundClock
 from fedmeta.errors import FedmetaError
 from fedmeta.stopping import process_seconds
 
@@ -116,19 +117,24 @@ def _profile(label, preset, overrides, deadline, top, partner) -> dict:
         return deadline - time.monotonic()
 
     print(f"profile {label}: set up {started:.1f} s after the process started; its first round …", flush=True)
+    clock = RoundClock()
     first = timed(next_round)
     measured["start_seconds"] = round(started, 2)  # imports, data, model: up to the first round
     measured["first_round_seconds"] = round(first, 2)  # the recording made in it
     laps = [first]
     while len(laps) < WARMUP_ROUNDS + TIMED_ROUNDS and left() > 2 * laps[-1]:
         laps.append(timed(next_round))
+    beside = clock.read()[1]
+    if beside is not None:  # the cores other processes kept busy during its rounds (fedmeta.clock)
+        measured["beside_cores"] = beside
     timed_laps = laps[WARMUP_ROUNDS:] or laps[-1:]
     measured["seconds_per_seed_round"] = round(statistics.median(timed_laps) / seeds, 5)
     measured["timed_rounds"] = len(timed_laps)
     print(
         f"profile {label}: {measured['seconds_per_seed_round']:.4f} s per seed-round alone "
         f"({len(timed_laps)} rounds timed after {len(laps) - len(timed_laps)}); set up in "
-        f"{measured['start_seconds']:.1f} s from the process's start, the first round {first:.1f} s",
+        f"{measured['start_seconds']:.1f} s from the process's start, the first round {first:.1f} s; "
+        f"{beside if beside is not None else 'unknown'} cores busy beside its rounds",
         flush=True,
     )
     round_seconds = statistics.median(timed_laps)

@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fedmeta import campaign, grid
+from fedmeta.clock import ALONE_CORES
 from fedmeta.config import compose
 from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.loop import train
@@ -321,6 +322,27 @@ def test_two_jobs_at_once_each_take_only_the_settings_given_them(tmp_path, mnist
     )
 
 
+def test_methods_narrow_a_job_or_a_profile_to_units_that_are_not_next(
+    tmp_path, mnist_dir, monkeypatch, capsys
+):
+    plan = tiny_campaign(mnist_dir, order=["rmnist-shards", "rmnist-dirichlet"])
+    narrowed = campaign.only(plan, "rmnist-dirichlet", " fedrep,cafeme")
+    labels = [unit.label for unit in campaign.units(narrowed, tmp_path)]
+    assert labels == ["rmnist-dirichlet/cafeme", "rmnist-dirichlet/fedrep"]  # the preset's order
+    assert campaign.next_unit(narrowed, tmp_path / "kept", tmp_path, None)[0] == "rmnist-dirichlet/cafeme"
+    assert plan.get("methods") is None  # the campaign itself is not changed
+    with pytest.raises(FedmetaError, match="--methods takes some of .*its methods: cafeme, fedavg,"):
+        campaign.only(plan, None, "fedavg,telepathy")
+    from fedmeta.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parent.parent / "configs" / "campaign_cpu.yaml"
+    assert main(["campaign", "--config", str(config), "--methods", "fedavg"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fedmeta: error: --methods narrows a job or a profile: give it --budget, --until or --profile"
+    )
+
+
 def test_units_whose_data_is_not_here_are_skipped_in_one_line(tmp_path, mnist_dir, monkeypatch, capsys):
     plan = tiny_campaign(mnist_dir)
     plan.overrides = [o for o in plan.overrides if not o.startswith("dataset.dir=")] + [
@@ -485,6 +507,21 @@ def test_a_unit_measured_only_beside_other_work_takes_that_speed_marked_as_such(
     state = campaign.status(plan, kept)
     assert f"| 1 | rmnist-shards | {unit.method} | to do | ~3.1000 |" in state
     assert "~ marks a speed from rounds with other work beside them" in state
+    logs = tmp_path / "results" / "gpu" / "jobs"  # a profile beside a job on the other core: its few
+    logs.mkdir(parents=True)  # rounds count only where a job's rounds do not say
+    profiled = {"unit": unit.label, "preset": "quick", "seconds_per_seed_round": 5.0, "beside_cores": 1.1}
+    (logs / "profile.log").write_text(campaign.MEASURED + json.dumps(profiled) + "\n")
+    assert f"| 1 | rmnist-shards | {unit.method} | to do | ~3.1000 |" in campaign.status(plan, kept)
+    for folder in unit.folders(kept):
+        (folder / "metrics.csv").unlink()
+    assert f"| 1 | rmnist-shards | {unit.method} | to do | ~5.0000 |" in campaign.status(plan, kept)
+    alone = profiled | {"beside_cores": 0.1, "seeds": 1, "evaluation_seconds": 600.0}
+    (logs / "profile.log").write_text(campaign.MEASURED + json.dumps(alone) + "\n")
+    [row] = [line for line in campaign.status(plan, kept).splitlines() if line.startswith("| 1 |")]
+    assert row.startswith(f"| 1 | rmnist-shards | {unit.method} | to do | 5.0000 |")
+    evaluations, hours = int(row.split("|")[6]), float(row.split("|")[7])
+    seeds = len(unit.jobs)  # the profile evaluated one seed: the unit's seeds, one after another, cost each
+    assert evaluations and hours == round((unit.rounds * seeds * 5.0 + evaluations * seeds * 600.0) / 3600, 2)
 
 
 def test_an_evaluation_costs_what_a_finished_runs_wall_time_leaves_over_its_rounds(tmp_path):
@@ -555,7 +592,8 @@ def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back
     assert record["seconds_per_seed_round"] == measured["seconds_per_seed_round"]
     assert campaign.alone_records("paper") == []  # another preset's units are other runs
     state = campaign.status(plan, kept)
-    assert f"| 1 | rmnist-shards | local | to do | {measured['seconds_per_seed_round']:.4f} |" in state
+    mark = "~" if measured["beside_cores"] > ALONE_CORES else ""  # other tests on the other core
+    assert f"| 1 | rmnist-shards | local | to do | {mark}{measured['seconds_per_seed_round']:.4f} |" in state
     [record] = campaign.fill_records("quick")
     assert record["lanes"] == fill["lanes"] and record["hardware"] == measured["hardware"]
     assert (
