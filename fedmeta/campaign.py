@@ -446,6 +446,12 @@ def _job(campaign, budget, kept, root, parallel, out, carry_mib, ahead, stop: gr
     return record
 
 
+def finished_early(record: dict) -> bool:
+    """Whether a job (``run``'s record) ended with every unit it took finished — nothing stopped,
+    refused or skipped — so that a next job could take the next units in the time left."""
+    return bool(record["ended"] and record["units"] and not record["not_done"])
+
+
 def _record_command(campaign: DictConfig, jobs: list[grid.Job], root: Path, finished_before: dict) -> None:
     """Beside each run the job finished, the command TABLES.md names for its cell: the campaign
     that trained it (its file and the overrides its command line added)."""

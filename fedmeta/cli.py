@@ -848,9 +848,28 @@ def _campaign_command(args: argparse.Namespace) -> int:
         plan.overrides = [*plan.overrides, *args.overrides]
         plan.command_overrides = list(args.overrides)  # what the runs' command.txt repeats
         compose(list(plan.overrides))  # a bad override: one line before anything runs
+        _campaign_jobs(args, narrowed(plan), kept)
+    if args.pack is not None:  # a lent machine: the state is written where its archive is collected
+        return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(campaign.status(plan, kept))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _campaign_jobs(args: argparse.Namespace, plan, kept) -> None:
+    """``fedmeta campaign --budget|--until``: a job, and on a machine of its own (nothing packed for a
+    lease) the next ones while its deadline leaves time and every unit a job took finished — a job
+    takes a few units, and a CPU's deadline of hours outlasts them."""
+    from pathlib import Path
+
+    from fedmeta import campaign
+
+    deadline = time.time() + args.budget
+    while True:
         record = campaign.run(
-            narrowed(plan),
-            args.budget,
+            plan,
+            deadline - time.time(),
             kept,
             Path("runs") / plan.preset,
             args.parallel,
@@ -860,12 +879,14 @@ def _campaign_command(args: argparse.Namespace) -> int:
         )
         advanced = "; ".join(f"{unit}: {b} → {a}" for unit, (b, a) in record["units"].items())
         print(f"campaign: {record['seconds']:.0f} s; advanced: {advanced or 'nothing'}")
-    if args.pack is not None:  # a lent machine: the state is written where its archive is collected
-        return 0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(campaign.status(plan, kept))
-    print(f"wrote {args.out}")
-    return 0
+        left = deadline - time.time()
+        if args.pack is not None or not campaign.finished_early(record) or left < plan.reserve_seconds + 60:
+            return
+        if campaign.next_unit(plan, kept, Path("runs") / plan.preset, args.carry_mib) is None:
+            return  # the campaign is done, or what is left cannot run here
+        print(
+            f"campaign: every unit the job took finished with {left:.0f} s left: a next job takes the next units"
+        )
 
 
 def _profile_next_unit(args: argparse.Namespace, plan, kept) -> int:

@@ -218,6 +218,46 @@ def test_the_runs_a_job_finishes_record_the_campaign_command_that_trained_them(
     assert len(list(root.rglob("command.txt"))) == len(list(root.rglob("summary.json"))) >= 1
 
 
+def test_a_cpu_job_whose_units_all_finish_before_its_deadline_goes_on_with_the_next(
+    tmp_path, mnist_dir, monkeypatch, capsys
+):
+    """A job takes a few units; a CPU's deadline of hours outlasts them: the command runs the next
+    job in the time left, until no unit is left; a job stopped short ends it."""
+    from fedmeta.cli import main
+
+    plan = tiny_campaign(mnist_dir, reserve_seconds=5)
+    config = tmp_path / "campaign.yaml"
+    OmegaConf.save(plan, config)
+    monkeypatch.chdir(tmp_path)
+    started = []
+
+    def finish(jobs, root_, parallel, kept_, stop_at, **_):
+        started.append([job.method for job in jobs])
+        for folder in sorted({f for job in jobs for f in job.folders(root_)}):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "summary.json").write_text("{}")
+        return []
+
+    monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
+    monkeypatch.setattr(grid, "run", finish)
+    assert main(["campaign", "--config", str(config), "--budget", "600"]) == 0
+    methods = [unit.method for unit in campaign.units(plan, Path("runs") / "quick")]
+    jobs = -(-len(methods) // 6)  # a job takes six units (one at a time here): these jobs took them all
+    assert len(methods) > 6 and len(started) == jobs
+    assert [m for job in started for m in dict.fromkeys(job)] == methods
+    jobs_run = (Path("results") / "runs" / "quick" / "jobs.jsonl").read_text().splitlines()
+    assert len(jobs_run) == jobs  # each job recorded; no next one when nothing is left
+    assert "a next job takes the next units" in capsys.readouterr().out
+
+    shutil.rmtree("runs"), shutil.rmtree("results")
+    started.clear()
+    monkeypatch.setattr(
+        grid, "run", lambda jobs, *a, **k: started.append(jobs) or ["stopped: at the deadline"]
+    )
+    assert main(["campaign", "--config", str(config), "--budget", "600"]) == 0
+    assert len(started) == 1  # stopped short: no next job
+
+
 def test_a_job_stopped_by_sigterm_stops_its_runs_and_still_archives_and_records_itself(
     tmp_path, mnist_dir, monkeypatch
 ):
