@@ -25,6 +25,8 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
     behind R                      the rounds a chain's stage has behind it, its own with them
     evaluated R|G r [so-far]      r, where every run was evaluated at round r ("at round r")
     diff G1 G2 [@r] [k=s]         mean(G1) − mean(G2), points
+    paired G1 G2 [@r] [k=s]       G1 − G2 seed by seed, over the seeds both finished: their mean ± sd
+                                  (a seed draws the same clients for every method: a paired gap)
     paper SETTING METHOD          the paper's mean ± sd (configs/paper_results.yaml): two numbers
     paper-mean SETTING METHOD     its mean alone
     paper-diff SETTING M1 M2      the paper's mean of M1 less M2's, points
@@ -41,7 +43,8 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
 and assertions, which claim an order and write no number: ``above G1 G2`` (mean(G1) > mean(G2)),
 ``best G`` (G's mean above every other method's of its setting, tuned against tuned, untuned against untuned),
 ``level G1 G2`` (the means closer than either group's sd: a gap its seeds do not settle), ``apart
-G1 G2`` (further apart than both sds). ``@r`` is an evaluated round (default: the run's last),
+G1 G2`` (further apart than both sds), ``each G1 G2`` (G1 above G2 at every seed both finished, at
+least two). ``@r`` is an evaluated round (default: the run's last),
 ``k=s`` a personalization step of the curve at that round (default: the protocol's last); a group
 is its finished seeds, with ``so-far`` (and an ``@r``) also its seeds still under way."""
 
@@ -167,6 +170,16 @@ def _group(name: str, options: list[str]) -> list[float]:
     return [_accuracy(run, at, step) for run in _seeds(_path(name), seeds, so_far)]
 
 
+def _gaps(first: str, second: str, options: list[str]) -> list[float]:
+    """``first`` less ``second`` at each seed both finished (their folders' seed numbers)."""
+    at, step, seeds, _ = _options(options)
+    runs = [{run.name: run for run in _seeds(_path(name), seeds)} for name in (first, second)]
+    common = sorted(runs[0].keys() & runs[1].keys())
+    if not common:
+        raise ClaimError(f"{first} and {second}: no seed that both finished")
+    return [_accuracy(runs[0][s], at, step) - _accuracy(runs[1][s], at, step) for s in common]
+
+
 def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
@@ -259,6 +272,11 @@ def evaluate(item: str) -> list[float] | bool:
         return {"above": ma > mb, "level": abs(ma - mb) < min(sa, sb), "apart": abs(ma - mb) > max(sa, sb)}[
             kind
         ]
+    if kind == "paired":
+        return list(_mean_sd(_gaps(args[0], args[1], args[2:])))
+    if kind == "each":
+        gaps = _gaps(args[0], args[1], args[2:])
+        return len(gaps) >= 2 and all(gap > 0 for gap in gaps)
     if kind in ("paper", "paper-mean"):
         mean, sd = _file_data("configs/paper_results.yaml")[args[0]][args[1]]
         return [mean, sd] if kind == "paper" else [mean]

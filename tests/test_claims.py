@@ -110,3 +110,23 @@ def test_code_blocks_hold_commands_not_results():
     indented = "    fedmeta train federation.rounds=100 seed=2"
     assert _problems(f"{fenced}\n\n{indented}\n\nCAFeMe 96.44<!--= mean {CAFEME} -->") == []
     assert _problems(f"fedmeta train federation.rounds=100\n\nCAFeMe 96.44<!--= mean {CAFEME} -->") != []
+
+
+def test_a_paired_gap_is_taken_seed_by_seed_and_each_asks_every_seed():
+    """A seed draws the same clients for every method: the gap seed by seed, not of the means' spreads."""
+    gaps = [
+        claims.evaluate(f"acc {CAFEME}/seed{s}")[0] - claims.evaluate(f"acc {FEDAVG_FT}/seed{s}")[0]
+        for s in range(3)
+    ]
+    mean = sum(gaps) / 3
+    sd = (sum((g - mean) ** 2 for g in gaps) / 2) ** 0.5
+    assert claims.evaluate(f"paired {CAFEME} {FEDAVG_FT}") == pytest.approx([mean, sd])
+    assert claims.evaluate(f"paired {CAFEME} {FEDAVG_FT} seeds=0,2")[0] == pytest.approx(
+        (gaps[0] + gaps[2]) / 2
+    )
+    assert _problems(f"ahead on every seed<!--= each {CAFEME} {FEDAVG_FT} -->") == []
+    assert _problems(f"behind on every seed<!--= each {FEDAVG_FT} {CAFEME} -->") == [
+        f"each {FEDAVG_FT} {CAFEME}: does not hold"
+    ]
+    assert _problems(f"one seed is not every seed<!--= each {CAFEME} {FEDAVG_FT} seeds=1 -->") != []
+    assert "no seed has run" in _problems(f"x 1.00 ± 1.00<!--= paired {CAFEME} {FEDAVG_FT} seeds=7 -->")[0]
