@@ -139,9 +139,14 @@ def _profile(label, preset, overrides, deadline, top, partner) -> dict:
     )
     round_seconds = statistics.median(timed_laps)
     if left() > 20 * round_seconds:  # an evaluation personalizes 20 clients a seed for tens of steps
-        evaluation = timed(lambda: evaluate_on_ranks(fabric, runs, cfg.personalization, engine))
+        protocol = cfg.evaluation.protocol  # the runs' own: the training clients' too where they score them
+        evaluation = timed(
+            lambda: evaluate_on_ranks(fabric, runs, cfg.personalization, engine, protocol=protocol)
+        )
         measured["evaluation_seconds"] = round(evaluation, 2)
-        print(f"profile {label}: one evaluation of the {seeds} seeds' new clients took {evaluation:.1f} s")
+        print(
+            f"profile {label}: one evaluation ({protocol}) of the {seeds} seeds' clients took {evaluation:.1f} s"
+        )
     print(MEASURED + json.dumps(measured), flush=True)
     if left() > 3 * round_seconds:
         kernels, device_seconds = _top_kernels(next_round, cuda, top)

@@ -917,3 +917,24 @@ def test_a_profile_speaks_as_it_goes_and_ends_at_its_seconds(tmp_path, mnist_dir
     assert capsys.readouterr().out.startswith(
         f"profile {label}: setting up its runs (data, model; 1 s in all)"
     )
+
+
+def test_a_profile_evaluates_by_the_protocol_its_runs_score_by(tmp_path, mnist_dir, monkeypatch, capsys):
+    """A campaign whose runs score the training clients too (evaluation.protocol=both) is projected
+    with that evaluation's seconds, not the new clients' alone."""
+    from fedmeta import rounds
+    from fedmeta.profiling import MEASURED, profile_unit
+
+    monkeypatch.chdir(tmp_path)
+    plan = tiny_campaign(mnist_dir, methods=["local"])
+    label, overrides = campaign.next_unit(plan, tmp_path / "kept", tmp_path / "runs", carry_mib=None)
+    asked = []
+    evaluate = rounds.evaluate_on_ranks
+    monkeypatch.setattr(
+        rounds, "evaluate_on_ranks", lambda *a, **k: asked.append(k.get("protocol")) or evaluate(*a, **k)
+    )
+    profile_unit(label, plan.preset, [*overrides, "evaluation.protocol=both"], seconds=600)
+    out = capsys.readouterr().out
+    assert asked == ["both"] and f"profile {label}: one evaluation (both)" in out
+    [line] = [line for line in out.splitlines() if line.startswith(MEASURED)]
+    assert json.loads(line[len(MEASURED) :])["evaluation_seconds"] > 0
