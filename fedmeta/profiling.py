@@ -91,7 +91,7 @@ def _bounded(seconds: float, label: str):
 def _profile(label, preset, overrides, deadline, top, partner) -> dict:
     from fedmeta.assemble import make_engine
     from fedmeta.fastest import hardware_name
-    from fedmeta.rounds import evaluate_on_ranks, federated_rounds
+    from fedmeta.rounds import evaluate_on_ranks, federated_rounds, scored_clients
 
     cfg, fabric, runs = stacked_runs(overrides)
     engine = make_engine(cfg, fabric.device)
@@ -138,8 +138,9 @@ def _profile(label, preset, overrides, deadline, top, partner) -> dict:
         flush=True,
     )
     round_seconds = statistics.median(timed_laps)
-    if left() > 20 * round_seconds:  # an evaluation personalizes 20 clients a seed for tens of steps
-        protocol = cfg.evaluation.protocol  # the runs' own: the training clients' too where they score them
+    protocol = cfg.evaluation.protocol  # the runs' own: the training clients' too where they score them
+    scored, _ = scored_clients(runs, protocol, fabric.global_rank, fabric.world_size)
+    if left() > scored / seeds * round_seconds:  # a client personalized for tens of steps: about a round
         evaluation = timed(
             lambda: evaluate_on_ranks(fabric, runs, cfg.personalization, engine, protocol=protocol)
         )
