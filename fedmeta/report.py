@@ -194,9 +194,16 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _dataset(setting: DictConfig) -> str | None:
+    """The data set a preset's setting names (``dataset=<name>`` among its overrides), if any."""
+    return next(
+        (o.split("=", 1)[1] for o in setting.get("overrides") or [] if o.startswith("dataset=")), None
+    )
+
+
 def _paper_rounds(setting: DictConfig) -> int | None:
     """The paper's round budget for a setting: its data set's ``protocol.rounds``."""
-    name = next((o.split("=", 1)[1] for o in setting.overrides if o.startswith("dataset=")), None)
+    name = _dataset(setting)
     path = CONFIG_DIR / "dataset" / f"{name}.yaml"
     return OmegaConf.load(path).protocol.rounds if name and path.is_file() else None
 
@@ -712,6 +719,12 @@ SERIES = {  # figure → (x label, y label, a run's (x, y) sequence, which runs 
 }
 
 
+def _seed_range(counts) -> str:
+    """How many seeds a legend entry names: "3", or "2–3" where its panels differ."""
+    counts = sorted(set(counts))
+    return f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+
+
 def _roundless(done: list[dict]) -> bool:
     """Whether every run's evaluated accuracy is the same at every round: a method that does not
     train over rounds (Local), whose curve would read as converged from the first."""
@@ -824,11 +837,12 @@ class _Figures:
             said += f" Not drawn (no finished run here, or left out as said above): {', '.join(absent)}."
         return said
 
-    def headline(self, cells, mark: str) -> str:
+    def headline(self, cells, mark: str, subject: str = "") -> str:
         """The figure's title: the preset and budget, the methods drawn where only a few of the preset's
         are, and what the spread is, with how many methods have one seed (the caption names them)."""
         drawn = list(dict.fromkeys(m for _, m, _ in cells))
-        title = f"{self.preset_name}: new clients after {self.budget_of(cells)} of federated training"
+        about = f"{self.preset_name}: {subject}: " if subject else f"{self.preset_name}: "
+        title = f"{about}new clients after {self.budget_of(cells)} of federated training"
         others = len(self.preset.methods) - len(drawn)
         if len(drawn) <= 2 and others:  # a figure of one or two methods says so, lest it read as the preset's
             title += (
@@ -849,7 +863,9 @@ class _Figures:
             spread = f"mean ± 1 std over seeds ({mark} where n ≥ 2: every method here)"
         return f"{title}\n{spread}"
 
-    def save(self, fig, name: str, axes, rows, what: str, cells, shown: str = LINE_AND_BAND) -> None:
+    def save(
+        self, fig, name: str, axes, rows, what: str, cells, shown: str = LINE_AND_BAND, subject: str = ""
+    ) -> None:
         import matplotlib.pyplot as plt
 
         longest = 0
@@ -869,7 +885,7 @@ class _Figures:
             longest = max(longest, len(family_name), *map(len, handles))
         # the figure widens by the legend's width (≈ 0.06 in a character at 8 pt), the panels keep theirs
         fig.set_size_inches(fig.get_size_inches()[0] + 0.06 * longest + 0.6, fig.get_size_inches()[1])
-        fig.suptitle(self.headline(cells, "bar" if shown == POINT_AND_BAR else "band"), fontsize=10)
+        fig.suptitle(self.headline(cells, "bar" if shown == POINT_AND_BAR else "band", subject), fontsize=10)
         fig.savefig(self.out_dir / name, dpi=120, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
         self.figures[name] = fig
@@ -880,12 +896,13 @@ class _Figures:
         folders = [s["folder"] for (_, m), done in self.runs.items() if m == method for s in done]
         return method_label(method, folders) + note
 
-    def band(self, ax, xs, samples_per_x, method, look: dict, note: str = "") -> None:
+    def band(self, ax, xs, samples_per_x, method, look: dict, note: str = "", n: str = "") -> None:
         """The mean over seeds: a line through two points or more, a marker alone at one (its legend a
-        marker too); ±1 std around it only where there are two seeds or more."""
+        marker too); ±1 std around it only where there are two seeds or more. ``n``: the seeds the
+        legend names, where the method's panels differ in them (say "2–3")."""
         means = np.array([100 * np.mean(v) for v in samples_per_x])
         seeds = min(len(v) for v in samples_per_x)
-        label = self.label(method, note) + f" (n = {seeds})"
+        label = self.label(method, note) + f" (n = {n or seeds})"
         if seeds < 2:  # one run: as precise as it looks only with seeds beside it
             look = {**look, "linestyle": ":"}
         if len(xs) < 2:
@@ -977,9 +994,7 @@ class _Figures:
         xs = [x for x, _ in done]
         accuracies = [[100 * s["accuracy"] for s in summaries] for _, summaries in done]
         means = [np.mean(a) for a in accuracies]
-        seeds = sorted({len(a) for a in accuracies})
-        n = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
-        label = self.label(method) + f" (n = {n})"
+        label = self.label(method) + f" (n = {_seed_range(len(a) for a in accuracies)})"
         ax.plot(xs, means, ms=5, label=label, gid=method, **{**look, "linestyle": "none"})
         spread = [(x, m, np.std(a, ddof=1)) for x, m, a in zip(xs, means, accuracies) if len(a) > 1]
         if spread:
@@ -989,19 +1004,31 @@ class _Figures:
 
     def series(self, figure: str, xlabel: str, ylabel: str, xy, among, what: str) -> None:
         """A figure of curves (personalization steps, rounds): a column of panels per setting of the
-        table, a row per family of methods where they are too many for one panel."""
+        table, a row per family of methods where they are too many for one panel; one figure per data
+        set where the runs span several (``fig_<figure>_<data set>.png``), so each stays readable."""
+        for stale in self.out_dir.glob(f"fig_{figure}*.png"):
+            stale.unlink()
+        by_dataset = defaultdict(list)
+        for cell in self.drawn(self.table_settings, among):
+            by_dataset[_dataset(self.preset.settings[cell[0]])].append(cell)
+        if len(by_dataset) == 1:
+            self.panels(f"fig_{figure}.png", figure, xlabel, ylabel, xy, what, *by_dataset.values())
+        for dataset, cells in by_dataset.items() if len(by_dataset) > 1 else ():
+            about = f"{what} This figure: {dataset} (each data set has a figure of its own)."
+            self.panels(f"fig_{figure}_{dataset}.png", figure, xlabel, ylabel, xy, about, cells, dataset)
+
+    def panels(self, name: str, figure: str, xlabel: str, ylabel: str, xy, what: str, cells, subject=""):
         from matplotlib.ticker import MaxNLocator
 
-        cells = self.drawn(self.table_settings, among)
         present = list(dict.fromkeys(setting for setting, _, _ in cells))
-        if not present:
-            (self.out_dir / f"fig_{figure}.png").unlink(missing_ok=True)
-            return
         rows = self.rows(cells)
         fig, axes = self.grid(rows, len(present))
         shown = {(setting, method) for setting, method, _ in cells}
+        seeds = defaultdict(set)  # a method's seeds in each panel: its legend entry names them all
+        for _, method, done in cells:
+            seeds[method].add(len(done))
         for (_, members), row in zip(rows, axes):
-            for ax, setting in zip(row, present):
+            for column, (ax, setting) in enumerate(zip(row, present)):
                 for method in members:
                     if (setting, method) not in shown:
                         continue
@@ -1014,9 +1041,13 @@ class _Figures:
                         else ""
                     )
                     samples = list(zip(*(y[:length] for _, y in curves)))
-                    self.band(ax, curves[0][0][:length], samples, method, self.look(method, members), note)
-                ax.set(title=setting, xlabel=xlabel, ylabel=ylabel)
+                    look = self.look(method, members)
+                    self.band(
+                        ax, curves[0][0][:length], samples, method, look, note, _seed_range(seeds[method])
+                    )
+                # a row's panels share their y scale: its label once, on the left
+                ax.set(title=setting, xlabel=xlabel, ylabel=ylabel if column == 0 else "")
                 # steps and rounds are counts: a tick at 2.5 would name none
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
                 ax.grid(alpha=0.3)
-        self.save(fig, f"fig_{figure}.png", axes, rows, what, cells)
+        self.save(fig, name, axes, rows, what, cells, subject=subject)

@@ -275,3 +275,42 @@ def test_a_preset_without_a_figures_axis_draws_the_others(tmp_path):
     )
     figures = report.draw("made_up", preset, made_up_runs(tmp_path, methods), tmp_path / "figures", tmp_path)
     assert sorted(figures.figures) == ["fig_convergence.png", "fig_personalization.png"]
+
+
+def test_runs_over_several_data_sets_draw_a_figure_per_data_set_whose_legend_names_every_panels_seeds(
+    tmp_path,
+):
+    """A preset whose table spans data sets (the CPU grid: RMNIST, FEMNIST, Meta-Dataset …) draws
+    one curve figure per data set, its settings as columns and its name in the title; an old
+    single-file figure of the same kind is removed. A method with 3 seeds in one panel and 2 in the
+    other has one legend entry naming both (the figure used to list it twice)."""
+    methods = ["cafeme", "fedavg_ft"]
+    runs = made_up_runs(tmp_path, methods, settings=("a", "b", "c"))
+    runs[("b", "fedavg_ft")] = runs[("b", "fedavg_ft")][:2]
+    preset = OmegaConf.create(
+        {
+            "methods": methods,
+            "settings": {
+                "a": {"grid": "table", "overrides": ["dataset=rmnist", "partition=shards"]},
+                "b": {"grid": "table", "overrides": ["dataset=rmnist", "partition=dirichlet"]},
+                "c": {"grid": "table", "overrides": ["dataset=femnist"]},
+            },
+        }
+    )
+    out = tmp_path / "figures"
+    out.mkdir()
+    (out / "fig_personalization.png").write_bytes(b"drawn before the runs spanned two data sets")
+    figures = report.draw("made_up", preset, runs, out, tmp_path / "kept")
+    assert sorted(p.name for p in out.glob("fig_personalization*.png")) == [
+        "fig_personalization_femnist.png",
+        "fig_personalization_rmnist.png",
+    ]
+    rmnist = figures.figures["fig_personalization_rmnist.png"]
+    assert [ax.get_title() for ax in rmnist.axes] == ["a", "b"]
+    assert "made_up: rmnist: new clients" in rmnist.get_suptitle()
+    assert [ax.get_title() for ax in figures.figures["fig_personalization_femnist.png"].axes] == ["c"]
+    labels = [t.get_text() for t in rmnist.axes[-1].get_legend().get_texts()]
+    assert labels == ["CAFeMe (n = 3)", "FedAvg-FT (n = 2–3)"]
+    assert rmnist.axes[0].get_ylabel() and not rmnist.axes[1].get_ylabel()  # the shared scale, named once
+    caption = next(c for c in figures.captions if c.startswith("## fig_personalization_femnist.png"))
+    assert "This figure: femnist" in caption
