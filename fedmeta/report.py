@@ -970,7 +970,7 @@ class _Figures:
                 ax.invert_xaxis()
                 ax.minorticks_off()
             ax.set_xticks(
-                [x[k] for k in axis], [f"α = {v:g}" if k in numeric else str(v) for k, v in axis.items()]
+                [x[k] for k in axis], [f"{v:g}" if k in numeric else str(v) for k, v in axis.items()]
             )
             ax.set(xlabel=xlabel, ylabel="new-client accuracy (%)")
             ax.grid(alpha=0.3, axis="y")

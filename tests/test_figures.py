@@ -226,7 +226,9 @@ def test_a_heterogeneity_axis_of_alphas_is_a_real_logarithmic_one_with_the_shard
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.xaxis_inverted()
     ticks = dict(zip([t.get_text() for t in ax.get_xticklabels()], ax.get_xticks()))
-    assert ticks["α = 1000"] == 1000 and ticks["α = 0.3"] == pytest.approx(0.3) and ticks["shards"] < 0.3
+    assert (
+        ticks["1000"] == 1000 and ticks["0.3"] == pytest.approx(0.3) and ticks["shards"] < 0.3
+    )  # the label says α
     xs = sorted(curves(ax)["cafeme"].get_xdata())  # near its setting's α, dodged a little
     assert xs[0] < 0.1 and 0.2 < xs[1] < 0.45 and 500 < xs[2] < 2000
 
