@@ -389,7 +389,11 @@ def _job(campaign, budget, kept, root, parallel, out, carry_mib, ahead, stop: gr
     if ahead is None:
         ahead = campaign.get("start_ahead", {}).get(device, 0)
     todo, refused = _units_to_run(campaign, kept, root, parallel)
-    before = {unit.label: unit.rounds_done(root) for unit in todo}
+
+    def rounds_done(unit: Unit) -> list[int]:  # a seed finished by an earlier job is kept, not here
+        return [max(here, kept_) for here, kept_ in zip(unit.rounds_done(root), unit.rounds_done(kept))]
+
+    before = {unit.label: rounds_done(unit) for unit in todo}
     for unit in todo:
         if any(before[unit.label]):
             print(f"resuming {unit.label} at rounds {before[unit.label]} (per seed) of {unit.rounds}")
@@ -409,7 +413,7 @@ def _job(campaign, budget, kept, root, parallel, out, carry_mib, ahead, stop: gr
 
     def progress() -> dict:
         record["seconds"] = round(time.time() - started, 1)
-        now = {unit.label: unit.rounds_done(root) for unit in todo}
+        now = {unit.label: rounds_done(unit) for unit in todo}
         record["units"] = {label: [before[label], now[label]] for label in now if now[label] != before[label]}
         return dict(record)
 
@@ -787,18 +791,28 @@ def status(campaign: DictConfig, kept: Path) -> str:
         *(_fill_lines(campaign.preset) + [""] if lent else []),
         "## Jobs",
         "",
-        "| started (UTC) | hardware | budget s | wall s | units at once | rounds per seed: before → after |",
-        "|---|---|---|---|---|---|",
+        "Jobs in the order they started; *units at once*: in the job's own process pool; *other jobs "
+        "meanwhile*: jobs whose time overlapped this one's (`--settings` splits a CPU's units between cores).",
+        "",
+        "| started (UTC) | hardware | budget s | wall s | units at once | other jobs meanwhile "
+        "| rounds per seed: before → after |",
+        "|---|---|---|---|---|---|---|",
     ]
     if not jobs:
-        lines.append("| none yet | | | | | |")
-    for job in jobs:
+        lines.append("| none yet | | | | | | |")
+    spans = [(_started(job), _started(job) + job["seconds"]) for job in jobs]
+    for job, (start, end) in sorted(zip(jobs, spans), key=lambda pair: pair[1][0]):
+        beside = sum(1 for s, e in spans if s < end and start < e) - 1
         moved = "; ".join(f"{label}: {b} → {a}" for label, (b, a) in job["units"].items()) or "none"
         lines.append(
             f"| {job['started']} | {job['hardware']} | {job['budget_seconds']:.0f} | {job['seconds']:.0f} | "
-            f"{job['parallel']} | {moved} |"
+            f"{job['parallel']} | {beside} | {moved} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _started(job: dict) -> float:
+    return datetime.fromisoformat(job["started"]).timestamp()
 
 
 def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list[str], dict]:

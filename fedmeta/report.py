@@ -324,7 +324,9 @@ def _table_block(
             cells.append(cell)
         folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
         lines.append(
-            f"| {method_label(method, folders)} | " + " | ".join(cells) + f" | {procedure(folders[:1])} |"
+            f"| {method_label(method, folders)} | "
+            + " | ".join(cells)
+            + f" | {_procedures([runs[(st, method)][0] for st in settings if runs.get((st, method))])} |"
         )
     lines.append("")
     return lines
@@ -445,6 +447,19 @@ def procedure(folders: list[Path]) -> str:
     if method.get("algorithm") == "fedrod":
         said.append("on a personalized head alone, from zero, over the trained generic model")
     return "; ".join(said)
+
+
+def _procedures(firsts: list[dict]) -> str:
+    """A table row's test-time procedure from each setting's first run: one, or each with the data
+    sets it holds for where they differ (Meta-Dataset's step size is not RMNIST's)."""
+    held = defaultdict(list)
+    for summary in firsts:
+        datasets = held[procedure([summary["folder"]])]
+        if summary.get("dataset") not in datasets:
+            datasets.append(summary.get("dataset"))
+    if len(held) <= 1:
+        return next(iter(held), "–")
+    return "<br>".join(f"{said} ({', '.join(map(str, datasets))})" for said, datasets in held.items())
 
 
 # a command that names one method and one seed (no second number follows it)
@@ -980,7 +995,14 @@ class _Figures:
             axes,
             rows,
             f"New-client accuracy (%) after the shared personalization, against the {xlabel}: one point per "
-            "method and setting, set side by side.",
+            "method and setting, set side by side."
+            + (
+                " Drawn: only the methods its own settings run"
+                f" ({', '.join(self.label(m) for m in self.methods if m in named)}); the preset's others ran at"
+                " fewer of its points."
+                if named
+                else ""
+            ),
             cells,
             POINT_AND_BAR,
         )

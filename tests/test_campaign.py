@@ -938,3 +938,44 @@ def test_a_profile_evaluates_by_the_protocol_its_runs_score_by(tmp_path, mnist_d
     assert asked == ["both"] and f"profile {label}: one evaluation (both)" in out
     [line] = [line for line in out.splitlines() if line.startswith(MEASURED)]
     assert json.loads(line[len(MEASURED) :])["evaluation_seconds"] > 0
+
+
+def test_a_jobs_record_counts_the_seeds_earlier_jobs_finished_and_the_state_lists_jobs_as_they_ran(
+    tmp_path, mnist_dir, monkeypatch
+):
+    """A unit whose first seed an earlier job finished (its run kept, not in this job's folder) and
+    whose second is checkpointed reads [3, 1, 0] → [3, 3, 0], not [0, 1, 0] → [0, 3, 0]; the state
+    lists jobs in the order they started, each with the jobs that ran beside it."""
+    plan = tiny_campaign(mnist_dir)
+    kept, root = tmp_path / "kept", tmp_path / "runs"
+    unit = campaign.units(plan, root)[0]
+    first, second, _ = unit.folders(kept)
+    first.mkdir(parents=True)
+    (first / "summary.json").write_text("{}")
+    second.mkdir(parents=True)
+    torch.save({"round": 1}, second / "checkpoint.ckpt")
+
+    def finish_the_second(jobs, root_, parallel, kept_, stop_at, **_):
+        folder = unit.folders(root_)[1]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "summary.json").write_text("{}")
+        return ["stopped: at the deadline"]
+
+    monkeypatch.setattr(campaign, "carry_in", lambda unit, kept, root: None)
+    monkeypatch.setattr(grid, "run", finish_the_second)
+    record = campaign.run(plan, 600, kept, root, parallel=1)
+    assert record["units"] == {unit.label: [[3, 1, 0], [3, 3, 0]]}
+
+    late, early, apart = dict(record), dict(record), dict(record)
+    late |= {"started": "2026-12-05T06:33:20+00:00", "seconds": 3830.0, "units": {"late": [[0], [1]]}}
+    early |= {"started": "2026-12-05T06:31:00+00:00", "seconds": 3986.0, "units": {"early": [[0], [1]]}}
+    apart |= {"started": "2026-12-05T09:00:00+00:00", "seconds": 60.0, "units": {"apart": [[0], [1]]}}
+    (kept / "jobs.jsonl").write_text("".join(json.dumps(job) + "\n" for job in (late, early, apart)))
+    jobs = campaign.status(plan, kept).split("## Jobs")[1]
+    rows = [line for line in jobs.splitlines() if line.startswith("| 2026")]
+    assert [row.split(" | ")[-1] for row in rows] == [
+        "early: [0] → [1] |",
+        "late: [0] → [1] |",
+        "apart: [0] → [1] |",
+    ]
+    assert [row.split(" | ")[-2] for row in rows] == ["1", "1", "0"]

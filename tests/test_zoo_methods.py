@@ -1070,3 +1070,22 @@ def test_the_table_says_how_a_methods_new_clients_are_scored(method, said, tmp_p
 
     OmegaConf.save(compose([f"method={method}"]), tmp_path / "config.yaml")
     assert report.procedure([tmp_path]).startswith(said)
+
+
+def test_a_table_row_says_each_data_sets_step_size_where_they_differ(tmp_path):
+    """Meta-Dataset personalizes at lr 0.05 (CAFeMe) where RMNIST takes 0.01: a row over both says
+    which is which, not the first setting's alone."""
+    from omegaconf import OmegaConf
+
+    from fedmeta import report
+
+    firsts = []
+    for dataset in ("rmnist", "femnist", "meta_dataset"):
+        folder = tmp_path / dataset
+        folder.mkdir()
+        OmegaConf.save(compose(["method=cafeme", f"dataset={dataset}"]), folder / "config.yaml")
+        firsts.append({"folder": folder, "dataset": dataset})
+    assert report._procedures(firsts) == (
+        "50 steps at lr 0.01 (rmnist, femnist)<br>50 steps at lr 0.05 (meta_dataset)"
+    )
+    assert report._procedures(firsts[:2]) == "50 steps at lr 0.01"
