@@ -922,8 +922,11 @@ def test_a_profile_speaks_as_it_goes_and_ends_at_its_seconds(tmp_path, mnist_dir
 def test_a_profile_evaluates_by_the_protocol_its_runs_score_by(tmp_path, mnist_dir, monkeypatch, capsys):
     """A campaign whose runs score the training clients too (evaluation.protocol=both) is projected
     with that evaluation's seconds, not the new clients' alone."""
-    from fedmeta import rounds
+    from fedmeta import profiling, rounds
     from fedmeta.profiling import MEASURED, profile_unit
+
+    class Evaluated(Exception):
+        """The kernel profile that follows the evaluation: the test above's, not this one's."""
 
     monkeypatch.chdir(tmp_path)
     plan = tiny_campaign(mnist_dir, methods=["local"])
@@ -933,7 +936,13 @@ def test_a_profile_evaluates_by_the_protocol_its_runs_score_by(tmp_path, mnist_d
     monkeypatch.setattr(
         rounds, "evaluate_on_ranks", lambda *a, **k: asked.append(k.get("protocol")) or evaluate(*a, **k)
     )
-    profile_unit(label, plan.preset, [*overrides, "evaluation.protocol=both"], seconds=600)
+    monkeypatch.setattr(profiling, "_top_kernels", lambda *a: (_ for _ in ()).throw(Evaluated()))
+    monkeypatch.setattr(profiling, "WARMUP_ROUNDS", 0)  # a round's seconds is all the evaluation needs
+    monkeypatch.setattr(profiling, "TIMED_ROUNDS", 1)
+    with pytest.raises(Evaluated):
+        # 12 clients, not RMNIST's 100: every training client is scored, each taking the new clients' steps
+        both = [*overrides, "evaluation.protocol=both", "federation.num_clients=12"]
+        profile_unit(label, plan.preset, both, seconds=600)
     out = capsys.readouterr().out
     assert asked == ["both"] and f"profile {label}: one evaluation (both)" in out
     [line] = [line for line in out.splitlines() if line.startswith(MEASURED)]

@@ -61,7 +61,11 @@ FAST = {
         "method.first_epochs=2",
     ],  # windows of 0, 1, 2 epochs
     "local": [],
-    "cafeme": [],
+    "cafeme": [
+        "method.inner_steps=2",
+        "model.modulator.before_mean=[8,16]",
+        "model.modulator.after_mean=[16]",
+    ],
     "cafeme variant=authors": [],
     "ditto variant=authors": [],
     "fedrep variant=authors": ["method.head_batches=2"],
@@ -352,7 +356,7 @@ def test_stacked_seeds_are_the_seeds_run_alone(method, tmp_path, mnist_dir):
     assert alone[0]["curve"] != alone[1]["curve"]  # the seeds are different federations
 
 
-@pytest.mark.parametrize("method", ["fedavg_ft", "cafeme"])
+@pytest.mark.parametrize("method", ["fedavg_ft", pytest.param("cafeme", marks=pytest.mark.slow)])
 def test_a_round_reads_computed_values_once_however_many_clients_and_seeds(method, images):
     """The round's losses and finiteness checks are reduced on the device and read by the host once
     (HostReads: each such read is a sync on a GPU), not once per client or seed."""
