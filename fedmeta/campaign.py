@@ -49,6 +49,9 @@ from fedmeta.errors import FedmetaError
 from fedmeta.runs import read_summary, summary_problem
 
 CARRIED = lease.UNFINISHED_FILES  # what an unfinished run leaves for the next job
+# a job's carry-out waits this long for another writer into the kept runs: the other job's
+# carry-out when both ended at one deadline takes seconds; a collect of a card's archive, minutes
+CARRY_OUT_WAIT = 600.0
 
 
 DEFAULT = CONFIG_DIR / "campaign.yaml"  # the paper's table; another campaign: fedmeta campaign --config FILE
@@ -442,7 +445,7 @@ def _job(campaign, budget, kept, root, parallel, out, carry_mib, ahead, stop: gr
                 f"({_file(campaign)})"
             )
     if packer is None:  # here the kept runs are what the next job reads; a packing job's go with its archive
-        with lease.collecting(kept):  # not beside a collect into the same runs
+        with lease.collecting(kept, wait=CARRY_OUT_WAIT):  # not beside a collect into the same runs
             report.archive(root, kept)
             carry_out(todo, root, kept)
             progress()

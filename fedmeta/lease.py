@@ -465,23 +465,29 @@ def no_links(path: Path, base: Path) -> None:
 
 
 @contextmanager
-def collecting(kept: Path) -> Iterator[None]:
+def collecting(kept: Path, wait: float = 0.0) -> Iterator[None]:
     """One writer at a time into ``kept`` (a collect, or a job carrying its runs out): two at once
     could each take a run the other replaced, and the slower one would rewind it. A second is
-    refused in one line."""
+    refused in one line, after waiting up to ``wait`` seconds for the first (two jobs given the
+    same deadline, one a core, end together)."""
     no_links(kept / LOCK, kept)
     kept.mkdir(parents=True, exist_ok=True)
     fd = os.open(kept / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise FedmetaError(f"{kept / LOCK} is not a regular file: remove it and collect again")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise FedmetaError(
-                f"another collect into {kept} (or a job carrying its runs out there) is under way: "
-                "run this one once it has ended"
-            ) from None
+        given_up = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= given_up:
+                    raise FedmetaError(
+                        f"another collect into {kept} (or a job carrying its runs out there) is under way: "
+                        "run this one once it has ended"
+                    ) from None
+                time.sleep(0.2)
         yield
     finally:
         os.close(fd)

@@ -358,10 +358,35 @@ def test_a_job_does_not_carry_its_runs_out_beside_a_collect(plan, tmp_path, monk
     from fedmeta import grid
 
     monkeypatch.setattr(grid, "run", lambda *args, **kwargs: [])
+    monkeypatch.setattr(campaign, "CARRY_OUT_WAIT", 0.3)
     kept = tmp_path / "kept"
     with lease.collecting(kept), pytest.raises(FedmetaError, match="is under way"):
         campaign.run(plan, 600, kept, tmp_path / "runs", parallel=1)
     assert not (kept / "jobs.jsonl").exists()
+
+
+def test_a_job_ending_with_another_waits_for_its_carry_out_and_keeps_its_record(plan, tmp_path, monkeypatch):
+    # two jobs, one a core, given the same deadline end in the same second: the second to reach
+    # the kept runs used to be refused, and its record and its runs' carry-out were lost
+    import threading
+
+    from fedmeta import grid
+
+    monkeypatch.setattr(grid, "run", lambda *args, **kwargs: [])
+    kept, holding, done = tmp_path / "kept", threading.Event(), threading.Event()
+
+    def other_jobs_carry_out():
+        with lease.collecting(kept):
+            holding.set()
+            done.wait(10)
+
+    other = threading.Thread(target=other_jobs_carry_out)
+    other.start()
+    holding.wait(10)
+    threading.Timer(0.5, done.set).start()
+    campaign.run(plan, 600, kept, tmp_path / "runs", parallel=1)
+    other.join()
+    assert done.is_set() and len((kept / "jobs.jsonl").read_text().splitlines()) == 1
 
 
 @pytest.mark.parametrize("where", ["seed folder", "kept", "checkpoint", "jobs.jsonl"])
