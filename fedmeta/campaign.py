@@ -783,7 +783,8 @@ def status(campaign: DictConfig, kept: Path) -> str:
         f"*evals left* are the new-client evaluations still due (the preset's `evaluations`); *{_hours(lent)}* "
         "is what is left of the unit's training and evaluations at those speeds, an evaluation's seconds "
         "from a job's profile, else from the unit's finished runs that trained one seed a process: their "
-        "wall time less their rounds', over their evaluations, for each of its seeds.",
+        "wall time less their rounds', over their evaluations, for each of its seeds; else, as for "
+        "speeds, the same method's on the same data set.",
         "",
         f"| # | setting | method | state | s/seed-round alone | evals left | {_hours(lent)} |",
         "|---|---|---|---|---|---|---|",
@@ -838,7 +839,10 @@ def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list
         per_seed_round = speed.get("seconds_per_seed_round")
         remaining = sum(unit.rounds - d for d in done)
         evaluations = _evaluations_left(unit, min(done))
-        evaluation_seconds = speed.get("evaluation_seconds")
+        evaluation_seconds = (  # partitions of one data set evaluate alike, as they train alike
+            speed.get("evaluation_seconds")
+            or _same_method(unit, all_units, speeds, "evaluation_seconds").get("evaluation_seconds")
+        )
         seconds = None
         if per_seed_round:
             seconds = remaining * per_seed_round + evaluations * (evaluation_seconds or 0)
@@ -1165,8 +1169,10 @@ def _evaluation_seconds(folder: Path) -> float | None:
     return (summary["seconds"] - trained) / evaluations
 
 
-def _same_method(unit: Unit, all_units: list[Unit], speeds: dict) -> dict:
-    """The speed of a measured unit of the same method on the same data set, or {}."""
+def _same_method(
+    unit: Unit, all_units: list[Unit], speeds: dict, key: str = "seconds_per_seed_round"
+) -> dict:
+    """The speed of a unit of the same method on the same data set that measured ``key``, or {}."""
     dataset = unit.setting.split("-")[0]
     return next(
         (
@@ -1174,7 +1180,7 @@ def _same_method(unit: Unit, all_units: list[Unit], speeds: dict) -> dict:
             for other in all_units
             if other.method == unit.method
             and other.setting.split("-")[0] == dataset
-            and speeds[other.label].get("seconds_per_seed_round")
+            and speeds[other.label].get(key)
         ),
         {},
     )

@@ -564,6 +564,38 @@ def test_a_unit_measured_only_beside_other_work_takes_that_speed_marked_as_such(
     assert evaluations and hours == round((unit.rounds * seeds * 5.0 + evaluations * seeds * 600.0) / 3600, 2)
 
 
+def test_a_unit_with_no_evaluation_measured_takes_its_methods_on_the_same_data_set(
+    tmp_path, mnist_dir, monkeypatch
+):
+    """Its own rounds' speed, but the evaluation's seconds of the same method in the data set's
+    other setting; with none measured anywhere, its evaluations are said to be unmeasured."""
+    monkeypatch.chdir(tmp_path)
+    plan = tiny_campaign(mnist_dir, methods=["fedavg"], order=["rmnist-shards", "rmnist-dirichlet"])
+    kept = tmp_path / "kept"
+    shards, dirichlet = campaign.units(plan, kept)[:2]
+    assert dirichlet.setting == "rmnist-dirichlet" and shards.method == dirichlet.method
+    for unit, seconds in ((shards, 2.0), (dirichlet, 3.0)):
+        for folder in unit.folders(kept):
+            folder.mkdir(parents=True)
+            (folder / "metrics.csv").write_text(f"round,round_seconds,beside_cores\n1,{seconds},0.0\n")
+    evaluations = campaign._evaluations_left(dirichlet, 0)
+    both = evaluations + campaign._evaluations_left(shards, 0)
+    assert evaluations >= 1
+    assert f"and {both} evaluations whose time is not measured yet" in campaign.status(plan, kept)
+    logs = tmp_path / "results" / "gpu" / "jobs"
+    logs.mkdir(parents=True)
+    profiled = {"unit": shards.label, "preset": "quick", "seconds_per_seed_round": 2.0}
+    (logs / "profile.log").write_text(
+        campaign.MEASURED + json.dumps(profiled | {"evaluation_seconds": 600.0}) + "\n"
+    )
+    state = campaign.status(plan, kept)
+    assert "evaluations whose time is not measured yet" not in state
+    [row] = [line for line in state.splitlines() if line.startswith("| 2 |")]
+    assert row.startswith(f"| 2 | rmnist-dirichlet | {dirichlet.method} | to do | 3.0000 | {evaluations} |")
+    seeds = len(dirichlet.jobs)
+    assert float(row.split("|")[7]) == round((dirichlet.rounds * seeds * 3.0 + evaluations * 600.0) / 3600, 2)
+
+
 def test_an_evaluation_costs_what_a_finished_runs_wall_time_leaves_over_its_rounds(tmp_path):
     """A run that trained its seed alone in one process: (wall − its rounds' seconds) / evaluations;
     nothing from a stacked or a resumed run (whose wall time holds two setups)."""
