@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -323,18 +324,25 @@ def test_sigterm_while_a_job_sets_up_starts_no_run_and_still_records_the_job(
     assert json.loads((tmp_path / "kept" / "jobs.jsonl").read_text())["not_done"] == record["not_done"]
 
 
+def _signal_main_thread(signum: int) -> None:
+    """Deliver ``signum`` to this thread and let its handler run before the next: two signals sent
+    to the process at once (pytest-xdist's workers have other threads) can merge into one."""
+    signal.pthread_kill(threading.main_thread().ident, signum)
+    time.sleep(0.05)
+
+
 def test_a_second_sigterm_to_a_run_lets_its_round_end_where_a_second_ctrl_c_does_not():
     """A signal to a grid's process group reaches its run twice (directly, and passed on by the
     grid): the round under way still ends and is checkpointed."""
     with Stopper(None) as stopper:
         stopper.rounds_started = True
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
+        _signal_main_thread(signal.SIGTERM)
+        _signal_main_thread(signal.SIGTERM)
         assert stopper.reason(evaluating=False) == "SIGTERM"
     with Stopper(None) as stopper, pytest.raises(KeyboardInterrupt):
         stopper.rounds_started = True
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)
+        _signal_main_thread(signal.SIGINT)
+        _signal_main_thread(signal.SIGINT)
 
 
 def test_two_jobs_at_once_each_take_only_the_settings_given_them(tmp_path, mnist_dir, monkeypatch, capsys):
