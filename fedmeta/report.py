@@ -345,7 +345,7 @@ def _training_block(methods: list[str], settings: list[str], runs: dict, budget)
     lines = [
         "The same runs' **training clients**, each scored on a test split kept out of its training with "
         "the model its method keeps for it (docs/protocol.md): mean over clients / sample-weighted, each "
-        "the mean ± sd over seeds.",
+        "the mean ± sd over seeds; the two agree where every client's test split has the same size.",
         "",
         "| method | " + " | ".join(f"{setting} ({budget(setting)})" for setting in settings) + " |",
         "|---|" + "---|" * len(settings),
@@ -368,7 +368,8 @@ def _training_block(methods: list[str], settings: list[str], runs: dict, budget)
                 + f" (n={len(blocks)})"
             )
         if any(c != "–" for c in cells):
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+            folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
+            lines.append(f"| {method_label(method, folders)} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 

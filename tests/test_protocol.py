@@ -189,15 +189,15 @@ def test_the_table_shows_the_training_clients_beside_the_new_ones_where_runs_sco
     from fedmeta.report import _training_block
 
     def summary(mean, weighted):
-        return {"training_clients": {"accuracy": mean, "weighted_accuracy": weighted}}
+        return {"training_clients": {"accuracy": mean, "weighted_accuracy": weighted}, "folder": None}
 
     runs = {
         ("rmnist-shards", "fedrep"): [summary(0.9, 0.8), summary(0.7, 0.6)],
         ("rmnist-shards", "fedavg"): [],
     }
     lines = _training_block(["fedavg", "fedrep"], ["rmnist-shards"], runs, lambda s: "50 rounds")
-    assert "| fedrep | 80.00 ± 14.14 / 70.00 ± 14.14 (n=2) |" in lines
-    assert not any(line.startswith("| fedavg") for line in lines)  # no runs: no row
+    assert "| FedRep | 80.00 ± 14.14 / 70.00 ± 14.14 (n=2) |" in lines
+    assert not any(line.startswith("| FedAvg") for line in lines)  # no runs: no row
     assert _training_block(["fedavg"], ["rmnist-shards"], {("rmnist-shards", "fedavg"): [{}]}, str) == []
 
 
