@@ -5,7 +5,8 @@ round, measured ratios: from 1.00 up, as below it two decimals are mostly a sett
 or table row names — else its paragraph, else its section (or an enclosing one): a run's accuracy,
 its clients' spread, its curve, its seconds per round, its re-evaluations, a seed group's
 mean ± std at any evaluated round, or a number written in a named log, bench or census file or
-tuning study. A mean ± std must be a pair one source gives together. A section whose numbers carry
+tuning study; where a run scored its training clients too, their mean and sample-weighted accuracy
+likewise. A mean ± std must be a pair one source gives together. A section whose numbers carry
 claims (fedmeta/claims.py) is checked by tests/test_claims.py instead, against the statistic each
 claims: this test is the weaker check of the pages not yet written so. Numbers with units of size or
 of a time span (MB, GB, min, h, ×, …) and approximate ones (fewer decimals) are not read."""
@@ -72,6 +73,10 @@ def given(named: tuple[str, ...]) -> tuple[frozenset, frozenset]:
             for point in summary.get("curve") or []:
                 add(100 * point)
             group["accuracy"].append(accuracy)
+            for key in ("accuracy", "weighted_accuracy"):  # the training clients', where it scored them
+                if key in summary.get("training_clients", {}):
+                    add(100 * summary["training_clients"][key])
+                    group["training_clients", key].append(100 * summary["training_clients"][key])
             for key in ("seconds_per_round", "beside_cores"):  # medians the cell table prints
                 if summary.get(key) is not None:
                     add(summary[key])
