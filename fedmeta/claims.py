@@ -13,11 +13,13 @@ whole: every number in its prose must be claimed (numbers in code spans are name
 Items (``R`` a run folder, ``G`` a folder of seeds, both under ``results/runs/`` unless the path
 starts with ``results/``; ``{a,b}`` expands an item into one per name, in order):
 
-    ms G [@r] [k=s] [seeds=0,1]   the seeds' mean ± sd of new-client accuracy (%): two numbers
+    ms G [@r] [k=s] [seeds=0,1] [tc|tcw]   the seeds' mean ± sd of new-client accuracy (%): two
+                                  numbers (tc: the training clients' accuracy instead, their mean
+                                  over clients; tcw: sample-weighted, as the peers print it)
     mean G … / sd G …             one of them
     n G [so-far]                  the seeds that finished (so-far: and those under way)
     min G … / max G …             the lowest / highest seed
-    acc R [@r] [k=s]              one run's new-client accuracy (%)
+    acc R [@r] [k=s] [tc|tcw]     one run's new-client (or training-client) accuracy (%)
     csd R [@r]                    its new clients' standard deviation (%)
     step0 R [@r]                  its accuracy before personalization (%)
     spr R / spr G                 seconds a round (a run's, or the seeds' mean)
@@ -124,6 +126,9 @@ def _seeds(group: Path, seeds: list[int] | None, so_far: bool = False) -> list[P
     return runs
 
 
+TRAINING_CLIENTS = {"tc": "accuracy", "tcw": "weighted_accuracy"}
+
+
 def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accuracy") -> float:
     run = _run(folder)
     summary, rows = run["summary"], run["rows"]
@@ -131,6 +136,10 @@ def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accur
     at = last if at is None else at
     if what == "step0":
         what, step = "accuracy", 0
+    if what in TRAINING_CLIENTS:
+        if step is not None:
+            raise ClaimError("the training clients are scored at their last step only: no k=")
+        return _training_clients(folder, at, last, TRAINING_CLIENTS[what])
     if step is not None:
         curve = run["curves"].get(at)
         if curve is None and at == last and summary.get("curve"):  # a run that scored and trained none
@@ -148,10 +157,21 @@ def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accur
     return 100 * float(rows[at][column])
 
 
-def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None, bool]:
+def _training_clients(folder: Path, at: int, last: int, key: str) -> float:
+    row = _run(folder)["rows"].get(at, {})
+    if row.get(f"training_clients_{key}"):
+        return 100 * float(row[f"training_clients_{key}"])
+    scored = _run(folder)["summary"].get("training_clients")
+    if at == last and scored:
+        return 100 * scored[key]
+    raise ClaimError(f"{folder.relative_to(ROOT)}: its training clients were not scored at round {at}")
+
+
+def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None, bool, str]:
     at = step = seeds = None
     so_far = "so-far" in words
-    for word in (w for w in words if w != "so-far"):
+    what = next((w for w in words if w in TRAINING_CLIENTS), "accuracy")
+    for word in (w for w in words if w != "so-far" and w not in TRAINING_CLIENTS):
         if word.startswith("@"):
             at = int(word[1:])
         elif word.startswith("k="):
@@ -159,25 +179,25 @@ def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None
         elif word.startswith("seeds="):
             seeds = [int(s) for s in word[6:].split(",")]
         else:
-            raise ClaimError(f"{word!r}: an option is @round, k=step, seeds=a,b or so-far")
+            raise ClaimError(f"{word!r}: an option is @round, k=step, seeds=a,b, so-far, tc or tcw")
     if so_far and at is None:
         raise ClaimError("so-far takes the round it reads: @round")
-    return at, step, seeds, so_far
+    return at, step, seeds, so_far, what
 
 
 def _group(name: str, options: list[str]) -> list[float]:
-    at, step, seeds, so_far = _options(options)
-    return [_accuracy(run, at, step) for run in _seeds(_path(name), seeds, so_far)]
+    at, step, seeds, so_far, what = _options(options)
+    return [_accuracy(run, at, step, what) for run in _seeds(_path(name), seeds, so_far)]
 
 
 def _gaps(first: str, second: str, options: list[str]) -> list[float]:
     """``first`` less ``second`` at each seed both finished (their folders' seed numbers)."""
-    at, step, seeds, _ = _options(options)
+    at, step, seeds, _, what = _options(options)
     runs = [{run.name: run for run in _seeds(_path(name), seeds)} for name in (first, second)]
     common = sorted(runs[0].keys() & runs[1].keys())
     if not common:
         raise ClaimError(f"{first} and {second}: no seed that both finished")
-    return [_accuracy(runs[0][s], at, step) - _accuracy(runs[1][s], at, step) for s in common]
+    return [_accuracy(runs[0][s], at, step, what) - _accuracy(runs[1][s], at, step, what) for s in common]
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -229,8 +249,8 @@ def evaluate(item: str) -> list[float] | bool:
     if kind == "n":
         return [float(len(_seeds(_path(args[0]), None, "so-far" in args[1:])))]
     if kind in ("acc", "csd", "step0"):
-        at, step, _, _ = _options(args[1:])
-        return [_accuracy(_path(args[0]), at, step, "accuracy" if kind == "acc" else kind)]
+        at, step, _, _, what = _options(args[1:])
+        return [_accuracy(_path(args[0]), at, step, what if kind == "acc" else kind)]
     if kind == "spr":
         path = _path(args[0])
         runs = [path] if (path / "summary.json").is_file() else _seeds(path, None)

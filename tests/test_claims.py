@@ -130,3 +130,22 @@ def test_a_paired_gap_is_taken_seed_by_seed_and_each_asks_every_seed():
     ]
     assert _problems(f"one seed is not every seed<!--= each {CAFEME} {FEDAVG_FT} seeds=1 -->") != []
     assert "no seed has run" in _problems(f"x 1.00 ± 1.00<!--= paired {CAFEME} {FEDAVG_FT} seeds=7 -->")[0]
+
+
+def test_tc_claims_the_training_clients_and_tcw_their_sample_weighted_accuracy():
+    """A run scored both ways: ``tc`` reads its training clients (mean over clients), ``tcw`` the
+    sample-weighted number, each as the run recorded it; the new-client number is not theirs."""
+    import json
+
+    group = "protocols/rmnist-dirichlet/fedrep"
+    summaries = [
+        json.loads((ROOT / "results/runs" / group / f"seed{s}/summary.json").read_text()) for s in range(3)
+    ]
+    mean_tc = sum(100 * s["training_clients"]["accuracy"] for s in summaries) / 3
+    weighted = [100 * s["training_clients"]["weighted_accuracy"] for s in summaries]
+    assert claims.evaluate(f"mean {group} tc") == pytest.approx([mean_tc])
+    assert claims.evaluate(f"acc {group}/seed1 tcw") == pytest.approx([weighted[1]])
+    assert claims.evaluate(f"mean {group} tc") != claims.evaluate(f"mean {group} tcw")
+    assert claims.evaluate(f"mean {group} tc") != claims.evaluate(f"mean {group}")
+    assert "no k=" in _problems(f"x 1.00<!--= acc {group}/seed0 tc k=3 -->")[0]
+    assert "not scored" in _problems(f"x 1.00<!--= acc {CAFEME}/seed0 tc -->")[0]
