@@ -625,6 +625,10 @@ LINE_AND_BAND = (
     "seeds, drawn only where a method has n ≥ 2 seeds (at a single point: a bar)."
 )
 POINT_AND_BAR = "Point: the mean over seeds; bar: ± 1 standard deviation over seeds, drawn only where n ≥ 2."
+POINT_AND_BARS = (
+    "Point: the mean over seeds; bars: ± 1 standard deviation over seeds of each score, "
+    "drawn only where n ≥ 2."
+)
 
 
 def family(method: str) -> str:
@@ -708,6 +712,7 @@ def draw(preset_name: str, preset: DictConfig, runs: dict, out_dir: Path, kept: 
         figures.points(figure, xlabel)
     for figure, spec in SERIES.items():
         figures.series(figure, *spec)
+    figures.protocols()
     return figures
 
 
@@ -842,7 +847,7 @@ class _Figures:
             said += (
                 "; each method keeps one colour (Okabe and Ito's colour-blind-safe palette) and one marker "
                 "in every figure, no two of a family alike in colour; a variant (tuned) is its method's look, "
-                "dashed and hollow"
+                "dashed and hollow."
             )
         single = [f"{self.label(m)} ({st})" for st, m, done in cells if len(done) == 1]
         if single:
@@ -853,12 +858,12 @@ class _Figures:
             said += f" Not drawn (no finished run here, or left out as said above): {', '.join(absent)}."
         return said
 
-    def headline(self, cells, mark: str, subject: str = "") -> str:
+    def headline(self, cells, mark: str, subject: str = "", scored: str = "new clients") -> str:
         """The figure's title: the preset and budget, the methods drawn where only a few of the preset's
         are, and what the spread is, with how many methods have one seed (the caption names them)."""
         drawn = list(dict.fromkeys(m for _, m, _ in cells))
         about = f"{self.preset_name}: {subject}: " if subject else f"{self.preset_name}: "
-        title = f"{about}new clients after {self.budget_of(cells)} of federated training"
+        title = f"{about}{scored} after {self.budget_of(cells)} of federated training"
         others = len(self.preset.methods) - len(drawn)
         if len(drawn) <= 2 and others:  # a figure of one or two methods says so, lest it read as the preset's
             title += (
@@ -880,7 +885,16 @@ class _Figures:
         return f"{title}\n{spread}"
 
     def save(
-        self, fig, name: str, axes, rows, what: str, cells, shown: str = LINE_AND_BAND, subject: str = ""
+        self,
+        fig,
+        name: str,
+        axes,
+        rows,
+        what: str,
+        cells,
+        shown: str = LINE_AND_BAND,
+        subject: str = "",
+        scored: str = "new clients",
     ) -> None:
         import matplotlib.pyplot as plt
 
@@ -901,7 +915,8 @@ class _Figures:
             longest = max(longest, len(family_name), *map(len, handles))
         # the figure widens by the legend's width (≈ 0.06 in a character at 8 pt), the panels keep theirs
         fig.set_size_inches(fig.get_size_inches()[0] + 0.06 * longest + 0.6, fig.get_size_inches()[1])
-        fig.suptitle(self.headline(cells, "bar" if shown == POINT_AND_BAR else "band", subject), fontsize=10)
+        mark = "band" if shown == LINE_AND_BAND else "bar"
+        fig.suptitle(self.headline(cells, mark, subject, scored), fontsize=10)
         fig.savefig(self.out_dir / name, dpi=120, bbox_inches="tight", metadata={"Software": None})
         plt.close(fig)
         self.figures[name] = fig
@@ -1024,6 +1039,74 @@ class _Figures:
             x, mean, std = zip(*spread)
             bars = ax.errorbar(x, mean, yerr=std, fmt="none", ecolor=look["color"], capsize=2)
             bars.lines[2][0].set_gid(f"spread {method}")
+
+    def protocols(self) -> None:
+        """The runs scored both ways (``evaluation.protocol=both``): each method a point at its new
+        clients' accuracy (x) and its training clients' (y), a panel per setting, the diagonal where
+        the two agree — which methods a protocol favours, and whether it reorders them."""
+        name = "fig_protocols.png"
+        cells = self.drawn(self.table_settings, lambda done: all("training_clients" in s for s in done))
+        (self.out_dir / name).unlink(missing_ok=True)
+        if not cells:
+            return
+        present = list(dict.fromkeys(setting for setting, _, _ in cells))
+        rows = self.rows(cells)
+        fig, axes = self.grid(rows, len(present), width=4.2)
+        scores = {  # (setting, method) → (new clients, training clients) per seed, in %
+            (setting, method): [(100 * s["accuracy"], 100 * s["training_clients"]["accuracy"]) for s in done]
+            for setting, method, done in cells
+        }
+        seeds = defaultdict(set)  # a method's seeds in each panel: its legend entry names them all
+        for _, method, done in cells:
+            seeds[method].add(len(done))
+        every = [v for pairs in scores.values() for pair in pairs for v in pair]
+        limits = (
+            max(0.0, min(every) - 5),
+            min(100.0, max(every) + 5),
+        )  # one scale: the diagonal reads as parity
+        for (_, members), row in zip(rows, axes):
+            for column, (ax, setting) in enumerate(zip(row, present)):
+                ax.plot(limits, limits, color="0.6", linestyle="--", linewidth=0.8, gid="diagonal")
+                for method in (m for m in members if (setting, m) in scores):
+                    new, trained = np.array(scores[(setting, method)]).T
+                    look = {**self.look(method, members), "linestyle": "none"}
+                    label = self.label(method) + f" (n = {_seed_range(seeds[method])})"
+                    ax.plot([new.mean()], [trained.mean()], ms=6, label=label, gid=method, **look)
+                    if len(new) > 1:
+                        bars = ax.errorbar(
+                            [new.mean()],
+                            [trained.mean()],
+                            xerr=[new.std(ddof=1)],
+                            yerr=[trained.std(ddof=1)],
+                            fmt="none",
+                            ecolor=look["color"],
+                            capsize=2,
+                        )
+                        for line in bars.lines[2]:
+                            line.set_gid(f"spread {method}")
+                ax.set(
+                    title=setting,
+                    xlim=limits,
+                    ylim=limits,
+                    xlabel="new clients (%)",
+                    ylabel="training clients (%)" if column == 0 else "",
+                )
+                ax.grid(alpha=0.3)
+        self.save(
+            fig,
+            name,
+            axes,
+            rows,
+            "Each method's two scores from the same runs, at the end of training, one panel per setting: x, "
+            "its new clients' accuracy after the shared personalization (the paper's protocol); y, its "
+            "training clients' — each scored on a test split kept out of its training, with the model its "
+            "method keeps for it, or the new clients' procedure where it keeps none — the mean over those "
+            "clients (docs/protocol.md). On the dashed diagonal the two protocols agree; above it a method "
+            "scores better on the clients it trained on than on clients it never saw.",
+            cells,
+            POINT_AND_BARS,
+            scored="training clients (y) against new clients (x)",
+        )
 
     def series(self, figure: str, xlabel: str, ylabel: str, xy, among, what: str) -> None:
         """A figure of curves (personalization steps, rounds): a column of panels per setting of the

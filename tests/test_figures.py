@@ -316,3 +316,28 @@ def test_runs_over_several_data_sets_draw_a_figure_per_data_set_whose_legend_nam
     assert rmnist.axes[0].get_ylabel() and not rmnist.axes[1].get_ylabel()  # the shared scale, named once
     caption = next(c for c in figures.captions if c.startswith("## fig_personalization_femnist.png"))
     assert "This figure: femnist" in caption
+
+
+def test_runs_scored_both_ways_draw_each_method_at_its_two_scores_beside_the_diagonal(tmp_path):
+    """A method's point is its seeds' mean new-client accuracy (x) against their training clients'
+    mean over clients (y), with a bar of each spread; runs scored one way draw no such figure."""
+    methods = ["cafeme", "fedrep"]
+    runs = made_up_runs(tmp_path, methods)
+    assert "fig_protocols.png" not in drawn(tmp_path, methods, runs).figures
+    for (_, method), done in runs.items():
+        for s in done:  # FedRep's training clients well above its new clients, CAFeMe's on par
+            s["training_clients"] = {"accuracy": s["accuracy"] + (0.2 if method == "fedrep" else 0.0)}
+    fig = drawn(tmp_path, methods, runs).figures["fig_protocols.png"]
+    assert len(fig.axes) >= 2 and "training clients (y) against new clients (x)" in fig.get_suptitle()
+    for ax in fig.axes[:2]:
+        points = curves(ax)
+        seeds = [100 * s["accuracy"] for s in runs[(ax.get_title(), "fedrep")]]
+        assert points["fedrep"].get_xydata()[0].tolist() == pytest.approx(
+            [np.mean(seeds), np.mean(seeds) + 20]
+        )
+        x, y = points["cafeme"].get_xydata()[0]
+        assert x == pytest.approx(y)
+        diagonal = points["diagonal"].get_xydata()
+        assert diagonal[0][0] == diagonal[0][1] and diagonal[1][0] == diagonal[1][1]
+        assert ax.get_xlim() == ax.get_ylim()
+    assert spreads(fig) == {"cafeme", "fedrep"}
