@@ -29,6 +29,8 @@ starts with ``results/``; ``{a,b}`` expands an item into one per name, in order)
     diff G1 G2 [@r] [k=s]         mean(G1) − mean(G2), points
     paired G1 G2 [@r] [k=s]       G1 − G2 seed by seed, over the seeds both finished: their mean ± sd
                                   (a seed draws the same clients for every method: a paired gap)
+    tc-gap G [@r] [tcw]           a group's training clients less its new clients, run by run (both
+                                  scored in the same run): the mean ± sd over its seeds, points
     paper SETTING METHOD          the paper's mean ± sd (configs/paper_results.yaml): two numbers
     paper-mean SETTING METHOD     its mean alone
     paper-diff SETTING M1 M2      the paper's mean of M1 less M2's, points
@@ -294,6 +296,11 @@ def evaluate(item: str) -> list[float] | bool:
         ]
     if kind == "paired":
         return list(_mean_sd(_gaps(args[0], args[1], args[2:])))
+    if kind == "tc-gap":
+        at, step, seeds, _, what = _options(args[1:])
+        scored = what if what in TRAINING_CLIENTS else "tc"
+        runs = _seeds(_path(args[0]), seeds)
+        return list(_mean_sd([_accuracy(r, at, None, scored) - _accuracy(r, at, step) for r in runs]))
     if kind == "each":
         gaps = _gaps(args[0], args[1], args[2:])
         return len(gaps) >= 2 and all(gap > 0 for gap in gaps)

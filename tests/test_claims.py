@@ -134,7 +134,8 @@ def test_a_paired_gap_is_taken_seed_by_seed_and_each_asks_every_seed():
 
 def test_tc_claims_the_training_clients_and_tcw_their_sample_weighted_accuracy():
     """A run scored both ways: ``tc`` reads its training clients (mean over clients), ``tcw`` the
-    sample-weighted number, each as the run recorded it; the new-client number is not theirs."""
+    sample-weighted number, each as the run recorded it; the new-client number is not theirs; tc-gap
+    is the one less the other run by run."""
     import json
 
     group = "protocols/rmnist-dirichlet/fedrep"
@@ -147,5 +148,9 @@ def test_tc_claims_the_training_clients_and_tcw_their_sample_weighted_accuracy()
     assert claims.evaluate(f"acc {group}/seed1 tcw") == pytest.approx([weighted[1]])
     assert claims.evaluate(f"mean {group} tc") != claims.evaluate(f"mean {group} tcw")
     assert claims.evaluate(f"mean {group} tc") != claims.evaluate(f"mean {group}")
+    gaps = [100 * (s["training_clients"]["accuracy"] - s["accuracy"]) for s in summaries]
+    assert claims.evaluate(f"tc-gap {group}") == pytest.approx(
+        [sum(gaps) / 3, (sum((g - sum(gaps) / 3) ** 2 for g in gaps) / 2) ** 0.5]
+    )
     assert "no k=" in _problems(f"x 1.00<!--= acc {group}/seed0 tc k=3 -->")[0]
     assert "not scored" in _problems(f"x 1.00<!--= acc {CAFEME}/seed0 tc -->")[0]
