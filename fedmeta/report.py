@@ -1064,26 +1064,19 @@ class _Figures:
             max(0.0, min(every) - 5),
             min(100.0, max(every) + 5),
         )  # one scale: the diagonal reads as parity
+        hidden = defaultdict(list)  # methods whose points coincide in a panel → the settings where they do
         for (_, members), row in zip(rows, axes):
             for column, (ax, setting) in enumerate(zip(row, present)):
                 ax.plot(limits, limits, color="0.6", linestyle="--", linewidth=0.8, gid="diagonal")
+                drawn = {}
                 for method in (m for m in members if (setting, m) in scores):
-                    new, trained = np.array(scores[(setting, method)]).T
-                    look = {**self.look(method, members), "linestyle": "none"}
                     label = self.label(method) + f" (n = {_seed_range(seeds[method])})"
-                    ax.plot([new.mean()], [trained.mean()], ms=6, label=label, gid=method, **look)
-                    if len(new) > 1:
-                        bars = ax.errorbar(
-                            [new.mean()],
-                            [trained.mean()],
-                            xerr=[new.std(ddof=1)],
-                            yerr=[trained.std(ddof=1)],
-                            fmt="none",
-                            ecolor=look["color"],
-                            capsize=2,
-                        )
-                        for line in bars.lines[2]:
-                            line.set_gid(f"spread {method}")
+                    at = self.pair(ax, method, scores[(setting, method)], self.look(method, members), label)
+                    for other in (
+                        o for o, there in drawn.items() if np.abs(np.subtract(at, there)).max() < 1
+                    ):
+                        hidden[(other, method)].append(setting)
+                    drawn[method] = at
                 ax.set(
                     title=setting,
                     xlim=limits,
@@ -1102,11 +1095,43 @@ class _Figures:
             "training clients' — each scored on a test split kept out of its training, with the model its "
             "method keeps for it, or the new clients' procedure where it keeps none — the mean over those "
             "clients (docs/protocol.md). On the dashed diagonal the two protocols agree; above it a method "
-            "scores better on the clients it trained on than on clients it never saw.",
+            "scores better on the clients it trained on than on clients it never saw."
+            + (
+                " Points within 1 point of each other on both axes hide one another (the table gives each): "
+                + "; ".join(
+                    f"{self.label(a)} and {self.label(b)} ({', '.join(at)})" for (a, b), at in hidden.items()
+                )
+                + "."
+                if hidden
+                else ""
+            ),
             cells,
             POINT_AND_BARS,
             scored="training clients (y) against new clients (x)",
         )
+
+    @staticmethod
+    def pair(
+        ax, method: str, scores: list[tuple[float, float]], look: dict, label: str
+    ) -> tuple[float, float]:
+        """One method's point at its seeds' mean (new clients, training clients), with a bar of ±1 std
+        along each axis where it has two seeds or more; returns the point."""
+        new, trained = np.array(scores).T
+        look = {**look, "linestyle": "none"}
+        ax.plot([new.mean()], [trained.mean()], ms=6, label=label, gid=method, **look)
+        if len(new) > 1:
+            bars = ax.errorbar(
+                [new.mean()],
+                [trained.mean()],
+                xerr=[new.std(ddof=1)],
+                yerr=[trained.std(ddof=1)],
+                fmt="none",
+                ecolor=look["color"],
+                capsize=2,
+            )
+            for line in bars.lines[2]:
+                line.set_gid(f"spread {method}")
+        return new.mean(), trained.mean()
 
     def series(self, figure: str, xlabel: str, ylabel: str, xy, among, what: str) -> None:
         """A figure of curves (personalization steps, rounds): a column of panels per setting of the
