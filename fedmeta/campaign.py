@@ -46,7 +46,7 @@ from fedmeta.checkpoint import differences, identity, identity_differences
 from fedmeta.clock import ALONE_CORES
 from fedmeta.config import CONFIG_DIR, compose
 from fedmeta.errors import FedmetaError
-from fedmeta.runs import read_summary, summary_problem
+from fedmeta.runs import history_without_checkpoint, read_summary, recorded_rounds, rewinds, summary_problem
 
 CARRIED = lease.UNFINISHED_FILES  # what an unfinished run leaves for the next job
 # a job's carry-out waits this long for another writer into the kept runs: the other job's
@@ -55,6 +55,7 @@ CARRY_OUT_WAIT = 600.0
 
 
 DEFAULT = CONFIG_DIR / "campaign.yaml"  # the paper's table; another campaign: fedmeta campaign --config FILE
+MAX_FILE_BYTES = 256 * 1024  # a campaign's file is a few KiB
 
 
 def load(path: Path = DEFAULT) -> DictConfig:
@@ -63,11 +64,19 @@ def load(path: Path = DEFAULT) -> DictConfig:
     import yaml
 
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:  # at most a campaign's size: /dev/zero is not read forever
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise FedmetaError(
+                f"{path} passes {MAX_FILE_BYTES // 1024} KiB, no campaign's size: give a campaign's YAML file"
+            )
+        raw = yaml.safe_load(data.decode("utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise FedmetaError(
             f"{path} cannot be read ({type(exc).__name__}): restore it from the repository"
         ) from None
+    except RecursionError:
+        raise FedmetaError(f"{path} is nested too deeply for a campaign's settings: correct it") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
@@ -287,6 +296,9 @@ def units(campaign: DictConfig, root: Path) -> list[Unit]:
 def refusal(unit: Unit, kept: Path) -> str | None:
     """Why the unit's unfinished runs kept in ``kept`` cannot be continued (a checkpoint of other
     settings, or one that cannot be read), or None."""
+    for folder in unit.folders(kept):
+        if problem := history_without_checkpoint(folder):
+            return f"{problem}: bring its checkpoint back, or move the folder aside to start that unit over"
     for job, source in zip(unit.jobs, unit.folders(kept)):
         if not (source / "checkpoint.ckpt").is_file() or (source / "summary.json").is_file():
             continue
@@ -303,6 +315,8 @@ def carry_in(unit: Unit, kept: Path, root: Path) -> str | None:
     if problem:
         return problem
     for source, target in zip(unit.folders(kept), unit.folders(root)):
+        if problem := history_without_checkpoint(target):  # the runs folder's own, not the kept one's
+            return f"{problem}: bring its checkpoint back, or move the folder aside to start that unit over"
         if (source / "checkpoint.ckpt").is_file() and not (source / "summary.json").is_file():
             if lease.run_state(target, unit.rounds) < lease.run_state(source, unit.rounds):
                 _copy_run(source, target)
@@ -310,7 +324,11 @@ def carry_in(unit: Unit, kept: Path, root: Path) -> str | None:
 
 
 def _copy_run(source: Path, target: Path) -> None:
-    """An unfinished run's files and checkpoint, from one runs folder to another."""
+    """An unfinished run's files and checkpoint, from one runs folder to another — never over more
+    recorded rounds than it has (said, and left as it is)."""
+    if problem := rewinds(source, target):
+        print(problem)
+        return
     target.mkdir(parents=True, exist_ok=True)
     for name in CARRIED:
         if (source / name).is_file():
@@ -634,6 +652,8 @@ def _judge(
         return f"its checkpoint's round {round_!r} is no round of a {unit.rounds}-round run: not taken", False
     if round_ <= have:
         return f"round {round_}, not beyond the kept {have}: kept as it was", False
+    if round_ < (recorded := recorded_rounds(kept)):
+        return f"round {round_}, where the kept run records {recorded}: kept as it was", False
     history, problem = _history(saved)
     if problem:
         return f"its checkpoint {problem}: not taken", False
@@ -860,6 +880,8 @@ def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list
             part["units"] += 1
             part["evaluations_unmeasured"] += evaluations if evaluation_seconds is None else 0
         shown = state if state != "under way" else f"rounds {', '.join(map(str, done))} of {unit.rounds}"
+        if orphaned := [recorded_rounds(f) for f in unit.folders(kept) if history_without_checkpoint(f)]:
+            shown = f"refused: rounds {', '.join(map(str, orphaned))} recorded without a checkpoint"
         mark = ("" if speed is own else "≈") + ("~" if speed.get("beside") else "")
         speed_shown = "-" if not per_seed_round else f"{mark}{per_seed_round:.4f}"
         rows.append(

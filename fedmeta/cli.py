@@ -812,6 +812,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
                 f"--until takes the job's end as a Unix time, instead of --budget, got {args.until}"
             )
         args.budget = args.until - time.time()
+    _check_campaign_numbers(args, plan.reserve_seconds)
     for flag, given in (("--settings", args.settings), ("--methods", args.methods)):
         if given is not None and args.budget is None and args.profile is None:
             raise FedmetaError(f"{flag} narrows a job or a profile: give it --budget, --until or --profile")
@@ -826,21 +827,7 @@ def _campaign_command(args: argparse.Namespace) -> int:
             raise FedmetaError("--collect takes back a job's files: run it without --budget")
         for line in campaign.collect(plan, Path(args.collect), kept, logs=Path("results") / "gpu"):
             print(line)
-    if args.carry_mib is not None and not (math.isfinite(args.carry_mib) and args.carry_mib >= 0):
-        raise FedmetaError(f"--carry-mib must be a size in MiB ≥ 0, got {args.carry_mib}")
     if args.budget is not None:
-        if not (args.budget > plan.reserve_seconds and math.isfinite(args.budget)):
-            raise FedmetaError(
-                f"{'--until must leave' if args.until else '--budget must be'} a number of seconds above "
-                f"the {plan.reserve_seconds} s the job keeps for its files (configs/campaign.yaml: "
-                f"reserve_seconds), got {args.budget:.0f}"
-            )
-        if args.parallel is not None and args.parallel < 1:
-            raise FedmetaError(f"--parallel must be ≥ 1 (units at once), got {args.parallel}")
-        if args.start_ahead is not None and not 0 <= args.start_ahead <= 8:
-            raise FedmetaError(
-                f"--start-ahead must be 0 to 8 (units setting up ahead), got {args.start_ahead}"
-            )
         if any(o.split("=", 1)[0] == "output.root" for o in args.overrides):
             raise FedmetaError(
                 "fedmeta campaign runs under runs/<preset>, where its kept runs resume: drop output.root="
@@ -855,6 +842,30 @@ def _campaign_command(args: argparse.Namespace) -> int:
     Path(args.out).write_text(campaign.status(plan, kept))
     print(f"wrote {args.out}")
     return 0
+
+
+CAMPAIGN_MAX_SECONDS = 30 * 24 * 3600  # a job's deadline beyond a month is a typo, not a plan
+CAMPAIGN_MAX_PARALLEL = 64
+
+
+def _check_campaign_numbers(args: argparse.Namespace, reserve_seconds: float) -> None:
+    """``fedmeta campaign``'s numbers, each finite and within what a job can use, before anything runs."""
+    if args.budget is not None and not (reserve_seconds < args.budget <= CAMPAIGN_MAX_SECONDS):
+        raise FedmetaError(
+            f"{'--until must leave' if args.until else '--budget must be'} a number of seconds above the "
+            f"{reserve_seconds} s the job keeps for its files (configs/campaign.yaml: reserve_seconds) and "
+            f"at most {CAMPAIGN_MAX_SECONDS} (30 days), got {args.budget:.6g}"
+        )
+    if args.profile is not None and not (0 < args.profile <= CAMPAIGN_MAX_SECONDS):
+        raise FedmetaError(f"--profile takes a number of seconds above 0, got {args.profile:.6g}")
+    if args.parallel is not None and not 1 <= args.parallel <= CAMPAIGN_MAX_PARALLEL:
+        raise FedmetaError(
+            f"--parallel must be 1 to {CAMPAIGN_MAX_PARALLEL} (units at once), got {args.parallel}"
+        )
+    if args.start_ahead is not None and not 0 <= args.start_ahead <= 8:
+        raise FedmetaError(f"--start-ahead must be 0 to 8 (units setting up ahead), got {args.start_ahead}")
+    if args.carry_mib is not None and not (0 <= args.carry_mib <= 1024**2):
+        raise FedmetaError(f"--carry-mib must be a size in MiB, 0 to 1048576, got {args.carry_mib:.6g}")
 
 
 def _campaign_jobs(args: argparse.Namespace, plan, kept) -> None:
@@ -900,8 +911,6 @@ def _profile_next_unit(args: argparse.Namespace, plan, kept) -> int:
         raise FedmetaError(
             "--profile measures the next unit on its own: run it without --budget or --collect"
         )
-    if not (math.isfinite(args.profile) and args.profile > 0):
-        raise FedmetaError(f"--profile must be a number of seconds > 0, got {args.profile}")
     plan.overrides = [*plan.overrides, *args.overrides]
     compose(list(plan.overrides))  # a bad override: one line before anything runs
     root = Path("runs") / plan.preset

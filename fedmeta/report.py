@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedmeta.config import CONFIG_DIR, method_card, user_config_dir
 from fedmeta.errors import FedmetaError
-from fedmeta.runs import read_summary
+from fedmeta.runs import read_summary, rewinds
 
 log = logging.getLogger("fedmeta")
 
@@ -105,9 +105,13 @@ def record_command(root: Path, before: dict[Path, int], command: str, launched: 
 def archive(runs_root: Path, kept_root: Path) -> int:
     """Copy the small files of every finished run under ``runs_root`` to the same place under
     ``kept_root``; returns how many runs were copied."""
-    finished = sorted(runs_root.glob("*/*/seed*/summary.json"))
-    for summary in finished:
+    copied = 0
+    for summary in sorted(runs_root.glob("*/*/seed*/summary.json")):
         target = kept_root / summary.parent.relative_to(runs_root)
+        if problem := rewinds(summary.parent, target):  # a shorter run of the same folder: the kept one stays
+            log.warning(problem)
+            continue
+        copied += 1
         target.mkdir(parents=True, exist_ok=True)
         for name in RUN_FILES:
             if (summary.parent / name).exists():
@@ -118,7 +122,7 @@ def archive(runs_root: Path, kept_root: Path) -> int:
             shutil.copy2(command, target / COMMAND_FILE)
         else:
             (target / COMMAND_FILE).unlink(missing_ok=True)
-    return len(finished)
+    return copied
 
 
 def collect(root: Path) -> dict[tuple[str, str], list[dict]]:

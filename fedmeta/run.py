@@ -14,10 +14,11 @@ from omegaconf import DictConfig
 from fedmeta import checkpoint
 from fedmeta.assemble import build, rehearse
 from fedmeta.config import run_name, setting_name
+from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import PersonalizationResult
 from fedmeta.fastest import hardware_name
 from fedmeta.rounds import Federated
-from fedmeta.runs import RunLock, RunRecorder, check_run_folder
+from fedmeta.runs import RunLock, RunRecorder, check_run_folder, start_refusal
 
 
 class Run:
@@ -27,6 +28,8 @@ class Run:
         self.cfg, self.fabric, self.stacked = cfg, fabric, stacked
         self.started = time.perf_counter()
         self.dir = Path(cfg.output.root) / run_name(cfg)
+        if problem := start_refusal(self.dir, cfg):  # before seconds of reading data, not after
+            raise FedmetaError(problem)
         self.federation, self.algorithm = build(
             fabric, cfg
         )  # bad data or settings: refused before anything is on disk

@@ -279,10 +279,44 @@ class DeviceTurn:
             self.held = None
 
 
+def recorded_rounds(folder: Path) -> int:
+    """The rounds a run folder's metrics.csv records: its last row's round (0: no file, no rows, or a
+    file fedmeta did not write)."""
+    path = folder / "metrics.csv"
+    if not path.is_file() or path.is_symlink() or _foreign_metrics(path):
+        return 0
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            last = None
+            for row in csv.reader(f):
+                last = row or last
+        return int(last[0]) if last and last[0].isdigit() else 0
+    except (UnicodeDecodeError, csv.Error, OSError):
+        return 0
+
+
+def history_without_checkpoint(folder: Path) -> str | None:
+    """What an unfinished run folder records that nothing can continue — rounds in its metrics.csv and
+    no checkpoint (one not brought back, a run stopped before its first) — or None. A run started over
+    there would write fewer rounds over them, and a job may stop before it has them back: every writer
+    of a run folder refuses it (history only grows) unless replacing it was asked for."""
+    rounds = recorded_rounds(folder)
+    if not rounds or (folder / "summary.json").is_file() or (folder / "checkpoint.ckpt").is_file():
+        return None
+    return f"{folder} records {rounds} rounds but holds no checkpoint.ckpt to continue them"
+
+
+def rewinds(source: Path, target: Path) -> str | None:
+    """Why copying the run in ``source`` over the one in ``target`` would lose recorded rounds, or None."""
+    have, coming = recorded_rounds(target), recorded_rounds(source)
+    if coming >= have:
+        return None
+    return f"{target} records {have} rounds, {source} only {coming}: not copied over them"
+
+
 def _foreign_metrics(path: Path) -> bool:
-    """A metrics.csv that does not read as one fedmeta wrote: kept unless replacing it was asked for.
-    fedmeta's own rows are nothing to keep without a checkpoint: no run can continue from them, and
-    the rerun writes them again."""
+    """A metrics.csv that does not read as one fedmeta wrote: kept unless replacing it was asked for
+    (fedmeta's own rows are kept too: ``history_without_checkpoint``)."""
     if not path.is_file():
         return False
     try:
@@ -291,6 +325,31 @@ def _foreign_metrics(path: Path) -> bool:
             return len(header) < 4 or header != METRIC_FIELDS[: len(header)]
     except (UnicodeDecodeError, csv.Error):
         return True
+
+
+def start_refusal(run_dir: Path, cfg: DictConfig) -> str | None:
+    """Why a run may not start in ``run_dir`` (what it holds would be lost), or None — asked before the
+    data is read, and again by the recorder before anything is written. A resume from its checkpoint
+    is a start that loses nothing."""
+    if (run_dir / "summary.json").exists():
+        if not cfg.output.overwrite:
+            return f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it"
+        return None
+    if cfg.output.overwrite or (cfg.output.resume and (run_dir / "checkpoint.ckpt").is_file()):
+        return None
+    orphaned = history_without_checkpoint(run_dir)
+    if orphaned:  # output.resume=true has nothing to resume from
+        return (
+            f"{orphaned}: bring its checkpoint back and resume, or start it over with output.overwrite=true"
+        )
+    kept = ["checkpoint.ckpt"] if (run_dir / "checkpoint.ckpt").exists() else []
+    kept += ["metrics.csv"] if _foreign_metrics(run_dir / "metrics.csv") else []
+    if kept and not cfg.output.resume:
+        return (
+            f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
+            "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true"
+        )
+    return None
 
 
 class RunRecorder:
@@ -309,26 +368,13 @@ class RunRecorder:
         self.dir = run_dir
         self.main = main_process
         self.log_model = cfg.wandb.log_model
-        if (run_dir / "summary.json").exists() and not cfg.output.overwrite:
-            raise FedmetaError(
-                f"{run_dir} already holds a finished run: pass output.overwrite=true to replace it"
-            )
+        if history is None and (problem := start_refusal(run_dir, cfg)):
+            raise FedmetaError(problem)
         self.rows: list[dict] = list(history["metrics"]) if history else []
         self.curves: list[list] = list(history["curves"]) if history else []
         self.loggers, self.curve_loggers, self.wandb = [], [], None
         if self.main:
             if run_dir.exists() and history is None:
-                # a run that failed before its first checkpoint (an error, a full disk) left nothing
-                # to continue: its folder does not block the corrected rerun
-                kept = [name for name in ("checkpoint.ckpt", "summary.json") if (run_dir / name).exists()]
-                kept += ["metrics.csv"] if _foreign_metrics(run_dir / "metrics.csv") else []
-                if kept and not (
-                    cfg.output.overwrite or cfg.output.resume
-                ):  # resume without a checkpoint: nothing to keep
-                    raise FedmetaError(
-                        f"{run_dir} holds an unfinished run ({', '.join(kept)}): continue it with "
-                        "output.resume=true (make train RESUME=1), or replace it with output.overwrite=true"
-                    )
                 clear_run_folder(run_dir)  # empty of results, or replacing them was asked for
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "checkpoint.ckpt.tmp").unlink(missing_ok=True)  # a checkpoint write cut off by a kill

@@ -28,7 +28,7 @@ from fedmeta import campaign, lease
 from fedmeta.checkpoint import identity
 from fedmeta.config import compose
 from fedmeta.errors import FedmetaError
-from fedmeta.runs import METRIC_FIELDS
+from fedmeta.runs import METRIC_FIELDS, recorded_rounds
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 3  # the tiny campaign's
@@ -484,6 +484,7 @@ HOSTILE = [
     "bad metrics",
     "link in kept",
     "bad id",
+    "history kept without checkpoint",
 ]
 
 
@@ -533,7 +534,11 @@ def test_whatever_a_job_brings_back_nothing_kept_rewinds_or_changes_identity(
             runs = {folders[0]: checkpointed(configs[folders[0]], round_)}
         elif kind == "bad id":
             job = {"id": "../../outside/escaped"}
+        elif kind == "history kept without checkpoint" and not (kept / folder).exists():
+            keep(kept, folder, {"config.yaml": OmegaConf.to_yaml(cfg).encode(), "metrics.csv": metrics(2)[0]})
+            runs = {folder: checkpointed(cfg, 1)}
         before = {f: lease.run_state(kept / f, ROUNDS) if not (kept / f).is_symlink() else 0 for f in folders}
+        recorded = {f: recorded_rounds(kept / f) if not (kept / f).is_symlink() else 0 for f in folders}
         try:
             campaign.collect(plan, output(base / f"out{i}", runs, **job), kept)
         except FedmetaError as exc:
@@ -545,6 +550,7 @@ def test_whatever_a_job_brings_back_nothing_kept_rewinds_or_changes_identity(
             if (kept / f).is_symlink():
                 continue
             assert lease.run_state(kept / f, ROUNDS) >= before[f], (f, jobs)
+            assert recorded_rounds(kept / f) >= recorded[f], (f, jobs)
             if (kept / f / "config.yaml").exists():
                 assert not campaign._config_problem((kept / f / "config.yaml").read_bytes(), configs[f])
             if (kept / f / lease.CHECKPOINT).exists():

@@ -377,7 +377,8 @@ def test_ctrl_c_finishes_the_round_checkpoints_it_and_the_resume_continues_from_
 @pytest.mark.parametrize("minutes, resumed_at", [(1e-9, 2), (0, None)])
 def test_checkpoints_come_by_time_as_well_as_by_rounds(tmp_path, mnist_dir, monkeypatch, minutes, resumed_at):
     """With checkpoints every 50 rounds, a run stopped at once in round 3 (a second Ctrl-C) resumes
-    from round 2 when a checkpoint is due by time after every round, from nothing without."""
+    from round 2 when a checkpoint is due by time after every round; without, its two recorded rounds
+    are kept until starting over is asked for."""
     import fedmeta.loop
 
     honest = fedmeta.loop.federated_rounds
@@ -393,6 +394,10 @@ def test_checkpoints_come_by_time_as_well_as_by_rounds(tmp_path, mnist_dir, monk
     with pytest.raises(KeyboardInterrupt):
         train(compose(args), show_progress=False)
     monkeypatch.setattr(fedmeta.loop, "federated_rounds", honest)
+    if resumed_at is None:
+        with pytest.raises(FedmetaError, match="records 2 rounds but holds no checkpoint.ckpt"):
+            train(compose([*args, "output.resume=true"]), show_progress=False)
+        args.append("output.overwrite=true")
     summary = train(compose([*args, "output.resume=true"]), show_progress=False)
     assert summary["resumed_at_round"] == resumed_at and summary["rounds"] == 4
 
@@ -490,8 +495,12 @@ def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_the_rerun
     )
     assert not list(run.glob("*.tmp")) and not (run / "checkpoint.ckpt").exists()
     monkeypatch.undo()
-    # its metrics.csv holds rounds, but no run can continue from them: the plain rerun is not refused
-    assert main(run_args(tmp_path, mnist_dir)) == 0 and (run / "summary.json").exists()
+    # its metrics.csv records rounds no checkpoint continues: kept until replacing them is asked for
+    assert main(run_args(tmp_path, mnist_dir)) == 2
+    assert "records 2 rounds but holds no checkpoint.ckpt" in capsys.readouterr().err
+    assert (
+        main(run_args(tmp_path, mnist_dir, "output.overwrite=true")) == 0 and (run / "summary.json").exists()
+    )
 
 
 def test_an_atomic_write_that_fails_keeps_the_old_file_and_leaves_no_temporary_one(tmp_path, monkeypatch):
