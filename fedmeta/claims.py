@@ -54,26 +54,57 @@ is its finished seeds, with ``so-far`` (and an ``@r``) also its seeds still unde
 
 from __future__ import annotations
 
+import argparse
+import bisect
 import csv
+import io
 import json
+import math
 import re
 import statistics
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = Path("results") / "runs"
-CLAIM = re.compile(r"<!--=(.*?)-->", re.S)
+# a claim to its end, or (no end in its paragraph) to the paragraph's: an error, found in one pass
+CLAIM = re.compile(r"<!--=(?:(.*?)-->|.*)", re.S)
 # a number as prose writes it: 1,024 · 96.44 · −0.8 · +1.2 (not a part of a name: CIFAR-10, fp32, v2)
 NUMBER = re.compile(r"(?<![\w.,/^-])(?:[-−+](?=\d))?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w|\.\d)")
 # names, not results: code, link targets, comments, addresses, a seed's index ("seed 0", "seeds 0–4"),
-# a part of a paper ("Algorithm 1", "Table 2")
+# a part of a paper ("Algorithm 1", "Table 2"); an unclosed comment hides the rest, as a renderer does,
+# and a link target stops at a ``]``: neither is searched again from each later start
 CODE = re.compile(
-    r"`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\b[Ss]eeds? \d+(?:(?:,\s?\d+)*\s+and\s+\d+|[–-]\d+|(?:,\d+)+)?"
+    r"`[^`]*`|\]\([^)\]]*\)|<!--(?:.*?-->|.*)|https?://\S+"
+    r"|\b[Ss]eeds? \d+(?:(?:,\s?\d+)*\s+and\s+\d+|[–-]\d+|(?:,\d+)+)?"
     r"|\b(?:Algorithm|Table|Figure|Section|Eq\.|line)s? \d+",
     re.S,
 )
+BRACES = re.compile(r"\{([^{}]*)\}")
+# bounds on what a page makes the checker do: a page is prose, a kept file a run's record, and a claim's
+# {a,b} groups multiply (24 of them would be 2^24 items); more is a mistake, said as one
+PAGE_BYTES = 8 * 2**20
+KEPT_BYTES = 64 * 2**20
+EXPANSION = 4096
+# what each kind of claim takes, for the error of a claim that gives too little
+ARGUMENTS = {
+    **dict.fromkeys(("ms", "mean", "sd", "min", "max", "n", "best", "tc-gap"), "G"),
+    **dict.fromkeys(("acc", "csd", "step0", "rounds", "behind"), "R"),
+    **dict.fromkeys(("diff", "above", "level", "apart", "paired", "each"), "G1 G2"),
+    **dict.fromkeys(("file", "cfg", "pct", "key"), "PATH KEY"),
+    **dict.fromkeys(("paper", "paper-mean"), "SETTING METHOD"),
+    **dict.fromkeys(("reeval", "reeval-csd"), "R i"),
+    "spr": "R|G",
+    "evaluated": "R|G r",
+    "paper-diff": "SETTING M1 M2",
+    "paper-gap": "SETTING METHOD G",
+    "row": "PATH KEY COLUMN",
+}
+PAPER = "configs/paper_results.yaml"
 
 
 class ClaimError(ValueError):
@@ -84,45 +115,182 @@ class ClaimError(ValueError):
 class Problem:
     line: int
     message: str
+    broken: bool = False  # a claim that cannot be computed, not one whose number differs
 
     def __str__(self) -> str:
         return f"{self.line}: {self.message}"
 
 
+def _text(path: Path, limit: int) -> str:
+    """A file's text, read no further than ``limit`` bytes: /dev/zero or a 2 GB file is never read whole."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except IsADirectoryError:
+        raise ClaimError("a folder, not a file") from None
+    except FileNotFoundError:
+        raise ClaimError("no such file") from None
+    except OSError as exc:
+        raise ClaimError(f"cannot be read ({exc.strerror or exc})") from None
+    if len(data) > limit:
+        raise ClaimError(f"more than {limit // 2**20} MiB")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise ClaimError(f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+
+
+@cache  # resolving costs a system call a part: a page may name one folder thousands of times
+def _inside(path: Path) -> None:
+    """Refuses a path that leaves the repository once its links are resolved (results/x -> /etc)."""
+    try:
+        inside = path.resolve().is_relative_to(ROOT.resolve())
+    except (OSError, RuntimeError):  # a loop of links
+        inside = False
+    if not inside:
+        raise ClaimError(
+            f"{path.relative_to(ROOT)}: leads out of the repository: a claim reads what it keeps"
+        )
+
+
 def _path(name: str) -> Path:
     path = Path(name) if name.startswith(("results/", "configs/")) else RUNS / name
-    if path.is_absolute() or ".." in path.parts:
+    if path.is_absolute() or ".." in path.parts or "\0" in name:
         raise ClaimError(f"{name}: a claim reads only what the repository keeps")
+    _inside(ROOT / path)
     return ROOT / path
+
+
+@cache
+def _read(path: Path) -> str:
+    """A kept file's text, inside the repository and of a bounded size."""
+    _inside(path)
+    try:
+        return _text(path, KEPT_BYTES)
+    except ClaimError as exc:
+        raise ClaimError(
+            f"{path.relative_to(ROOT)}: {exc}: a claim reads a kept text file (UTF-8, "
+            f"at most {KEPT_BYTES // 2**20} MiB)"
+        ) from None
+
+
+def _loads(text: str, where: str, as_yaml: bool = False):
+    try:
+        return yaml.safe_load(text) if as_yaml else json.loads(text)
+    except RecursionError:
+        raise ClaimError(f"{where}: nested too deeply to read: keep it a few levels deep") from None
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "YAML" if as_yaml else "JSON"
+        raise ClaimError(f"{where}: not {kind} ({' '.join(str(exc).split())})") from None
+
+
+@cache
+def _data(path: Path):
+    """A kept JSON (or YAML) file's data."""
+    return _loads(_read(path), str(path.relative_to(ROOT)), path.suffix in (".yaml", ".yml"))
+
+
+def _table(path: Path, *columns: str) -> list[dict]:
+    """A kept CSV file's rows, which have the columns a claim reads."""
+    try:
+        reader = csv.DictReader(io.StringIO(_read(path)))
+        rows = list(reader)
+    except csv.Error as exc:
+        raise ClaimError(f"{path.relative_to(ROOT)}: not a CSV table ({exc})") from None
+    for column in columns:
+        if column not in (reader.fieldnames or []):
+            raise ClaimError(f"{path.relative_to(ROOT)} has no column {column!r}")
+    return rows
+
+
+def _number(value, where: str, scale: float = 1) -> float:
+    """A number a kept file holds (scaled): a boolean is none (JSON's true is no 1), and neither is a NaN
+    or an infinity, which no number written reads as and which break the statistics."""
+    try:
+        number = math.nan if isinstance(value, bool) else scale * float(value)
+    except (TypeError, ValueError, OverflowError):  # not a number, or an integer beyond a float's range
+        number = math.nan
+    if not math.isfinite(number):
+        shown = {dict: "an object", list: "a list"}.get(type(value)) or json.dumps(value, default=str)
+        shown = shown if len(shown) <= 40 else f"{shown[:40]}…"
+        raise ClaimError(f"{where} is {shown}, not a finite number: fix the file or claim another number")
+    return number
+
+
+def _int(word, what: str) -> int:
+    """A whole number a claim (or a kept table) writes."""
+    if not isinstance(word, str) or not re.fullmatch(r"[-+]?[0-9]{1,18}", word.strip()):
+        raise ClaimError(f"{what} is {str(word)[:40]!r}, not a whole number")
+    return int(word)
+
+
+def _key(data, key: str, name: str):
+    """The value at a key path (a.b.0.c) of a kept file's data, or an error that says what it lacks where."""
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if isinstance(data, list) and re.fullmatch(r"[0-9]{1,18}", part) and int(part) < len(data):
+            data = data[int(part)]
+        elif isinstance(data, dict) and part in data:
+            data = data[part]
+        else:
+            at = f" at {'.'.join(parts[:depth])}" if depth else ""
+            lacks = (
+                f"item {part!r}{at} (a list of {len(data)})"
+                if isinstance(data, list)
+                else f"key {part!r}{at}"
+            )
+            raise ClaimError(f"{name} has no {lacks}")
+    return data
 
 
 @cache
 def _run(folder: Path) -> dict:
     """A finished run's summary, its evaluated rounds (round → metrics row) and its curves."""
-    try:
-        summary = json.loads((folder / "summary.json").read_text())
-    except (OSError, ValueError):  # a run still under way: its evaluations so far
-        if not (folder / "metrics.csv").is_file():
-            raise ClaimError(f"{folder.relative_to(ROOT)}: no run (summary.json, metrics.csv)") from None
-        summary = {}
-    rows = {}
+    name, summary = str(folder.relative_to(ROOT)), {}
+    if (folder / "summary.json").is_file():
+        summary = _data(folder / "summary.json")
+        if not isinstance(summary, dict):
+            raise ClaimError(f"{name}/summary.json: not a JSON object")
+    elif not (folder / "metrics.csv").is_file():  # a run still under way keeps its evaluations so far
+        raise ClaimError(f"{name}: no run (summary.json, metrics.csv)")
+    rows, where = {}, f"{name}/metrics.csv: a round"
     if (folder / "metrics.csv").is_file():
-        with open(folder / "metrics.csv", encoding="utf-8") as f:
-            rows = {int(r["round"]): r for r in csv.DictReader(f) if r.get("eval_accuracy")}
+        rows = {
+            _int(r["round"], where): r
+            for r in _table(folder / "metrics.csv", "round")
+            if r.get("eval_accuracy")
+        }
     curves: dict[int, dict[int, float]] = {}
     if (folder / "curves.csv").is_file():
-        with open(folder / "curves.csv", encoding="utf-8") as f:
-            for r in csv.DictReader(f):
-                curves.setdefault(int(r["round"]), {})[int(r["step"])] = float(r["accuracy"])
-    return {"summary": summary, "rows": rows, "curves": curves}
+        where = f"{name}/curves.csv"
+        for r in _table(folder / "curves.csv", "round", "step", "accuracy"):
+            step = _int(r["step"], f"{where}: a step")
+            curves.setdefault(_int(r["round"], f"{where}: a round"), {})[step] = _number(
+                r["accuracy"], f"{where}: an accuracy"
+            )
+    return {"name": name, "summary": summary, "rows": rows, "curves": curves}
+
+
+def _finished(folder: Path, key: str, scale: float = 1) -> float:
+    """A number of a finished run's summary (a run under way keeps none)."""
+    run = _run(folder)
+    name = f"{run['name']}/summary.json"
+    if not run["summary"]:
+        raise ClaimError(f"{name}: none kept: the run has not finished")
+    return _number(_key(run["summary"], key, name), f"{name}: {key}", scale)
+
+
+@cache  # a group's runs, found once for the claims that read them
+def _runs(group: Path, so_far: bool) -> list[Path]:
+    patterns = ("seed*/summary.json", "seed*/metrics.csv") if so_far else ("seed*/summary.json",)
+    return sorted({p.parent for pattern in patterns for p in group.glob(pattern)})
 
 
 def _seeds(group: Path, seeds: list[int] | None, so_far: bool = False) -> list[Path]:
     """The group's finished seeds; with ``so_far`` its runs still under way too (their evaluations so far)."""
-    patterns = ("seed*/summary.json", "seed*/metrics.csv") if so_far else ("seed*/summary.json",)
-    runs = sorted({p.parent for pattern in patterns for p in group.glob(pattern)})
+    runs = _runs(group, so_far)
     if seeds is not None:
-        runs = [r for r in runs if int(r.name.removeprefix("seed")) in seeds]
+        runs = [r for r in runs if r.name in {f"seed{s}" for s in seeds}]
     if not runs:
         raise ClaimError(f"{group.relative_to(ROOT)}: no seed has run")
     return runs
@@ -135,6 +303,11 @@ def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accur
     run = _run(folder)
     summary, rows = run["summary"], run["rows"]
     last = max(rows) if rows else summary.get("rounds")
+    if not isinstance(last, int) or isinstance(last, bool):
+        raise ClaimError(
+            f"{run['name']}: not evaluated yet (no evaluated round in metrics.csv, "
+            "no whole rounds in summary.json)"
+        )
     at = last if at is None else at
     if what == "step0":
         what, step = "accuracy", 0
@@ -143,30 +316,30 @@ def _accuracy(folder: Path, at: int | None, step: int | None, what: str = "accur
             raise ClaimError("the training clients are scored at their last step only: no k=")
         return _training_clients(folder, at, last, TRAINING_CLIENTS[what])
     if step is not None:
+        where = f"{run['name']}: the personalization curve at round {at}, step {step}"
         curve = run["curves"].get(at)
-        if curve is None and at == last and summary.get("curve"):  # a run that scored and trained none
+        if curve is None and at == last and isinstance(summary.get("curve"), list):  # scored, trained none
             curve = dict(enumerate(summary["curve"]))
         if curve is None or step not in curve:
-            raise ClaimError(
-                f"{folder.relative_to(ROOT)}: no personalization curve at round {at}, step {step}"
-            )
-        return 100 * curve[step]
+            raise ClaimError(f"{where}: none kept")
+        return _number(curve[step], where, 100)
     column = {"accuracy": "eval_accuracy", "csd": "eval_accuracy_std"}[what]
     if at not in rows or not rows[at].get(column):
         if at == last:  # a run that keeps no metrics row for its end: its summary
-            return 100 * summary["accuracy" if what == "accuracy" else "accuracy_std"]
-        raise ClaimError(f"{folder.relative_to(ROOT)}: round {at} was not evaluated")
-    return 100 * float(rows[at][column])
+            return _finished(folder, "accuracy" if what == "accuracy" else "accuracy_std", 100)
+        raise ClaimError(f"{run['name']}: round {at} was not evaluated")
+    return _number(rows[at][column], f"{run['name']}/metrics.csv: {column} at round {at}", 100)
 
 
 def _training_clients(folder: Path, at: int, last: int, key: str) -> float:
-    row = _run(folder)["rows"].get(at, {})
+    run = _run(folder)
+    row = run["rows"].get(at, {})
     if row.get(f"training_clients_{key}"):
-        return 100 * float(row[f"training_clients_{key}"])
-    scored = _run(folder)["summary"].get("training_clients")
-    if at == last and scored:
-        return 100 * scored[key]
-    raise ClaimError(f"{folder.relative_to(ROOT)}: its training clients were not scored at round {at}")
+        where = f"{run['name']}/metrics.csv: training_clients_{key} at round {at}"
+        return _number(row[f"training_clients_{key}"], where, 100)
+    if at == last and run["summary"].get("training_clients"):
+        return _finished(folder, f"training_clients.{key}", 100)
+    raise ClaimError(f"{run['name']}: its training clients were not scored at round {at}")
 
 
 def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None, bool, str]:
@@ -175,11 +348,11 @@ def _options(words: list[str]) -> tuple[int | None, int | None, list[int] | None
     what = next((w for w in words if w in TRAINING_CLIENTS), "accuracy")
     for word in (w for w in words if w != "so-far" and w not in TRAINING_CLIENTS):
         if word.startswith("@"):
-            at = int(word[1:])
+            at = _int(word[1:], "@round")
         elif word.startswith("k="):
-            step = int(word[2:])
+            step = _int(word[2:], "k=step")
         elif word.startswith("seeds="):
-            seeds = [int(s) for s in word[6:].split(",")]
+            seeds = [_int(s, "seeds=a,b") for s in word[6:].split(",")]
         else:
             raise ClaimError(f"{word!r}: an option is @round, k=step, seeds=a,b, so-far, tc or tcw")
     if so_far and at is None:
@@ -203,37 +376,40 @@ def _gaps(first: str, second: str, options: list[str]) -> list[float]:
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def _key(data, key: str):
-    for part in key.split("."):
-        data = data[int(part)] if isinstance(data, list) else data[part]
-    return data
+    # a gap of two numbers near a float's limit: statistics fails on it with an AttributeError
+    if not all(map(math.isfinite, values)):
+        raise ClaimError("the numbers it reads are beyond a float's range")
+    try:
+        return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    except OverflowError:
+        raise ClaimError("the numbers it reads are beyond a float's range") from None
 
 
 def _file(name: str, key: str) -> float:
     path = _path(name)
-    try:
-        text = path.read_text()
-    except OSError:
-        raise ClaimError(f"{name}: not a kept file") from None
     if key.startswith("/") and key.endswith("/") and len(key) > 1:
-        found = re.search(key[1:-1], text)
-        if not found:
+        try:
+            pattern = re.compile(key[1:-1])
+        except re.error as exc:
+            raise ClaimError(
+                f"{key}: not a regular expression ({exc}): write /regex/ with ( ) around the number"
+            ) from None
+        if not pattern.groups:
+            raise ClaimError(f"{key}: no group: write /regex/ with ( ) around the number")
+        found = pattern.search(_read(path))
+        if not found or found[1] is None:
             raise ClaimError(f"{name}: nothing matches {key}")
-        return float(found[1].replace(",", ""))
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+        return _number(found[1].replace(",", ""), f"{name}: what {key} matches")
+    found = _key(_data(path), key, name)
+    return _number(len(found) if isinstance(found, list) else found, f"{name}: {key}")
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-        found = _key(data, key)
-        return float(len(found) if isinstance(found, list) else found)
-    except (KeyError, IndexError, ValueError, TypeError):
-        raise ClaimError(f"{name}: no number at {key}") from None
+
+def _paper(setting: str, method: str) -> tuple[float, ...]:
+    """The paper's mean and sd of a method in a setting."""
+    pair = _key(_data(_path(PAPER)), f"{setting}.{method}", PAPER)
+    if not (isinstance(pair, list) and len(pair) == 2):
+        raise ClaimError(f"{PAPER}: {setting}.{method} is not a [mean, sd] pair")
+    return tuple(_number(value, f"{PAPER}: {setting}.{method}") for value in pair)
 
 
 def evaluate(item: str) -> list[float] | bool:
@@ -242,6 +418,8 @@ def evaluate(item: str) -> list[float] | bool:
     if not words:
         raise ClaimError("an empty claim")
     kind, args = words[0], words[1:]
+    if len(args) < len(ARGUMENTS.get(kind, "").split()):
+        raise ClaimError(f"too short: write {kind} {ARGUMENTS[kind]} (fedmeta/claims.py lists the kinds)")
     if kind in ("ms", "mean", "sd", "min", "max"):
         values = _group(args[0], args[1:])
         mean, sd = _mean_sd(values)
@@ -256,9 +434,9 @@ def evaluate(item: str) -> list[float] | bool:
     if kind == "spr":
         path = _path(args[0])
         runs = [path] if (path / "summary.json").is_file() else _seeds(path, None)
-        return [statistics.mean(_run(r)["summary"]["seconds_per_round"] for r in runs)]
+        return [_mean_sd([_finished(r, "seconds_per_round") for r in runs])[0]]
     if kind == "evaluated":
-        at = int(args[1])
+        at = _int(args[1], "the round")
         for run in (
             _seeds(_path(args[0]), None, "so-far" in args[2:])
             if not (_path(args[0]) / "summary.json").is_file()
@@ -266,14 +444,16 @@ def evaluate(item: str) -> list[float] | bool:
         ):
             _accuracy(run, at, None)  # raises where the round was not evaluated
         return [float(at)]
-    if kind == "behind":  # the rounds of a chain's stages up to and with this one
-        stage, total = _run(_path(args[0]))["summary"], 0
+    if kind == "behind":  # the rounds of a chain's stages up to and with this one, each an init_from deeper
+        path, key = _path(args[0]), "rounds"
+        total, stage = _finished(path, key), _run(path)["summary"].get("init_from")
         while stage:
-            total += stage["rounds"]
+            key = f"init_from.{key}"
+            total += _finished(path, key)  # a stage that is a mapping with its rounds, or an error
             stage = stage.get("init_from")
-        return [float(total)]
+        return [total]
     if kind == "rounds":
-        return [float(_run(_path(args[0]))["summary"]["rounds"])]
+        return [_finished(_path(args[0]), "rounds")]
     if kind == "best":
         group = _path(args[0])
         mine = statistics.mean(_group(args[0], args[1:]))
@@ -305,16 +485,12 @@ def evaluate(item: str) -> list[float] | bool:
         gaps = _gaps(args[0], args[1], args[2:])
         return len(gaps) >= 2 and all(gap > 0 for gap in gaps)
     if kind in ("paper", "paper-mean"):
-        mean, sd = _file_data("configs/paper_results.yaml")[args[0]][args[1]]
+        mean, sd = _paper(args[0], args[1])
         return [mean, sd] if kind == "paper" else [mean]
     if kind == "paper-gap":  # the paper's mean less a group's
-        return [
-            _file_data("configs/paper_results.yaml")[args[0]][args[1]][0]
-            - statistics.mean(_group(args[2], args[3:]))
-        ]
+        return [_paper(args[0], args[1])[0] - statistics.mean(_group(args[2], args[3:]))]
     if kind == "paper-diff":
-        table = _file_data("configs/paper_results.yaml")[args[0]]
-        return [table[args[1]][0] - table[args[2]][0]]
+        return [_paper(args[0], args[1])[0] - _paper(args[0], args[2])[0]]
     if kind == "row":
         return [_row(args[0], args[1], args[2])]
     if kind in ("file", "cfg", "pct"):
@@ -322,21 +498,24 @@ def evaluate(item: str) -> list[float] | bool:
         return [100 * value if kind == "pct" else value]
     if kind == "key":
         _file(args[0], args[1])  # raises where the file has no number there
-        return [float(args[1].rsplit(".", 1)[-1])]
+        return [float(_int(args[1].rsplit(".", 1)[-1], f"the last part of {args[1]}"))]
     if kind in ("reeval", "reeval-csd"):
-        lines = _path(args[0]).joinpath("evaluations.jsonl").read_text().splitlines()
-        evaluation = json.loads(lines[int(args[1]) - 1])
-        return [100 * evaluation["accuracy" if kind == "reeval" else "accuracy_std"]]
+        path, index = _path(args[0]) / "evaluations.jsonl", _int(args[1], "the re-evaluation")
+        if not path.is_file():
+            raise ClaimError(f"{args[0]}: no evaluations.jsonl: re-evaluate the run (fedmeta evaluate) first")
+        lines = _read(path).splitlines()
+        if not 1 <= index <= len(lines):
+            raise ClaimError(f"{args[0]}: no re-evaluation {index}: it keeps {len(lines)}")
+        where = f"{path.relative_to(ROOT)}: line {index}"
+        key = "accuracy" if kind == "reeval" else "accuracy_std"
+        return [_number(_key(_loads(lines[index - 1], where), key, where), f"{where}: {key}", 100)]
     raise ClaimError(f"{kind!r}: not a kind of claim (fedmeta/claims.py lists them)")
 
 
 def _row(name: str, key: str, column: str) -> float:
     """A number in a Markdown table of a kept file: the row whose first cell is ``key``, the column
     whose header is ``column`` (``_`` for its spaces)."""
-    try:
-        lines = [line for line in _path(name).read_text().splitlines() if line.startswith("|")]
-    except OSError:
-        raise ClaimError(f"{name}: not a kept file") from None
+    lines = [line for line in _read(_path(name)).splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     names = (column, column.replace("_", " "))
     header = next((row for row in cells if any(n in row for n in names)), None)
@@ -347,24 +526,28 @@ def _row(name: str, key: str, column: str) -> float:
         if row and row[0].strip("`*") == key and index < len(row):
             found = re.search(r"[-−+]?\d[\d,]*(?:\.\d+)?", row[index])
             if found:
-                return float(found[0].replace(",", "").replace("−", "-"))
+                return _number(found[0].replace(",", "").replace("−", "-"), f"{name}: {key} under {column}")
     raise ClaimError(f"{name}: no row {key} with a number under {column}")
 
 
-@cache
-def _file_data(name: str):
-    import yaml
-
-    return yaml.safe_load(_path(name).read_text())
-
-
-def _expand(item: str) -> list[str]:
-    found = re.search(r"\{([^{}]*)\}", item)
-    if not found:
-        return [item]
-    return [
-        e for name in found[1].split(",") for e in _expand(item[: found.start()] + name + item[found.end() :])
-    ]
+def _expand(item: str, room: int) -> list[str]:
+    """``item`` once for each name of its ``{a,b}`` groups, in order, or an error past ``room`` items (or
+    16 MiB of them): a claim of 24 groups would be 2^24 items."""
+    items = [item]
+    while found := BRACES.search(items[0]):  # every item has the same groups left: a name holds no { } ,
+        count = len(items) * (found[1].count(",") + 1)
+        if count > room or count * len(item) > 2**24:
+            short = item if len(item) <= 80 else f"{item[:80]}…"
+            raise ClaimError(
+                f"{short}: its {{a,b}} groups expand the claim past {EXPANSION} items: write fewer"
+            )
+        items = [
+            e[: f.start()] + name + e[f.end() :]
+            for e in items
+            for f in [BRACES.search(e)]
+            for name in f[1].split(",")
+        ]
+    return items
 
 
 def _reads_as(value: float, written: str) -> bool:
@@ -390,10 +573,6 @@ def _blocks(text: str):
         yield start, "\n".join(block)
 
 
-def _line(block: str, offset: int) -> int:
-    return block.count("\n", 0, offset)
-
-
 def claimed_sections(text: str, every: bool = False) -> list[tuple[int, int]]:
     """The (first, last) lines of each ``##`` section with a claim in it (``every``: of each section),
     checked whole."""
@@ -406,42 +585,82 @@ def claimed_sections(text: str, every: bool = False) -> list[tuple[int, int]]:
 def check(text: str, every_section: bool = False) -> list[Problem]:
     """Every claim of the page against what it claims, and every number of a claimed section claimed
     (with ``every_section``, of every section: a page written wholly in claims)."""
+    return _check(text, every_section)[0]
+
+
+def _check(text: str, every_section: bool = False) -> tuple[list[Problem], int, int]:
+    """``check``'s problems, with the numbers its claims wrote and the sections it checked."""
     problems: list[Problem] = []
+    numbers, outcomes = 0, {}
     text = re.sub(r"^```.*?^```", lambda m: "\n" * m[0].count("\n"), text, flags=re.S | re.M)  # code
     lines = text.splitlines()
-    for first, last in claimed_sections(text, every_section):
+    sections = claimed_sections(text, every_section)
+    for first, last in sections:
         section = "\n".join(lines[first:last])
         for start, block in _blocks(section):
             if block.startswith("    "):  # code: commands and their arguments, not results
                 continue
+            # a number's line by bisection, not by counting from the block's start: linear in the page
+            newlines = [m.start() for m in re.finditer("\n", block)]
             position, line0 = 0, first + start + 1
             for claim in [*CLAIM.finditer(block), None]:
                 end = claim.start() if claim else len(block)
                 prose = CODE.sub(lambda m: " " * len(m[0]), block[position:end])
-                written = [(m[0], position + m.start()) for m in NUMBER.finditer(prose)]
+                written = [
+                    (m[0], line0 + bisect.bisect_left(newlines, position + m.start()))
+                    for m in NUMBER.finditer(prose)
+                ]
                 if claim is None:
                     problems += [
-                        Problem(line0 + _line(block, at), f"{number}: no claim says what it is")
-                        for number, at in written
+                        Problem(line, f"{number}: no claim says what it is") for number, line in written
                     ]
                     break
-                problems += _check_claim(claim[1], written, block, line0)
+                if claim[1] is None:  # what it claims would be left unchecked
+                    opening = " ".join(claim[0][:60].split())
+                    problems.append(
+                        Problem(
+                            line0 + bisect.bisect_left(newlines, end),
+                            f"{opening}…: a claim with no --> in its paragraph: close it there",
+                            broken=True,
+                        )
+                    )
+                    break
+                problems += _check_claim(claim[1], written, line0, outcomes)
+                numbers += len(written)
                 position = claim.end()
-    return problems
+    return problems, numbers, len(sections)
 
 
-def _check_claim(source: str, written: list[tuple[str, int]], block: str, line0: int) -> list[Problem]:
-    problems, expected = [], []
-    where = line0 + _line(block, written[0][1]) if written else line0
-    for item in [e for part in source.split(";") if part.strip() for e in _expand(part.strip())]:
-        try:
-            result = evaluate(item)
-        except (ClaimError, KeyError, IndexError, ValueError) as exc:
-            problems.append(Problem(where, f"{item}: {exc}"))
-            continue
-        if isinstance(result, bool):
+def _check_claim(
+    source: str,
+    written: list[tuple[str, int]],
+    line0: int,
+    outcomes: dict[str, list[float] | bool | ClaimError],
+) -> list[Problem]:
+    problems, expected, items = [], [], []
+    where = written[0][1] if written else line0
+    try:
+        for part in source.split(";"):
+            if part.strip():  # on one line: a claim may wrap, its messages may not
+                items += _expand(" ".join(part.split()), EXPANSION - len(items))
+    except ClaimError as exc:
+        return [Problem(where, str(exc), broken=True)]
+    for item in items:
+        if item not in outcomes:  # a page repeats its items: each is computed once
+            try:
+                outcomes[item] = evaluate(item)
+            except ClaimError as exc:
+                outcomes[item] = exc
+            except OSError as exc:  # a name the system refuses (too long): the claim's, not the repository's
+                outcomes[item] = ClaimError(exc.strerror or str(exc))
+        result = outcomes[item]
+        if isinstance(result, ClaimError):
+            problems.append(Problem(where, f"{item}: {result}", broken=True))
+        elif isinstance(result, bool):
             if not result:
                 problems.append(Problem(where, f"{item}: does not hold"))
+        elif not all(map(math.isfinite, result)):  # a difference of two numbers near a float's limit
+            problems.append(Problem(where, f"{item}: gives {result}, not finite numbers", broken=True))
         else:
             expected += [(item, v) for v in result]
     if problems:
@@ -451,27 +670,40 @@ def _check_claim(source: str, written: list[tuple[str, int]], block: str, line0:
             Problem(
                 where,
                 f"{len(written)} numbers written ({', '.join(n for n, _ in written) or 'none'}) "
-                f"against {len(expected)} claimed ({source.strip()})",
+                f"against {len(expected)} claimed ({' '.join(source.split())})",
             )
         ]
     return [
-        Problem(line0 + _line(block, at), f"{number}: {item} gives {value:.4f}")
-        for (number, at), (item, value) in zip(written, expected)
+        Problem(line, f"{number}: {item} gives {value:.4f}")
+        for (number, line), (item, value) in zip(written, expected)
         if not _reads_as(value, number)
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fedmeta.claims PAGE …``: each page's claims that do not hold, one a line."""
-    import sys
-
-    pages = argv if argv is not None else sys.argv[1:]
-    bad = 0
-    for page in pages:
-        for problem in check(Path(page).read_text()):
-            print(f"{page}:{problem}")
-            bad += 1
-    return 1 if bad else 0
+    """``python -m fedmeta.claims PAGE …``: each page's claims that do not hold (on stdout: exit 1) and
+    those that cannot be checked, or a page that cannot be read (on stderr: exit 2), one a line; a line
+    for each page whose claims all hold (exit 0)."""
+    parser = argparse.ArgumentParser(prog="python -m fedmeta.claims", description=__doc__.split("\n", 1)[0])
+    parser.add_argument("pages", nargs="+", metavar="PAGE", help="a Markdown page, e.g. results/NOTES.md")
+    status = 0
+    for page in parser.parse_args(argv).pages:
+        try:
+            text = _text(Path(page), PAGE_BYTES)
+        except ClaimError as exc:
+            print(
+                f"{page}: {exc}: give a Markdown page (UTF-8, at most {PAGE_BYTES // 2**20} MiB)",
+                file=sys.stderr,
+            )
+            status = 2
+            continue
+        problems, numbers, sections = _check(text)
+        for problem in problems:
+            print(f"{page}:{problem}", file=sys.stderr if problem.broken else sys.stdout)
+            status = max(status, 2 if problem.broken else 1)
+        if not problems:
+            print(f"{page}: {numbers} numbers in {sections} sections hold")
+    return status
 
 
 if __name__ == "__main__":
