@@ -47,7 +47,10 @@ def identity(cfg: DictConfig) -> dict:
     ident = _settled({key: container.get(key) for key in IDENTITY})
     ident["dataset"] = {k: v for k, v in ident["dataset"].items() if k not in ("dir", "download")}
     protocol = (container.get("evaluation") or {}).get("protocol", "new_clients")
-    if protocol != "new_clients":  # training clients then keep a test split out of their training data
+    selected = (container.get("personalization") or {}).get("lr_rule") == "selected"
+    if (
+        protocol != "new_clients" or selected
+    ):  # training clients then keep a test split out of their training data
         ident["evaluation"] = {"training_clients_test_split": True}
     return ident
 
@@ -112,6 +115,120 @@ def save(
     except OSError as exc:  # a full disk: Lightning's error names its own temporary file
         raise write_failure(path, tmp, exc) from None
     fabric.barrier()
+
+
+MODEL = "model.pt"  # a finished run's final state, compact, for re-scoring (``fedmeta evaluate``)
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def save_model(path: Path, algorithm: Algorithm, cfg: DictConfig) -> dict:
+    """What re-scoring a finished run reads — its global model, the method's other server state
+    (IFCA's models, FedPAC's heads, FedProto's prototypes, …) and, for a method that keeps a model per
+    client, the client states the training-clients protocol scores — in ``output.keep_model``'s float
+    type (a tensor that type cannot hold finite stays float32), within ``output.keep_model_mib``: past
+    it, the per-client states go first, then the largest other parts (training-only state such as
+    SCAFFOLD's control variates), and the file names what it left out. Returns what it wrote."""
+    import torch
+
+    dtype = getattr(torch, cfg.output.keep_model)
+
+    def compact(tree):
+        if isinstance(tree, dict):
+            return {key: compact(value) for key, value in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(compact(value) for value in tree)
+        if isinstance(tree, torch.Tensor) and tree.is_floating_point():
+            small = tree.detach().to("cpu", dtype)
+            return (
+                small if bool(torch.isfinite(small).all() or not torch.isfinite(tree).all()) else tree.cpu()
+            )
+        return tree.cpu() if isinstance(tree, torch.Tensor) else tree
+
+    state = algorithm.federation_state()
+    if not algorithm.keeps_client_models:
+        state.pop("client_states", None)  # training-only (an optimizer's moments): no score reads them
+    parts = {key: compact(value) for key, value in state.items() if key != "model"}
+    sizes = {key: len(_bytes(value)) for key, value in parts.items()}
+    left_out = []
+    limit = cfg.output.keep_model_mib * 2**20
+    total = len(_bytes(compact(state["model"]))) + sum(sizes.values())
+    for key in sorted(parts, key=lambda k: (k != "client_states", -sizes[k])):
+        if total <= limit:
+            break
+        total -= sizes[key]
+        left_out.append(key)
+        parts.pop(key)
+    model = {
+        "format": 1,
+        "identity": identity(cfg),
+        "dtype": cfg.output.keep_model,
+        "model": compact(state["model"]),
+        "parts": parts,
+        "left_out": left_out,
+    }
+    buffer = _bytes(model)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(buffer)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise write_failure(path, tmp, exc) from None
+    return {"dtype": cfg.output.keep_model, "mib": round(len(buffer) / 2**20, 3), "left_out": left_out}
+
+
+def _bytes(tree) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(tree, buffer)
+    return buffer.getvalue()
+
+
+def load_model(path: Path, algorithm: Algorithm) -> dict:
+    """A kept run's ``model.pt`` into ``algorithm`` (in its own float type): its identity returned,
+    to be checked by the caller; one line if it cannot be read or does not fit."""
+    import torch
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)  # a crafted file must not run code
+        ident, dtype = saved["identity"], saved["dtype"]
+    except Exception as exc:  # noqa: BLE001 — whatever a cut-off, edited or foreign file raises
+        raise FedmetaError(
+            f"{path} cannot be read ({type(exc).__name__}): it is corrupt or not a fedmeta model"
+        ) from None
+    if dtype not in MODEL_DTYPES:
+        raise FedmetaError(f"{path} holds a model of type {dtype!r}, none fedmeta writes")
+    ours = algorithm.federation_state()
+    reference = next(algorithm.model.parameters())
+
+    def widen(saved_tree, like):  # each tensor back to the type and device the run's own has
+        if isinstance(saved_tree, dict):
+            return {
+                k: widen(v, like.get(k) if isinstance(like, dict) else None) for k, v in saved_tree.items()
+            }
+        if isinstance(saved_tree, (list, tuple)):
+            return type(saved_tree)(widen(v, None) for v in saved_tree)
+        if isinstance(saved_tree, torch.Tensor):
+            like = like if isinstance(like, torch.Tensor) else reference
+            dtype = (
+                like.dtype
+                if saved_tree.is_floating_point() and like.is_floating_point()
+                else saved_tree.dtype
+            )
+            return saved_tree.to(like.device, dtype)
+        return saved_tree
+
+    state = {"model": widen(saved["model"], ours["model"]), **widen(saved.get("parts", {}), ours)}
+    try:
+        algorithm.load_federation_state(state)
+    except Exception as exc:  # noqa: BLE001
+        left = f"; it left out {', '.join(saved.get('left_out') or [])}" if saved.get("left_out") else ""
+        raise FedmetaError(
+            f"{path} does not fit this run's model ({type(exc).__name__}{left}): it is from another run"
+        ) from None
+    return {"identity": ident, "dtype": dtype, "left_out": list(saved.get("left_out") or [])}
 
 
 def load(fabric: Fabric, path: Path, algorithm: Algorithm, cfg: DictConfig) -> dict:

@@ -637,6 +637,9 @@ def _validate_federation(cfg: DictConfig) -> None:
     )
 
 
+LR_RULES = ("method", "selected")
+
+
 def _validate_personalization(pers: DictConfig) -> None:
     _require(
         pers.steps >= 0 and pers.lr > 0 and pers.batch_size >= 2,
@@ -653,6 +656,24 @@ def _validate_personalization(pers: DictConfig) -> None:
     _require(
         pers.held_out_batch_size is None or pers.held_out_batch_size >= 2,
         f"personalization.held_out_batch_size must be null (one pass) or ≥ 2, got {pers.held_out_batch_size}",
+    )
+    _require(
+        pers.lr_rule in LR_RULES,
+        f"personalization.lr_rule must be one of {', '.join(LR_RULES)}, got {pers.lr_rule!r}",
+    )
+    grid = list(pers.lr_grid) if OmegaConf.is_list(pers.lr_grid) else None
+    _require(
+        grid is not None
+        and 1 <= len(grid) <= 16
+        and all(isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr <= 10 for lr in grid)
+        and len(set(grid)) == len(grid),
+        f"personalization.lr_grid must list 1 to 16 distinct step sizes in (0, 10], got {pers.lr_grid}",
+    )
+    _require(
+        isinstance(pers.select_clients, int)
+        and not isinstance(pers.select_clients, bool)
+        and pers.select_clients >= 1,
+        f"personalization.select_clients must be an integer ≥ 1 (validation clients), got {pers.select_clients!r}",
     )
 
 
@@ -725,6 +746,15 @@ def _validate_model(model: DictConfig) -> None:
 
 
 def _validate_output(cfg: DictConfig) -> None:
+    _require(
+        cfg.output.keep_model in ("float32", "float16", "bfloat16", "none"),
+        f"output.keep_model must be float16, bfloat16, float32 or none, got {cfg.output.keep_model!r}",
+    )
+    mib = cfg.output.keep_model_mib
+    _require(
+        isinstance(mib, (int, float)) and not isinstance(mib, bool) and 0 < mib <= 1024,
+        f"output.keep_model_mib must be a size in MiB in (0, 1024], got {mib!r}",
+    )
     stop_at = cfg.output.get("stop_at")
     _require(
         stop_at is None

@@ -31,6 +31,8 @@ class PersonalizationResult:
     samples: torch.Tensor | None = None  # (clients,) the samples each was scored on: the weighted mean
     clients: str = "new"  # "new" | "training": which protocol scored them
     training: PersonalizationResult | None = None  # beside the new clients', the training clients' (both)
+    lr: float | None = None  # the step size the clients were personalized at
+    lr_selection: dict[float, float] | None = None  # lr_rule=selected: each candidate's validation accuracy
 
     def __post_init__(
         self,
@@ -145,9 +147,14 @@ def personalize(
     return personal, torch.stack(accuracies), torch.stack(losses) if losses else torch.zeros(0)
 
 
+class Diverged(FedmetaError):
+    """A personalization whose loss went non-finite: a fault of the step size, which a step-size
+    choice by validation (``lr_rule=selected``) counts as that candidate's failure, not the run's."""
+
+
 def check_finite(client: Client, losses: torch.Tensor) -> None:
     if not bool(torch.isfinite(losses).all()):
-        raise FedmetaError(
+        raise Diverged(
             f"personalizing client {client.id} gave a non-finite loss: "
             "lower personalization.lr or use fabric.precision=32-true"
         )

@@ -236,6 +236,7 @@ FINISHED_FILES = (
     "summary.json",
     "evaluations.jsonl",
     "command.txt",
+    "model.pt",  # the final model, compact (output.keep_model): what re-scores a kept run
 )
 UNFINISHED_FILES = ("config.yaml", "metrics.csv", "curves.csv", "evaluations.jsonl", CHECKPOINT)
 ALLOWED = set(FINISHED_FILES) | set(UNFINISHED_FILES)
@@ -248,6 +249,7 @@ FILE_BYTES = {
     "metrics.csv": 16 * 2**20,
     "curves.csv": 16 * 2**20,
     "evaluations.jsonl": 16 * 2**20,
+    "model.pt": 16 * 2**20,
 }
 
 

@@ -85,7 +85,7 @@ def _evaluate(
     """``evaluate_on_ranks`` with a progress bar of its own: an evaluation (every new client
     personalized for ``personalization.steps`` steps) may take longer than many rounds."""
     protocol = cfg.evaluation.protocol
-    clients, what = scored_clients(runs, protocol, fabric.global_rank, fabric.world_size)
+    clients, what = scored_clients(runs, protocol, fabric.global_rank, fabric.world_size, cfg.personalization)
     with tqdm(
         total=clients,
         desc=f"round {round_}: {what}",
@@ -104,6 +104,7 @@ def _record(run: Run, row: dict, result, on_evaluation: Callable[[int, float], N
             eval_accuracy=result.accuracy,
             eval_accuracy_std=result.accuracy_std,
             eval_step0_accuracy=result.curve[0],
+            personalization_lr=result.lr,
         )
         if (training := result.training_clients) is not None:
             row.update(
@@ -291,7 +292,7 @@ def _finish(
     summaries = []
     for run in runs:
         if run.error is None:
-            summary = {**run.summary(), **engine.describe()}
+            summary = {**run.summary(), **engine.describe(), "kept_model": run.keep_model()}
             run.recorder.finish(summary, run.cfg)
             summaries.append(summary)
     failed = [run.error for run in runs if run.error]

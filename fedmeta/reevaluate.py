@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedmeta import checkpoint
 from fedmeta.assemble import make_engine, setup
 from fedmeta.config import apply_overrides, compose_with_choices, load_mapping
+from fedmeta.data import keeps_test_splits
 from fedmeta.errors import FedmetaError
 from fedmeta.rounds import Federated, evaluate_on_ranks
 from fedmeta.runs import RunLock, append_text, check_run_folder
@@ -27,8 +28,12 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
     ``personalization.*`` settings (e.g. the step size); appended to the run's evaluations.jsonl.
     ``unfinished`` allows the last checkpoint of a run that has not finished."""
     check_run_folder(run_dir)
-    if not (run_dir / "checkpoint.ckpt").exists() or not (run_dir / "config.yaml").exists():
-        raise FedmetaError(f"{run_dir} holds no run (config.yaml and checkpoint.ckpt): give a run folder")
+    has_model = (run_dir / "checkpoint.ckpt").exists() or (run_dir / checkpoint.MODEL).exists()
+    if not has_model or not (run_dir / "config.yaml").exists():
+        raise FedmetaError(
+            f"{run_dir} holds no run to re-score (config.yaml, and checkpoint.ckpt or model.pt): give a run "
+            "folder of a finished run (runs kept before model.pt was written hold neither: train them again)"
+        )
     if not unfinished and not (run_dir / "summary.json").exists():
         raise FedmetaError(
             f"{run_dir} holds an unfinished run: finish it (output.resume=true), or evaluate its last "
@@ -74,7 +79,21 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
         raise FedmetaError(
             f"{run_dir / 'config.yaml'} cannot be read as a fedmeta config ({exc})".splitlines()[0]
         ) from None
+    trained_apart = keeps_test_splits(cfg)
     cfg = apply_overrides(cfg, overrides, ranges)  # the method's declared ranges, as train checks them
+    if cfg.personalization.lr_rule == "selected" and any(
+        o.startswith("personalization.lr=") for o in overrides
+    ):
+        raise FedmetaError(
+            "personalization.lr is chosen by personalization.lr_rule=selected (this run's rule, or yours): add "
+            "personalization.lr_rule=method to score at the step size you give"
+        )
+    if keeps_test_splits(cfg) and not trained_apart:
+        raise FedmetaError(
+            f"{run_dir} trained on all of its training clients' data: personalization.lr_rule=selected "
+            "would choose the step size on data the model was trained on; it needs a run trained with test "
+            "splits kept out (lr_rule=selected, or evaluation.protocol=both or training_clients)"
+        )
     lock = RunLock(
         run_dir
     ).acquire()  # not while a training process writes the folder, nor two evaluations at once
@@ -86,28 +105,35 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
 
 def _evaluate_run(run_dir: Path, cfg: DictConfig, test_time: set[str]) -> dict:
     fabric, federation, algorithm = setup(cfg)
-    try:
-        state = fabric.load(run_dir / "checkpoint.ckpt", weights_only=True)
-        saved = state["identity"]
-    except Exception as exc:
-        raise FedmetaError(
-            f"{run_dir / 'checkpoint.ckpt'} cannot be read ({type(exc).__name__}): it is corrupt or not "
-            "a fedmeta checkpoint"
-        ) from None
-    # another seed's or experiment's checkpoint in this folder: refused, as a resume refuses it
-    checkpoint.check_identity(
-        run_dir / "checkpoint.ckpt",
-        saved,
-        cfg,
-        ignore=("personalization.", *(f"{key}:" for key in test_time)),
-    )
-    try:
-        algorithm.load_federation_state(state["federation"])
-    except Exception as exc:
-        raise FedmetaError(
-            f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
-            f"({type(exc).__name__}): it is corrupt or from another run"
-        ) from None
+    ignore = ("personalization.", *(f"{key}:" for key in test_time))
+    if not (run_dir / "checkpoint.ckpt").exists():  # a kept run: its compact final model
+        kept = checkpoint.load_model(run_dir / checkpoint.MODEL, algorithm)
+        checkpoint.check_identity(run_dir / checkpoint.MODEL, kept["identity"], cfg, ignore=ignore)
+        if cfg.evaluation.protocol != "new_clients" and algorithm.keeps_client_models and kept["left_out"]:
+            raise FedmetaError(
+                f"{run_dir / checkpoint.MODEL} left out {', '.join(kept['left_out'])} (over "
+                "output.keep_model_mib): its training clients cannot be scored from it; its checkpoint can"
+            )
+        source = f"{checkpoint.MODEL} ({kept['dtype']})"
+    else:
+        try:
+            state = fabric.load(run_dir / "checkpoint.ckpt", weights_only=True)
+            saved = state["identity"]
+        except Exception as exc:
+            raise FedmetaError(
+                f"{run_dir / 'checkpoint.ckpt'} cannot be read ({type(exc).__name__}): it is corrupt or not "
+                "a fedmeta checkpoint"
+            ) from None
+        # another seed's or experiment's checkpoint in this folder: refused, as a resume refuses it
+        checkpoint.check_identity(run_dir / "checkpoint.ckpt", saved, cfg, ignore=ignore)
+        try:
+            algorithm.load_federation_state(state["federation"])
+        except Exception as exc:
+            raise FedmetaError(
+                f"{run_dir / 'checkpoint.ckpt'} cannot be loaded into this run's model "
+                f"({type(exc).__name__}): it is corrupt or from another run"
+            ) from None
+        source = "checkpoint.ckpt"
     result = evaluate_on_ranks(
         fabric,
         [Federated(algorithm, federation, cfg.seed)],
@@ -116,14 +142,18 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig, test_time: set[str]) -> dict:
         protocol=cfg.evaluation.protocol,
     )[0]
     record = {
-        "personalization": OmegaConf.to_container(cfg.personalization),
+        "personalization": OmegaConf.to_container(cfg.personalization) | {"lr": result.lr},
         # every method setting new clients read, changed or not: what scored this line
         "method": {key.removeprefix("method."): OmegaConf.select(cfg, key) for key in sorted(test_time)},
         "protocol": cfg.evaluation.protocol,
+        "model": source,  # a kept run's compact model re-scores within its float type's rounding
         "accuracy": result.accuracy,
         "accuracy_std": result.accuracy_std,
         "curve": result.curve,
+        "personalization_lr": result.lr,
     }
+    if result.lr_selection is not None:
+        record["lr_selection"] = {f"{lr:g}": accuracy for lr, accuracy in result.lr_selection.items()}
     if (training := result.training_clients) is not None:
         record["training_clients"] = {
             "accuracy": training.accuracy,

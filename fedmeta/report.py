@@ -79,7 +79,7 @@ def _ran(run: Path, tuned: DictConfig) -> bool:
     return all(OmegaConf.select(config, key, default=None) == value for key, value in flat)
 
 
-RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl")
+RUN_FILES = ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "evaluations.jsonl", "model.pt")
 COMMAND_FILE = "command.txt"  # the grid command that ran the run, written beside its summary
 
 
@@ -227,6 +227,7 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
     methods = list(preset.methods)
     shown = [s for setting in settings for method in methods for s in runs.get((setting, method), [])]
     paper_rounds = {setting: _paper_rounds(preset.settings[setting]) for setting in settings}
+    firsts = [done[0] for setting in settings for method in methods if (done := runs.get((setting, method)))]
 
     def budget(setting: str) -> str:
         rounds = sorted({s["rounds"] for m in methods for s in runs.get((setting, m), [])})
@@ -243,7 +244,9 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
     lines = [
         f"## Preset `{preset_name}`",
         "",
-        f"The plan: {preset.description}. New-client accuracy (%) after {_steps(runs)} personalization steps: "
+        f"The plan: {preset.description}. New-client accuracy (%) after each method's test-time personalization "
+        f"of at most {_steps(runs)} steps (the last column gives each method's steps and step size, which differ "
+        f"between methods; 0 steps: scored as trained{_decay(firsts)}): "
         "the mean ± the standard deviation over seeds (n: the seeds of the cell that have finished, which may be "
         "fewer than planned; one seed has no spread) — what ± means in every table of this file. Each column's "
         "header gives the rounds its runs trained. "
@@ -255,8 +258,8 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
             "Meta-Dataset), so the paper's numbers are not set beside them: the difference would mostly measure "
             "the budget. "
         )
-        + "In bold: the best mean among the cells of a column and block that share their rounds, their n and "
-        "their test-time procedure (a cell with no such peer is not bold); tuned methods are a block of their own.",
+        + BEST_RULE
+        + " Tuned methods are a block of their own.",
         "",
         *[f"**{setting}:** {note}" + "\n" for setting, note in (preset.get("notes") or {}).items()],
         f"Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{root}/`. The commands that ran its cells:",
@@ -275,12 +278,58 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
     return text
 
 
+BEST_RULE = (
+    "In bold: in each column and block, the highest mean among the cells that share their rounds and their "
+    "n, whatever their test-time procedure (a cell with no such peer is not bold, cells with other rounds or "
+    "n are not compared with it, and means that print the same are all bold). † beside a mean: a cell of "
+    "the same group whose mean is within the bold mean's standard deviation over seeds of it, a difference "
+    "its seeds do not settle."
+)
+TIE = "†"
+
+
+def _hundredths(value: float) -> int:
+    """``value`` as printed with two decimals, in hundredths: what the bold and the † compare."""
+    return round(float(f"{value:.2f}") * 100)
+
+
+def _standing(cells: dict[tuple[str, str], list[float]], rounds: dict) -> dict[tuple[str, str], str]:
+    """Each cell (setting, method) of one block → "best" (bold), "tie" (†) or nothing, from its values
+    over seeds (%): among the cells of its column with its rounds (``rounds[cell]``) and its n, the
+    highest mean as printed is the best (several where they print the same); a cell whose mean is
+    within the best one's sd over seeds of it (the largest such sd where several tie) is a tie its
+    seeds do not settle. A cell with no such peer has no standing; the test-time procedure is not
+    looked at: the best is the best whatever steps and step size it took."""
+    groups = defaultdict(list)
+    for (setting, method), values in cells.items():
+        groups[(setting, rounds.get((setting, method)), len(values))].append((setting, method))
+    standing = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        printed = {key: tuple(map(_hundredths, _mean_std(cells[key]))) for key in members}
+        best = max(mean for mean, _ in printed.values())
+        reach = max(sd for mean, sd in printed.values() if mean == best)
+        for key, (mean, _) in printed.items():
+            if mean == best:
+                standing[key] = "best"
+            elif best - mean <= reach:
+                standing[key] = "tie"
+    return standing
+
+
+def _marked(mean: float, standing: str | None) -> str:
+    """A cell's mean as printed: bold where it is the best, † where the seeds do not settle it apart."""
+    return {"best": f"**{mean:.2f}**", "tie": f"{mean:.2f}{TIE}"}.get(standing, f"{mean:.2f}")
+
+
 def _table_block(
     block: str, members: list[str], settings: list[str], runs: dict, paper, budget, at_paper_budget
 ) -> list[str]:
     """One block of the table (the methods as configured, or the tuned ones): a row per method, the
-    best of each column's like-for-like cells in bold, the paper's number beside a cell at the
-    paper's budget."""
+    best mean of each column's cells of equal rounds and n in bold whatever their test-time procedure
+    and † beside those its seeds do not settle apart from it (:func:`_standing`), the paper's number
+    beside a cell at the paper's budget, each method's test-time steps and step size last."""
     lines = []
     if block:
         lines += [
@@ -296,21 +345,15 @@ def _table_block(
         "|---|" + "---|" * len(settings) + "---|",
     ]
 
-    # a cell is compared only with the cells of its column and block that share its rounds, its
-    # number of seeds and its test-time procedure; the best mean as printed of two or more is bold
-    # (means that print the same are tied, all bold)
-    def peers(setting: str, method: str) -> tuple:
-        summaries = runs[(setting, method)]
-        rounds = tuple(sorted({s["rounds"] for s in summaries}))
-        return setting, rounds, len(summaries), procedure([summaries[0]["folder"]])
-
-    compared = defaultdict(list)
-    for setting in settings:
-        for m in members:
-            if runs.get((setting, m)):
-                compared[peers(setting, m)].append(
-                    round(statistics.mean(100 * s["accuracy"] for s in runs[(setting, m)]), 2)
-                )
+    standing = _standing(
+        {
+            (setting, m): [100 * s["accuracy"] for s in runs[(setting, m)]]
+            for setting in settings
+            for m in members
+            if runs.get((setting, m))
+        },
+        {key: tuple(sorted({s["rounds"] for s in done})) for key, done in runs.items()},
+    )
     for method in members:
         cells = []
         for setting in settings:
@@ -319,8 +362,7 @@ def _table_block(
                 cells.append("–")
                 continue
             mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
-            alike = compared[peers(setting, method)]
-            value = f"**{mean:.2f}**" if len(alike) > 1 and round(mean, 2) == max(alike) else f"{mean:.2f}"
+            value = _marked(mean, standing.get((setting, method)))
             cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
             if method in paper.get(setting, {}) and at_paper_budget(summaries, setting):
                 paper_mean, paper_std = paper[setting][method]
@@ -339,17 +381,48 @@ def _table_block(
 def _training_block(methods: list[str], settings: list[str], runs: dict, budget) -> list[str]:
     """The training clients' accuracy where the runs scored them too (``evaluation.protocol=both``):
     the mean over seeds of each run's mean over clients ± its sd over seeds, and, after the slash, the
-    same of the sample-weighted accuracy the peer libraries print. No bold: a different question."""
+    same of the sample-weighted accuracy the peer libraries print; the mean over clients bold and †
+    as the new clients' are (:func:`_standing`, the tuned methods apart), and which methods were
+    scored as trained (0 steps: they keep a model per client)."""
     scored = {
         key: [s["training_clients"] for s in summaries if "training_clients" in s]
         for key, summaries in runs.items()
     }
     if not any(scored.values()):
         return []
+    rounds = {
+        key: tuple(sorted({s["rounds"] for s in done if "training_clients" in s}))
+        for key, done in runs.items()
+    }
+    standing = {}
+    for tuned in (False, True):
+        standing |= _standing(
+            {
+                (setting, m): [100 * b["accuracy"] for b in scored[(setting, m)]]
+                for setting in settings
+                for m in methods
+                if _tuned(m) == tuned and scored.get((setting, m))
+            },
+            rounds,
+        )
+    kept = [
+        _label_of(m, settings, runs)
+        for m in methods
+        if any(_kept_as_trained(runs.get((st, m), [])) for st in settings)
+    ]
     lines = [
         "The same runs' **training clients**, each scored on a test split kept out of its training with "
         "the model its method keeps for it (docs/protocol.md): mean over clients / sample-weighted, each "
-        "the mean ± sd over seeds; the two agree where every client's test split has the same size.",
+        "the mean ± sd over seeds; the two agree where every client's test split has the same size. "
+        + (
+            f"Scored as trained, 0 steps: the methods that keep a model per client ({', '.join(kept)}); "
+            "the others' training clients take their new clients' steps at their step size (the last column "
+            "above) on their own training data. "
+            if kept
+            else "Each method's training clients take its new clients' steps at its step size (the last column "
+            "above) on their own training data. "
+        )
+        + "Bold and † as above, on the mean over clients.",
         "",
         "| method | " + " | ".join(f"{setting} ({budget(setting)})" for setting in settings) + " |",
         "|---|" + "---|" * len(settings),
@@ -365,16 +438,22 @@ def _training_block(methods: list[str], settings: list[str], runs: dict, budget)
             weighted, weighted_std = _mean_std([100 * b["weighted_accuracy"] for b in blocks])
             spread = len(blocks) > 1
             cells.append(
-                f"{mean:.2f}"
+                _marked(mean, standing.get((setting, method)))
                 + (f" ± {std:.2f}" if spread else "")
                 + f" / {weighted:.2f}"
                 + (f" ± {weighted_std:.2f}" if spread else "")
                 + f" (n={len(blocks)})"
             )
         if any(c != "–" for c in cells):
-            folders = [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
-            lines.append(f"| {method_label(method, folders)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_label_of(method, settings, runs)} | " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def _label_of(method: str, settings: list[str], runs: dict) -> str:
+    """``method``'s row name from its runs in ``settings`` (a tuned one's record of its trial)."""
+    return method_label(
+        method, [s["folder"] for setting in settings for s in runs.get((setting, method), [])]
+    )
 
 
 def _cell_costs(preset_name: str, settings: list[str], methods: list[str], runs: dict) -> list[str]:
@@ -421,6 +500,57 @@ OWN_STEPS_FIRST = {
 }
 
 
+def _test_time(folder: Path) -> dict | None:
+    """A run's test-time procedure from the config.yaml it kept: its steps, its step size (or the
+    grid one is chosen from at each evaluation) and its decay; None where no config can be read."""
+    try:
+        cfg = OmegaConf.load(Path(folder) / "config.yaml")
+        pers = cfg.personalization
+        return {
+            "steps": int(pers.steps),
+            "lr": float(pers.lr),
+            "decay": float(pers.decay),
+            "decay_every": int(pers.decay_every),
+            "grid": tuple(pers.lr_grid) if pers.get("lr_rule") == "selected" else None,
+        }
+    except Exception:  # noqa: BLE001 — no run, or a config that cannot be read: nothing to say
+        return None
+
+
+def _kept_as_trained(done: list[dict]) -> bool:
+    """Whether a cell's training clients were scored as their method keeps a model for each, no step
+    taken (their curve one point long) where its new clients take steps (their curve longer)."""
+    return any(
+        len(s["training_clients"].get("curve") or [None, None]) == 1 and len(s.get("curve") or []) > 1
+        for s in done
+        if "training_clients" in s
+    )
+
+
+def _step_size(spec: dict) -> str:
+    """ "lr 0.01", or the grid a step size is chosen from (``personalization.lr_rule=selected``)."""
+    if spec["grid"]:
+        return f"a step size chosen at each evaluation from {', '.join(f'{v:g}' for v in spec['grid'])}"
+    return f"lr {spec['lr']:g}"
+
+
+def _decay(firsts: list[dict]) -> str:
+    """ "; every step size decays ×0.8 every 5 steps" where the runs that take steps agree on it."""
+    decays = {
+        (spec["decay"], spec["decay_every"])
+        for summary in firsts
+        if (spec := _test_time(summary["folder"])) and spec["steps"]
+    }
+    if len(decays) > 1:
+        return "; each run's step size decays as its config.yaml states"
+    if not decays:
+        return ""
+    decay, every = decays.pop()
+    if decay == 1:
+        return "; a constant step size"
+    return f"; every step size decays ×{decay:g} every {every} step{'s' if every != 1 else ''}"
+
+
 def procedure(folders: list[Path]) -> str:
     """How a method's new clients were scored, from the config its first run kept: the shared
     steps and their step size, and what the method does before or within them (a table's reader
@@ -430,7 +560,9 @@ def procedure(folders: list[Path]) -> str:
         steps, lr, method = cfg.personalization.steps, cfg.personalization.lr, cfg.method
     except Exception:  # noqa: BLE001 — no run, or a config that cannot be read: nothing to say
         return "–"
-    said = [f"{steps} steps at lr {lr:g}" if steps else "scored as trained (0 steps)"]
+    spec = _test_time(folders[0])
+    at = _step_size(spec) if spec else f"lr {lr:g}"
+    said = [f"{steps} steps at {at}" if steps else "scored as trained (0 steps)"]
     if method.get("test_inner_steps"):  # FedMeta: its step 0 is after its own adaptation
         n = method.test_inner_steps
         said.insert(
@@ -814,7 +946,7 @@ class _Figures:
             layout="constrained",
         )
 
-    def caption(self, name: str, what: str, cells, shown: str, rows) -> str:
+    def caption(self, name: str, what: str, cells, shown: str, rows, training: bool = False) -> str:
         rounds = sorted({s["rounds"] for _, _, summaries in cells for s in summaries})
         clients = sorted({s.get("new_clients") for _, _, summaries in cells for s in summaries} - {None})
         seeds = "; ".join(
@@ -830,10 +962,54 @@ class _Figures:
         return (
             f"## {name}\n\n{what} Budget: {', '.join(map(str, rounds))} rounds"
             f"{'' if len(rounds) == 1 else ' (as each run states)'}; each run's accuracy is the mean over its "
-            f"{'/'.join(map(str, clients))} new clients. {shown}{self.notes(cells, rows)} Seeds per method — "
+            f"{'/'.join(map(str, clients))} new clients.{self.test_time(cells, training)} {shown}"
+            f"{self.notes(cells, rows)} Seeds per method — "
             f"{seeds}.\n\nDrawn from {total} runs in `{self.kept}/<setting>/<method>/seed*/` by "
             f"`fedmeta figures --preset {self.preset_name}`.\n"
         )
+
+    def test_time(self, cells, training: bool = False) -> str:
+        """The caption's sentence on each method's test-time steps and step size, as its runs' configs
+        state them, the methods that share them named together (" Test time: 50 steps at lr 0.001
+        (FedAvg-FT, Ditto), at lr 0.01 (CAFeMe); 0 steps, scored as trained (FedAvg, IFCA)."); with
+        ``training``, which methods' training clients are scored as trained (0 steps) for keeping a
+        model per client. Nothing where no run's config can be read."""
+        groups = defaultdict(list)  # (steps, lr, step size as said) → the methods that took them
+        unread, kept = [], []
+        for method in dict.fromkeys(m for _, m, _ in cells):
+            specs = defaultdict(list)  # (steps, lr, step size) → the settings where the method took them
+            for setting, m, done in cells:
+                if m == method and (spec := _test_time(done[0]["folder"])):
+                    size = _step_size(spec) if spec["steps"] else ""
+                    specs[(spec["steps"], spec["lr"] if spec["steps"] else 0.0, size)].append(setting)
+                if m == method and method not in kept and _kept_as_trained(done):
+                    kept.append(method)
+            if not specs:
+                unread.append(self.label(method))
+            for key, where in specs.items():
+                groups[key].append(self.label(method) + (f" on {', '.join(where)}" if len(specs) > 1 else ""))
+        if not groups:
+            return ""
+        said = []
+        for steps in sorted({steps for steps, _, _ in groups}, reverse=True):
+            sizes = sorted((lr, size, names) for (n, lr, size), names in groups.items() if n == steps)
+            if not steps:
+                said.append(f"0 steps, scored as trained ({', '.join(sizes[0][2])})")
+                continue
+            said.append(
+                f"{steps} steps " + ", ".join(f"at {size} ({', '.join(names)})" for _, size, names in sizes)
+            )
+        if unread:
+            said.append(f"not recorded ({', '.join(unread)}: no config.yaml kept)")
+        firsts = [done[0] for _, _, done in cells]
+        text = f" Test time{' (new clients)' if training else ''}: {'; '.join(said)}{_decay(firsts)}."
+        if training:
+            text += (
+                " Training clients: scored as trained, 0 steps, where the method keeps a model per client"
+                + (f" ({', '.join(map(self.label, kept))})" if kept else " (none here)")
+                + "; the others take their new clients' steps on the client's training data."
+            )
+        return text
 
     def notes(self, cells, rows) -> str:
         """The caption's sentences on the rows of families, the methods with one seed and those not drawn."""
@@ -899,6 +1075,7 @@ class _Figures:
         shown: str = LINE_AND_BAND,
         subject: str = "",
         scored: str = "new clients",
+        training: bool = False,
     ) -> None:
         import matplotlib.pyplot as plt
 
@@ -925,7 +1102,7 @@ class _Figures:
         plt.close(fig)
         self.figures[name] = fig
         self.written.append(self.out_dir / name)
-        self.captions.append(self.caption(name, what, cells, shown, rows))
+        self.captions.append(self.caption(name, what, cells, shown, rows, training))
 
     def label(self, method: str, note: str = "") -> str:
         folders = [s["folder"] for (_, m), done in self.runs.items() if m == method for s in done]
@@ -1095,11 +1272,12 @@ class _Figures:
             axes,
             rows,
             "Each method's two scores from the same runs, at the end of training, one panel per setting: x, "
-            "its new clients' accuracy after the shared personalization (the paper's protocol); y, its "
-            "training clients' — each scored on a test split kept out of its training, with the model its "
-            "method keeps for it, or the new clients' procedure where it keeps none — the mean over those "
-            "clients (docs/protocol.md). On the dashed diagonal the two protocols agree; above it a method "
-            "scores better on the clients it trained on than on clients it never saw."
+            "its new clients' accuracy after its test-time steps (the paper's protocol; each method's steps "
+            "and step size below); y, its training clients' — each scored on a test split kept out of its "
+            "training, with the model its method keeps for it as it is (0 steps), or, where it keeps none, "
+            "after its new clients' steps — the mean over those clients (docs/protocol.md). On the dashed "
+            "diagonal the two protocols agree; above it a method scores better on the clients it trained on "
+            "than on clients it never saw."
             + (
                 " Points within 1 point of each other on both axes hide one another (the table gives each): "
                 + "; ".join(
@@ -1112,6 +1290,7 @@ class _Figures:
             cells,
             POINT_AND_BARS,
             scored="training clients (y) against new clients (x)",
+            training=True,
         )
 
     @staticmethod

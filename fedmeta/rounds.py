@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from lightning_fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
@@ -20,7 +21,7 @@ from fedmeta.data import Federation
 from fedmeta.data.federation import FAILURE_PURPOSE, Client
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError
-from fedmeta.evaluation import PersonalizationResult
+from fedmeta.evaluation import Diverged, PersonalizationResult
 
 
 def gather_updates(fabric: Fabric) -> Callable[[list], list]:
@@ -223,13 +224,80 @@ def evaluate_on_ranks(
     method keeps for each (or, where it keeps none, the same procedure), or both (the new clients'
     result, the training clients' as its ``training``). All computed together and spread over the
     Fabric world like a round (rank r takes clients r, r+W, …); each federation's curves are
-    gathered back in client order. ``done(n)``: n of this rank's clients finished."""
+    gathered back in client order. ``done(n)``: n of this rank's clients finished.
+
+    With ``personalization.lr_rule=selected`` each federation's step size is first chosen from
+    ``lr_grid`` on its validation clients (``validation_clients``), never on the clients it scores;
+    each result says the step size it was scored at and what every candidate gave."""
     engine = engine or Engine()
+    chosen, selection = [personalization.lr] * len(runs), [None] * len(runs)
+    if selects_lr(personalization):
+        selection = _select_lr(fabric, runs, personalization, engine, done)
+        chosen = [max(scores, key=lambda lr: (scores[lr], -lr)) for scores in selection]  # a tie: the smaller
+    results: list[PersonalizationResult | None] = [None] * len(runs)
+    for lr in dict.fromkeys(chosen):  # seeds that chose the same step size are scored together
+        which = [i for i, own in enumerate(chosen) if own == lr]
+        at = OmegaConf.merge(personalization, {"lr": lr})
+        for i, result in zip(which, _scored_by(fabric, [runs[i] for i in which], at, engine, done, protocol)):
+            result.lr, result.lr_selection = lr, selection[i]
+            results[i] = result
+    return results
+
+
+def selects_lr(personalization: DictConfig) -> bool:
+    """Whether the step size is chosen by validation (``lr_rule=selected``): a method scored without
+    a step (FedAvg, IFCA) has none to choose."""
+    return personalization.get("lr_rule", "method") == "selected" and personalization.steps > 0
+
+
+def validation_clients(federated: Federated, count: int) -> list[Client]:
+    """The training clients ``lr_rule=selected`` chooses the step size on: ``count`` of them, drawn by
+    the run's seed, each as a new client would be — its training data to fine-tune on, its test split
+    (kept out of training) to score — so the choice never sees a scored client's data."""
+    clients = federated.federation.train_clients
+    generator = torch.Generator().manual_seed(
+        int(np.random.SeedSequence([federated.seed, 0x5E1EC7]).generate_state(1)[0])
+    )
+    order = torch.randperm(len(clients), generator=generator)[:count].sort().values
+    return [clients[i].scoring() for i in order.tolist()]
+
+
+def _select_lr(
+    fabric: Fabric, runs: list[Federated], personalization: DictConfig, engine: Engine, done
+) -> list[dict[float, float]]:
+    """Each federation's validation accuracy (mean over its validation clients after the last step)
+    at every step size of ``lr_grid``."""
+    every = [validation_clients(run, personalization.select_clients) for run in runs]
+    scores: list[dict[float, float]] = [{} for _ in runs]
+    for lr in personalization.lr_grid:
+        at = OmegaConf.merge(personalization, {"lr": float(lr)})
+        try:
+            results = _scored(fabric, runs, at, engine, done, every, kept=False)
+        except Diverged:  # that step size is too large for some client: it scores nothing
+            results = [None] * len(runs)
+        for i, result in enumerate(results):
+            scores[i][float(lr)] = 0.0 if result is None else result.accuracy
+    if all(not any(own.values()) for own in scores):
+        raise FedmetaError(
+            f"every step size of personalization.lr_grid {list(personalization.lr_grid)} diverged or scored "
+            "nothing on the validation clients: give smaller ones"
+        )
+    return scores
+
+
+def _scored_by(
+    fabric: Fabric, runs: list[Federated], personalization: DictConfig, engine: Engine, done, protocol: str
+) -> list[PersonalizationResult]:
+    """``evaluate_on_ranks`` at one step size: the new clients, the training clients, or both."""
     new = training = None
     if protocol in ("new_clients", "both"):
-        new = _scored(fabric, runs, personalization, engine, done, "new")
+        new = _scored(
+            fabric, runs, personalization, engine, done, [run.federation.new_clients for run in runs]
+        )
     if protocol in ("training_clients", "both"):
-        training = _scored(fabric, runs, personalization, engine, done, "training")
+        every = [[c.scoring() for c in run.federation.train_clients] for run in runs]
+        kept = runs[0].algorithm.keeps_client_models
+        training = _scored(fabric, runs, personalization, engine, done, every, kept, "training")
     if new is None:
         return training
     for result, theirs in zip(new, training or [None] * len(new)):
@@ -237,14 +305,20 @@ def evaluate_on_ranks(
     return new
 
 
-def scored_clients(runs: list[Federated], protocol: str, rank: int, world: int) -> tuple[int, str]:
-    """How many clients this rank scores in an evaluation by ``protocol``, and what it does to them."""
+def scored_clients(
+    runs: list[Federated], protocol: str, rank: int, world: int, personalization: DictConfig | None = None
+) -> tuple[int, str]:
+    """How many clients this rank scores in an evaluation by ``protocol`` (with the validation
+    clients of a step size chosen by ``personalization``), and what it does to them."""
     kinds = {
         "new_clients": ["new_clients"],
         "training_clients": ["train_clients"],
         "both": ["new_clients", "train_clients"],
     }[protocol]
     count = sum(len(getattr(run.federation, kind)[rank::world]) for run in runs for kind in kinds)
+    if personalization is not None and selects_lr(personalization):
+        per_run = min(personalization.select_clients, len(runs[0].federation.train_clients))
+        count += len(range(rank, per_run, world)) * len(runs) * len(personalization.lr_grid)
     if protocol == "new_clients":
         return count, "personalizing the new clients"
     return count, f"scoring the {'new and training' if protocol == 'both' else 'training'} clients"
@@ -256,19 +330,16 @@ def _scored(
     personalization: DictConfig,
     engine: Engine,
     done: Callable[[int], None],
-    clients: str,
+    every: list[list[Client]],
+    kept: bool = False,
+    clients: str = "new",
 ) -> list[PersonalizationResult]:
-    """Each federation's new clients, or its training clients (their scoring views), scored."""
+    """Each federation's clients ``every[i]`` scored: new clients (or a training client's scoring view
+    fine-tuned as one) by the test-time procedure, or training clients as their method keeps them
+    (``kept``)."""
     world, rank = fabric.world_size, fabric.global_rank
-    kept = clients == "training" and runs[0].algorithm.keeps_client_models
     if kept:  # scored as the method keeps them, not fine-tuned further
         personalization = OmegaConf.merge(personalization, {"steps": 0})
-    every = [
-        run.federation.new_clients
-        if clients == "new"
-        else [c.scoring() for c in run.federation.train_clients]
-        for run in runs
-    ]
     mine = [scored[rank::world] for scored in every]
     curves = engine.personalization_curves(
         [(run.algorithm, c) for run, own in zip(runs, mine) for c in own], personalization, done, kept

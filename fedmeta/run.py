@@ -108,6 +108,13 @@ class Run:
         )
         self.saved_round, self.saved_at = round_, time.monotonic()
 
+    def keep_model(self) -> dict | None:
+        """The final model, compact, beside the summary (``model.pt``): what re-scores the run once its
+        checkpoint is gone (the kept tables' folders hold none); None with ``output.keep_model=none``."""
+        if self.cfg.output.keep_model == "none" or not self.fabric.is_global_zero:
+            return None
+        return checkpoint.save_model(self.dir / checkpoint.MODEL, self.algorithm, self.cfg)
+
     def fail(self, error: str) -> None:
         kept = (
             (
@@ -134,6 +141,7 @@ class Run:
             "accuracy_std": self.result.accuracy_std,
             "curve": self.result.curve,
             **_training_summary(self.result),
+            **_step_size_summary(self.result, cfg.personalization),
             "rounds": cfg.federation.rounds,
             "seconds": self.history.get("seconds", 0.0) + time.perf_counter() - self.started,
             "seconds_per_round": statistics.median(self.round_seconds) if self.round_seconds else None,
@@ -149,11 +157,25 @@ class Run:
 
 
 def _history_of(result: PersonalizationResult | None) -> dict:
-    """The training clients' last curves and sample counts, for a resumed run's summary."""
-    training = None if result is None else result.training_clients
-    if training is None:
+    """The last evaluation's step size (and its choice), and the training clients' last curves and
+    sample counts, for a resumed run's summary."""
+    if result is None:
         return {}
-    return {"last_training_curves": training.curves, "last_training_samples": training.samples}
+    chosen = {"last_lr": result.lr, "last_lr_selection": result.lr_selection}
+    kept = {key: value for key, value in chosen.items() if value is not None}
+    training = result.training_clients
+    if training is None:
+        return kept
+    return kept | {"last_training_curves": training.curves, "last_training_samples": training.samples}
+
+
+def _step_size_summary(result: PersonalizationResult, personalization) -> dict:
+    """summary.json's test-time step size: the rule, the step size the last evaluation used and, where
+    it was chosen by validation, each candidate's validation accuracy."""
+    summary = {"lr_rule": personalization.lr_rule, "personalization_lr": result.lr}
+    if result.lr_selection is not None:
+        summary["lr_selection"] = {f"{lr:g}": accuracy for lr, accuracy in result.lr_selection.items()}
+    return summary
 
 
 def _result_of(history: dict, protocol: str) -> PersonalizationResult | None:
@@ -161,9 +183,10 @@ def _result_of(history: dict, protocol: str) -> PersonalizationResult | None:
     curves, training = history.get("last_curves"), history.get("last_training_curves")
     if curves is None:
         return None
+    chosen = {"lr": history.get("last_lr"), "lr_selection": history.get("last_lr_selection")}
     if protocol == "training_clients":
-        return PersonalizationResult(curves, history.get("last_training_samples"), "training")
-    result = PersonalizationResult(curves)
+        return PersonalizationResult(curves, history.get("last_training_samples"), "training", **chosen)
+    result = PersonalizationResult(curves, **chosen)
     if training is not None:
         result.training = PersonalizationResult(training, history.get("last_training_samples"), "training")
     return result

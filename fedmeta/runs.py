@@ -35,6 +35,7 @@ METRIC_FIELDS = [
     "training_clients_accuracy_std",
     "training_clients_weighted_accuracy",
     "beside_cores",  # the cores other processes kept busy during the round, on average (fedmeta.clock)
+    "personalization_lr",  # the step size the evaluation personalized at (chosen by personalization.lr_rule)
 ]
 
 
@@ -121,6 +122,7 @@ RUN_ENTRIES = (
     "summary.json",
     "evaluations.jsonl",
     "checkpoint.ckpt",
+    "model.pt",
     *(
         f"{name}.tmp"
         for name in ("config.yaml", "metrics.csv", "curves.csv", "summary.json", "checkpoint.ckpt")

@@ -347,3 +347,46 @@ def test_runs_scored_both_ways_draw_each_method_at_its_two_scores_beside_the_dia
         assert diagonal[0][0] == diagonal[0][1] and diagonal[1][0] == diagonal[1][1]
         assert ax.get_xlim() == ax.get_ylim()
     assert spreads(fig) == {"cafeme", "fedrep", "fedavg_ft"}
+
+
+def test_captions_state_each_methods_test_time_steps_and_step_size(tmp_path):
+    """Each caption names the steps and step size each method's new clients took, as its runs'
+    configs state them, methods that share them together (CAFeMe's lr 0.01 apart from the
+    baselines' 0.001, FedAvg at 0 steps); the protocols figure's caption says the training clients
+    of a method that keeps a model per client (FedRep: its training curve one point long) were
+    scored as trained, at 0 steps, not after the new clients' 50."""
+    methods = ["cafeme", "fedavg", "fedavg_ft", "fedrep"]
+    runs = made_up_runs(tmp_path, methods, steps={"fedavg": 0})
+    lr = {"cafeme": 0.01}
+    for (_, method), done in runs.items():
+        for s in done:
+            s["folder"].mkdir(parents=True, exist_ok=True)
+            steps = len(s["curve"]) - 1
+            config = {
+                "personalization": {
+                    "steps": steps,
+                    "lr": lr.get(method, 0.001),
+                    "decay": 0.8,
+                    "decay_every": 5,
+                }
+            }
+            OmegaConf.save(OmegaConf.create(config), s["folder"] / "config.yaml")
+            kept = method in ("fedrep", "fedavg")  # FedRep keeps a head per client; FedAvg takes no step
+            s["training_clients"] = {
+                "accuracy": s["accuracy"],
+                "curve": s["curve"][:1] if kept else s["curve"],
+            }
+    figures = drawn(tmp_path, methods, runs)
+    said = (
+        "Test time: 10 steps at lr 0.001 (FedAvg-FT, FedRep), at lr 0.01 (CAFeMe); 0 steps, scored as trained "
+        "(FedAvg); every step size decays ×0.8 every 5 steps."
+    )
+    personalization = next(c for c in figures.captions if c.startswith("## fig_personalization.png"))
+    assert said in personalization
+    protocols = next(c for c in figures.captions if c.startswith("## fig_protocols.png"))
+    assert said.replace("Test time:", "Test time (new clients):") in protocols
+    assert (
+        "Training clients: scored as trained, 0 steps, where the method keeps a model per client (FedRep); "
+        "the others take their new clients' steps" in protocols
+    )
+    assert "after the shared personalization" not in protocols and "as it is (0 steps)" in protocols

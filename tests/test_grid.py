@@ -509,10 +509,10 @@ def finished_run(folder: Path, accuracy: float, seed: int = 0, steps: int = 3, r
 def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, caplog):
     """table --no-run and figures without --run read the kept runs and write their own files, nothing
     else (no W&B run, not even W&B's default offline one), each bad summary said once. In the table,
-    bold marks the best mean among a column's cells of equal rounds, seeds and test-time procedure
-    (FedAvg and Per-FedAvg tie, both bold, against Local; IFCA, of two seeds, has no peer), one seed
-    shows no spread, the runs without a recorded command are counted, and the caption's steps are those of the
-    methods that personalize (FedAvg's curve, first in the folder, has only step 0)."""
+    bold marks the best mean among a column's cells of equal rounds and seeds (FedAvg and Per-FedAvg
+    tie, both bold, against Local; IFCA, of two seeds, has no peer), one seed shows no spread, the runs
+    without a recorded command are counted, and the caption's most steps are those of the methods that
+    personalize (FedAvg's curve, first in the folder, has only step 0)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     kept = tmp_path / "results" / "runs" / "quick" / "rmnist-shards"
@@ -547,7 +547,7 @@ def test_rewriting_the_table_or_figures_writes_only_them(tmp_path, monkeypatch, 
     assert "**85.00** (n=1)" in rows["FedAvg"] and "**85.00** (n=1)" in rows["Per-FedAvg"]
     assert "| 50.00 (n=1) |" in rows["Local"] and "**" not in rows["Local"]
     assert "± 0.00" not in table and "\n- command not recorded (5 runs)\n" in table
-    assert "after 3 personalization steps" in table
+    assert "test-time personalization of at most 3 steps" in table
     assert (
         "| rmnist-shards (2 rounds) |" in table and "paper " not in table
     )  # no Δ at another budget than the paper's
@@ -579,6 +579,97 @@ def test_the_table_sets_tuned_methods_apart_and_the_paper_beside_only_its_budget
     fedavg_ft = next(line for line in untuned.splitlines() if line.startswith("| FedAvg-FT"))
     assert "paper" not in fedavg_ft  # 2 rounds: not the paper's budget
     assert "--methods fedavg_ft --seeds 0` (1 run; recorded afterwards:" in table
+
+
+def scored_run(
+    folder: Path, accuracies, lr: float, steps: int = 50, algorithm: str = "fedavg", training=None
+) -> None:
+    """A cell of finished runs, one per accuracy (its seed), with the config.yaml the reports read its
+    test-time procedure from (``steps`` steps at ``lr``, decayed ×0.8 every 5) and, where ``training``
+    gives (accuracy, steps) per seed, its training clients' score too (evaluation.protocol=both)."""
+    for seed, accuracy in enumerate(accuracies):
+        run = folder / f"seed{seed}"
+        finished_run(run, accuracy, seed, steps=steps)
+        config = {
+            "federation": {"rounds": 2},
+            "personalization": {"steps": steps, "lr": lr, "decay": 0.8, "decay_every": 5},
+            "method": {"algorithm": algorithm},
+        }
+        OmegaConf.save(OmegaConf.create(config), run / "config.yaml")
+        if training:
+            summary = json.loads((run / "summary.json").read_text())
+            trained, taken = training[seed]
+            summary["training_clients"] = {
+                "accuracy": trained,
+                "accuracy_std": 0.1,
+                "weighted_accuracy": trained,
+                "curve": [trained] * (taken + 1),
+                "clients": 80,
+            }
+            (run / "summary.json").write_text(json.dumps(summary))
+
+
+def table_rows(table: str, block: str = "| method | cifar10-shards") -> dict[str, str]:
+    """The rows of the first table after ``block`` (its header's start): method name → its line."""
+    lines = table.split(block, 1)[1].split("\n\n", 1)[0].splitlines()
+    return {line.split(" | ")[0].removeprefix("| "): line for line in lines if line.startswith("| ")}
+
+
+def test_the_bold_is_the_best_mean_whatever_the_procedure_and_a_dagger_marks_what_seeds_do_not_settle(
+    tmp_path, monkeypatch
+):
+    """CAFeMe personalizes at a step size no other method takes (lr 0.01 where the baselines take
+    0.001, FedAvg none): its best mean is bold all the same. A mean within its sd over seeds (2.00)
+    gets a †, one further off nothing; a cell of another n (Local, 2 seeds) is not compared, however
+    high. The sentence above the table says both rules, and the last column each method's steps and
+    step size, with the decay once above."""
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "results" / "runs" / "quick" / "rmnist-shards"
+    scored_run(kept / "cafeme", (0.95, 0.97, 0.99), lr=0.01, algorithm="cafeme")  # 97.00 ± 2.00
+    scored_run(kept / "fedavg_ft", (0.955, 0.96, 0.965), lr=0.001)  # 96.00: 1.00 below, within 2.00
+    scored_run(kept / "ditto", (0.90, 0.92, 0.94), lr=0.001, algorithm="ditto")  # 92.00: 5.00 below
+    scored_run(kept / "fedavg", (0.5, 0.5, 0.5), lr=0.001, steps=0)
+    scored_run(kept / "local", (0.99, 0.99), lr=0.001, algorithm="local")  # n=2: no peer
+
+    assert main(["table", "--no-run"]) == 0
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    rows = table_rows(table)
+    assert "| **97.00** ± 2.00 (n=3) |" in rows["CAFeMe"] and "| 50 steps at lr 0.01 |" in rows["CAFeMe"]
+    assert "| 96.00† ± 0.50 (n=3) |" in rows["FedAvg-FT"] and rows["FedAvg-FT"].endswith(
+        "| 50 steps at lr 0.001 |"
+    )
+    assert (
+        "| 92.00 ± 2.00 (n=3) |" in rows["Ditto"] and "†" not in rows["Ditto"] and "**" not in rows["Ditto"]
+    )
+    assert "| 50.00 ± 0.00 (n=3) |" in rows["FedAvg"] and "| scored as trained (0 steps) |" in rows["FedAvg"]
+    assert "| 99.00 ± 0.00 (n=2) |" in rows["Local"] and "**" not in rows["Local"]
+    assert (
+        "whatever their test-time procedure" in table and "† beside a mean: a cell of the same group" in table
+    )
+    assert "at most 50 steps" in table and "every step size decays ×0.8 every 5 steps" in table
+
+
+def test_the_training_clients_block_bolds_alike_and_names_the_methods_scored_as_trained(
+    tmp_path, monkeypatch
+):
+    """Runs scored both ways: the training clients' block bolds its best mean over clients and marks
+    a tie by the same rule, and names the methods whose training clients were scored as their method
+    keeps a model for each (0 steps, where their new clients take 50)."""
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "results" / "runs" / "quick" / "rmnist-shards"
+    scored_run(
+        kept / "cafeme", (0.97, 0.97), lr=0.01, algorithm="cafeme", training=((0.90, 50), (0.94, 50))
+    )  # 92.00 ± 2.83
+    scored_run(kept / "fedrep", (0.8, 0.8), lr=0.001, algorithm="fedrep", training=((0.91, 0), (0.91, 0)))
+    scored_run(kept / "fedavg", (0.5, 0.5), lr=0.001, steps=0, training=((0.6, 0), (0.6, 0)))
+
+    assert main(["table", "--no-run"]) == 0
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    training = table_rows(table.split("**training clients**", 1)[1], "| method | ")
+    assert training["CAFeMe"].startswith("| CAFeMe | – | – | **92.00** ± 2.83 / ")
+    assert "| 91.00† ± 0.00 / " in training["FedRep"]
+    assert "| 60.00 ± 0.00 / " in training["FedAvg"] and "†" not in training["FedAvg"]
+    assert "Scored as trained, 0 steps: the methods that keep a model per client (FedRep);" in table
 
 
 @pytest.fixture

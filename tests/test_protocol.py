@@ -189,7 +189,11 @@ def test_the_table_shows_the_training_clients_beside_the_new_ones_where_runs_sco
     from fedmeta.report import _training_block
 
     def summary(mean, weighted):
-        return {"training_clients": {"accuracy": mean, "weighted_accuracy": weighted}, "folder": None}
+        return {
+            "training_clients": {"accuracy": mean, "weighted_accuracy": weighted},
+            "folder": None,
+            "rounds": 50,
+        }
 
     runs = {
         ("rmnist-shards", "fedrep"): [summary(0.9, 0.8), summary(0.7, 0.6)],

@@ -11,6 +11,13 @@ def scores_training_clients(cfg) -> bool:
     return cfg.evaluation.protocol in ("training_clients", "both")
 
 
+def keeps_test_splits(cfg) -> bool:
+    """Whether each training client keeps a test split out of training: to be scored on it (the
+    training-clients protocol), or for a step size chosen by validation (``personalization.lr_rule=
+    selected``; every method of such a table then trains on the same data, FedAvg's included)."""
+    return scores_training_clients(cfg) or cfg.personalization.get("lr_rule", "method") == "selected"
+
+
 def federation_of(cfg, device=None) -> tuple[ImageDataset, Federation]:
     """A config's data set and its clients (the data on ``device``), seeded by the config's seed."""
     dataset = load_dataset(
@@ -29,7 +36,7 @@ def federation_of(cfg, device=None) -> tuple[ImageDataset, Federation]:
         fed.held_out_fraction,
         cfg.seed,
         device=device,
-        test_fraction=fed.held_out_fraction if scores_training_clients(cfg) else 0.0,
+        test_fraction=fed.held_out_fraction if keeps_test_splits(cfg) else 0.0,
     )
     return dataset, federation
 
@@ -41,6 +48,7 @@ __all__ = [
     "ImageDataset",
     "build_federation",
     "federation_of",
+    "keeps_test_splits",
     "load_dataset",
     "scores_training_clients",
 ]
