@@ -28,7 +28,7 @@ $(VENV)/.ready: pyproject.toml scripts/install.sh
 	touch $@
 
 train: install  # the run stopped on purpose (SIGTERM, its deadline), checkpointed (exit 75), is not make's error
-	$(BIN)/fedmeta train $(TRAIN_ARGS) || [ $$? -eq 75 ]
+	$(BIN)/fedmeta train $(TRAIN_ARGS) || { status=$$?; [ $$status -eq 75 ] || exit $$status; }
 
 config: install
 	$(BIN)/fedmeta train --print-config $(TRAIN_ARGS)

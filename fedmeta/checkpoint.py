@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.errors import FedmetaError, write_failure
+from fedmeta.errors import FedmetaError, atomic_write, write_failure
 
 if TYPE_CHECKING:  # a run's identity (grid, campaign, collect) is read without PyTorch or Lightning
     from lightning_fabric import Fabric
@@ -167,12 +167,7 @@ def save_model(path: Path, algorithm: Algorithm, cfg: DictConfig) -> dict:
         "left_out": left_out,
     }
     buffer = _bytes(model)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(buffer)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise write_failure(path, tmp, exc) from None
+    atomic_write(path, buffer)
     return {"dtype": cfg.output.keep_model, "mib": round(len(buffer) / 2**20, 3), "left_out": left_out}
 
 

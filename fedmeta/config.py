@@ -613,9 +613,7 @@ def _validate_federation(cfg: DictConfig) -> None:
         f"federation.vectorize_lanes must be ≥ 0 (0: all clients at once), got {fed.vectorize_lanes}",
     )
     _require(
-        isinstance(fed.lane_buckets, int)
-        and not isinstance(fed.lane_buckets, bool)
-        and fed.lane_buckets >= 1,
+        _whole(fed.lane_buckets) and fed.lane_buckets >= 1,
         f"federation.lane_buckets must be an integer ≥ 1 (1: one vmapped call), got {fed.lane_buckets!r}",
     )
     _require(fed.client_threads >= 1, f"federation.client_threads must be ≥ 1, got {fed.client_threads}")
@@ -638,6 +636,11 @@ def _validate_federation(cfg: DictConfig) -> None:
 
 
 LR_RULES = ("method", "selected")
+
+
+def _whole(value) -> bool:
+    """An integer, not a bool (YAML's true is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _validate_personalization(pers: DictConfig) -> None:
@@ -670,9 +673,7 @@ def _validate_personalization(pers: DictConfig) -> None:
         f"personalization.lr_grid must list 1 to 16 distinct step sizes in (0, 10], got {pers.lr_grid}",
     )
     _require(
-        isinstance(pers.select_clients, int)
-        and not isinstance(pers.select_clients, bool)
-        and pers.select_clients >= 1,
+        _whole(pers.select_clients) and pers.select_clients >= 1,
         f"personalization.select_clients must be an integer ≥ 1 (validation clients), got {pers.select_clients!r}",
     )
 

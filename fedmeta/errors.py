@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 
@@ -25,3 +26,16 @@ def write_failure(path: Path, tmp: Path, exc: OSError) -> OSError:
     with contextlib.suppress(OSError):  # a read-only folder: nothing there to remove
         tmp.unlink(missing_ok=True)
     return OSError(exc.errno, exc.strerror or str(exc), str(path))
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """``path`` holds ``data`` whole, or what it held before: written beside it, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise write_failure(path, tmp, exc) from None

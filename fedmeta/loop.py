@@ -180,6 +180,8 @@ def _train(
     # a resumed run knows its rounds' time from before: the deadline is judged from the first round on
     stopper.round_seconds = [seconds * len(runs) for seconds in runs[0].round_seconds[-5:]]
     bar = _round_bar(fabric, cfg, len(runs), engine, first, show_progress)
+    if first > 1 and fabric.is_global_zero:
+        log.info(f"resumed from round {first - 1} of {fed.rounds} ({runs[0].checkpoint_path})")
     _evaluate_pending(fabric, runs, cfg, engine, show_progress, on_evaluation)
     for round_ in bar:
         active = [run for run in runs if run.error is None and run.first_round <= round_]
@@ -192,6 +194,8 @@ def _train(
         outcomes, trained = _train_round(fabric, cfg, active, round_, engine, stopper)
         if round_ == first and cfg.output.stop_at:  # a job's last start leaves this much (fedmeta.grid)
             log.info(f"{FIRST_ROUND_ENDED} {process_seconds():.1f} s after the process started")
+        if round_ == first + 1 and fabric.is_global_zero:
+            _announce(cfg, round_, stopper.round_seconds[-1])
         evaluating = [run for run, _ in trained] if due else []
         results = _evaluate_or_stop(
             fabric, evaluating, cfg, engine, show_progress, round_, stopper, trained, runs
@@ -214,6 +218,25 @@ def _train(
 
     stopper.rounds_started = False  # from here a stop request stops at once: the last round is checkpointed
     return _finish(fabric, cfg, runs, show_progress, engine)
+
+
+def _announce(cfg: DictConfig, round_: int, seconds: float) -> None:
+    """Once the first warm round is measured: what the rest of the run will take (a paper budget on a
+    CPU is hours; the bar's rate alone does not say so up front)."""
+    fed = cfg.federation
+    left = fed.rounds - round_
+    evaluations = len(
+        {r for r in range(round_ + 1, fed.rounds + 1) if r % fed.eval_every == 0} | {fed.rounds}
+    )
+    if left < 10:
+        return
+    hours = left * seconds / 3600
+    took = f"{hours:.1f} h" if hours >= 1 else f"{left * seconds / 60:.0f} min"
+    log.info(
+        f"{left} rounds left at {seconds:.2f} s a round: about {took} of training, and {evaluations} "
+        f"evaluation{'s' if evaluations > 1 else ''} (each its own bar; federation.rounds and "
+        "federation.eval_every set both)"
+    )
 
 
 def _round_bar(fabric: Fabric, cfg: DictConfig, seeds: int, engine: Engine, first: int, show_progress: bool):

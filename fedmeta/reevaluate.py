@@ -105,7 +105,9 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
 
 def _evaluate_run(run_dir: Path, cfg: DictConfig, test_time: set[str]) -> dict:
     fabric, federation, algorithm = setup(cfg)
-    ignore = ("personalization.", *(f"{key}:" for key in test_time))
+    # the training clients' test splits (identity's "evaluation") matter to training only: a run that
+    # kept them re-scores its new clients under either step-size rule (the opposite case is refused above)
+    ignore = ("personalization.", "evaluation", *(f"{key}:" for key in test_time))
     if not (run_dir / "checkpoint.ckpt").exists():  # a kept run: its compact final model
         kept = checkpoint.load_model(run_dir / checkpoint.MODEL, algorithm)
         checkpoint.check_identity(run_dir / checkpoint.MODEL, kept["identity"], cfg, ignore=ignore)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedmeta.errors import FedmetaError, write_failure
+from fedmeta.errors import FedmetaError, atomic_write
 
 log = logging.getLogger("fedmeta")
 
@@ -52,12 +52,7 @@ def metrics_row(round_: int, loss, seconds: float, dropped: int, beside: float |
 
 def atomic_write_text(path: Path, text: str) -> None:
     """``path`` holds ``text`` whole, or what it held before: written beside it, then renamed."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise write_failure(path, tmp, exc) from None
+    atomic_write(path, text)
 
 
 def summary_problem(summary, rounds: int | None = None) -> str | None:

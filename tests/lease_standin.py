@@ -33,6 +33,7 @@ METRIC_FIELDS = [
     "training_clients_accuracy_std",
     "training_clients_weighted_accuracy",
     "beside_cores",
+    "personalization_lr",
 ]
 
 

@@ -178,3 +178,14 @@ def test_archive_says_why_it_keeps_the_longer_run(tmp_path, caplog):
     assert "records 5 rounds" in caplog.text and recorded_rounds(tmp_path / "kept" / "s" / "m" / "seed0") == 5
     shutil.rmtree(tmp_path / "kept")
     assert report.archive(tmp_path / "runs", tmp_path / "kept") == 1
+
+
+def test_a_run_says_what_its_rounds_will_take_once_a_warm_round_is_measured(tmp_path, mnist_dir, caplog):
+    from fedmeta.loop import train
+
+    args = ["method=local", "federation.rounds=12", "federation.eval_every=6", "federation.num_new_clients=2"]
+    args += ["personalization.steps=1", "logger=[]", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"]
+    caplog.set_level("INFO", logger="fedmeta")
+    train(compose(args), show_progress=False)
+    said = [r.getMessage() for r in caplog.records if "rounds left at" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("10 rounds left at ") and "and 2 evaluations" in said[0]

@@ -375,7 +375,9 @@ def test_ctrl_c_finishes_the_round_checkpoints_it_and_the_resume_continues_from_
 
 
 @pytest.mark.parametrize("minutes, resumed_at", [(1e-9, 2), (0, None)])
-def test_checkpoints_come_by_time_as_well_as_by_rounds(tmp_path, mnist_dir, monkeypatch, minutes, resumed_at):
+def test_checkpoints_come_by_time_as_well_as_by_rounds(
+    tmp_path, mnist_dir, monkeypatch, caplog, minutes, resumed_at
+):
     """With checkpoints every 50 rounds, a run stopped at once in round 3 (a second Ctrl-C) resumes
     from round 2 when a checkpoint is due by time after every round; without, its two recorded rounds
     are kept until starting over is asked for."""
@@ -398,8 +400,11 @@ def test_checkpoints_come_by_time_as_well_as_by_rounds(tmp_path, mnist_dir, monk
         with pytest.raises(FedmetaError, match="records 2 rounds but holds no checkpoint.ckpt"):
             train(compose([*args, "output.resume=true"]), show_progress=False)
         args.append("output.overwrite=true")
+    caplog.clear()
     summary = train(compose([*args, "output.resume=true"]), show_progress=False)
     assert summary["resumed_at_round"] == resumed_at and summary["rounds"] == 4
+    said = "resumed from round 2 of 4"  # a resume says so
+    assert (said in caplog.text) == (resumed_at == 2), caplog.text
 
 
 def test_files_others_read_are_refused_or_skipped_in_one_line(tmp_path, capsys, caplog, monkeypatch):
