@@ -53,3 +53,11 @@ def test_fedmetas_driver_trains_the_peers_cnn_and_prints_the_result_line(experim
     assert result["cpu_s_per_round"] > 0 and result["setup"]["cpu_s"] > 0
     # two rounds of FedRep on 2-class clients score well above chance on their own test splits
     assert result["final_accuracy"] > 0.3 and 0 < result["mean_client_accuracy"] <= 1
+
+
+def test_each_pair_runs_the_peers_in_the_other_order():
+    """A B, then B A: neither peer always runs first (a machine warming up, or loaded later, would
+    favour one of them)."""
+    peers = ["fedmeta-sequential", "pfllib", "flbench"]
+    orders = [peers_run.run_order(peers, pair) for pair in range(4)]
+    assert orders[0] == orders[2] == peers and orders[1] == orders[3] == peers[::-1]

@@ -24,7 +24,8 @@ Measured per (peer, method, run): setup seconds (process start to the first trai
 seconds (user+sys of the process) and wall seconds per training round — median over the timed
 rounds, evaluation excluded (evaluated only at the end where the peer allows; its time is measured
 separately) —, peak RSS, and the peer's own final accuracy by its own protocol. Runs alternate
-peers (A B A B ...) one process at a time, each with OMP_NUM_THREADS=1 and one torch thread.
+peers, their order reversed every other pair (A B, B A, ...), one process at a time, each with
+OMP_NUM_THREADS=1 and one torch thread.
 
 Adding a peer
 -------------
@@ -624,6 +625,12 @@ def fedmeta_peers(ways: str) -> list[Peer]:
     return peers
 
 
+def run_order(peers: list, pair: int) -> list:
+    """The peers in the order pair ``pair`` runs them: as given in even pairs, reversed in odd ones
+    (A B, B A, …), so that neither always runs first on a machine that warms up or is loaded later."""
+    return list(peers) if pair % 2 == 0 else list(reversed(peers))
+
+
 def build_peers(a) -> list[Peer]:
     """The peers of this invocation. Add an entry here for another peer (see the module docstring)."""
     peers = fedmeta_peers(a.fedmeta)
@@ -755,12 +762,12 @@ def main(argv=None):
     }
     for k in range(a.pairs):
         for method in methods:
-            for p in peers:
+            for position, p in enumerate(run_order(peers, k)):
                 if method not in p.methods:
                     continue
                 log = work / "logs" / f"{stamp}-{p.name}-{method}-{k}.log"
                 r = run_one(p, exp, method, work / p.name, log, a.timeout)
-                r["pair"] = k
+                r["pair"], r["position"] = k, position
                 report["runs"].append(r)
                 res = r["result"] or {}
                 print(
