@@ -200,6 +200,9 @@ def _train(
         results = _evaluate_or_stop(
             fabric, evaluating, cfg, engine, show_progress, round_, stopper, trained, runs
         )
+        if evaluating and not bar.disable:  # the bar's rate is training's: an evaluation has its own bar
+            bar.start_t += stopper.evaluation_seconds
+            bar.last_print_t += stopper.evaluation_seconds
         for (run, row), result in zip(trained, results or [None] * len(trained)):
             _record(run, row, result, on_evaluation if len(runs) == 1 else None)
             if (

@@ -4,7 +4,9 @@ a run stopped before its first) is refused by train, grid and campaign in one li
 run and the way out; archiving and carrying runs between folders never copy fewer recorded rounds
 over more; and the campaign's own numbers are checked before anything runs."""
 
+import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -189,3 +191,24 @@ def test_a_run_says_what_its_rounds_will_take_once_a_warm_round_is_measured(tmp_
     train(compose(args), show_progress=False)
     said = [r.getMessage() for r in caplog.records if "rounds left at" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("10 rounds left at ") and "and 2 evaluations" in said[0]
+
+
+def test_the_round_bars_rate_is_trainings_an_evaluation_has_its_own(tmp_path, mnist_dir, monkeypatch, capsys):
+    """An evaluation (here held 2 s) is not counted in the rounds' rate: the last round's s/round was
+    once the final evaluation's minutes."""
+    import fedmeta.loop
+    from fedmeta.loop import train
+
+    honest = fedmeta.loop._evaluate
+
+    def slow_evaluation(*args, **kwargs):
+        time.sleep(2.0)
+        return honest(*args, **kwargs)
+
+    monkeypatch.setattr(fedmeta.loop, "_evaluate", slow_evaluation)
+    args = ["method=local", "federation.rounds=3", "federation.eval_every=1", "federation.num_new_clients=2"]
+    args += ["personalization.steps=0", "logger=[]", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"]
+    train(compose(args), show_progress=True)
+    shown = re.findall(r"([\d.]+)(s/round|round/s)", capsys.readouterr().err)
+    seconds = [float(v) if unit == "s/round" else 1 / float(v) for v, unit in shown]
+    assert seconds and seconds[-1] < 1.0, shown  # a local round here takes far less than the 2 s evaluations
