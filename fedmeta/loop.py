@@ -223,6 +223,9 @@ def _train(
     return _finish(fabric, cfg, runs, show_progress, engine)
 
 
+ANNOUNCED_AFTER_SECONDS = 600  # training left that is worth a line before it starts
+
+
 def _announce(cfg: DictConfig, round_: int, seconds: float) -> None:
     """Once the first warm round is measured: what the rest of the run will take (a paper budget on a
     CPU is hours; the bar's rate alone does not say so up front)."""
@@ -231,7 +234,7 @@ def _announce(cfg: DictConfig, round_: int, seconds: float) -> None:
     evaluations = len(
         {r for r in range(round_ + 1, fed.rounds + 1) if r % fed.eval_every == 0} | {fed.rounds}
     )
-    if left < 10:
+    if left * seconds < ANNOUNCED_AFTER_SECONDS:  # a short run's bar says enough
         return
     hours = left * seconds / 3600
     took = f"{hours:.1f} h" if hours >= 1 else f"{left * seconds / 60:.0f} min"

@@ -95,7 +95,8 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
     # figure; 2-round runs have too few evaluations for a convergence figure; each figure's caption beside them
     assert written == {"fig_personalization.png", "fig_heterogeneity.png", "README.md"}
 
-    # A fresh clone has results/runs/ (committed, small files only) and no runs/: --no-run rebuilds the same table.
+    # A fresh clone has results/runs/ (committed: small files and the compact final model, no checkpoint)
+    # and no runs/: --no-run rebuilds the same table.
     kept = sorted(tmp_path.glob("results/runs/quick/*/*/seed*/*"))
     assert {p.name for p in kept} == {
         "config.yaml",
@@ -103,7 +104,8 @@ def test_table_runs_resumes_and_reports(tmp_path, monkeypatch, mnist_dir, capsys
         "curves.csv",
         "summary.json",
         "command.txt",
-    } and len(kept) == 40
+        "model.pt",
+    } and len(kept) == 48
     # the table as the rerun above left it (its rerun run has a wall time of its own)
     before = (tmp_path / "results" / "TABLES.md").read_text().split("Written")[1].split("\n", 1)[1]
     shutil.rmtree(tmp_path / "runs")
