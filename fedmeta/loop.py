@@ -21,6 +21,7 @@ from fedmeta.clock import RoundClock
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError, RunStopped
 from fedmeta.loggers import check_wandb_login
+from fedmeta.progress import announce, leave_out, round_bar
 from fedmeta.rounds import evaluate_on_ranks, federated_rounds, gather_updates, scored_clients
 from fedmeta.run import Run
 from fedmeta.runs import TOOK_A_TURN, WAITING_FOR_A_TURN, DeviceTurn, metrics_row
@@ -179,7 +180,7 @@ def _train(
     first = min(run.first_round for run in runs)
     # a resumed run knows its rounds' time from before: the deadline is judged from the first round on
     stopper.round_seconds = [seconds * len(runs) for seconds in runs[0].round_seconds[-5:]]
-    bar = _round_bar(fabric, cfg, len(runs), engine, first, show_progress)
+    bar = round_bar(fabric, cfg, len(runs), engine, first, show_progress)
     if first > 1 and fabric.is_global_zero:
         log.info(f"resumed from round {first - 1} of {fed.rounds} ({runs[0].checkpoint_path})")
     _evaluate_pending(fabric, runs, cfg, engine, show_progress, on_evaluation)
@@ -195,14 +196,13 @@ def _train(
         if round_ == first and cfg.output.stop_at:  # a job's last start leaves this much (fedmeta.grid)
             log.info(f"{FIRST_ROUND_ENDED} {process_seconds():.1f} s after the process started")
         if round_ == first + 1 and fabric.is_global_zero:
-            _announce(cfg, round_, stopper.round_seconds[-1])
+            announce(cfg, round_, stopper.round_seconds[-1])
         evaluating = [run for run, _ in trained] if due else []
         results = _evaluate_or_stop(
             fabric, evaluating, cfg, engine, show_progress, round_, stopper, trained, runs
         )
-        if evaluating and not bar.disable:  # the bar's rate is training's: an evaluation has its own bar
-            bar.start_t += stopper.evaluation_seconds
-            bar.last_print_t += stopper.evaluation_seconds
+        if evaluating:
+            leave_out(bar, stopper.evaluation_seconds)
         for (run, row), result in zip(trained, results or [None] * len(trained)):
             _record(run, row, result, on_evaluation if len(runs) == 1 else None)
             if (
@@ -221,46 +221,6 @@ def _train(
 
     stopper.rounds_started = False  # from here a stop request stops at once: the last round is checkpointed
     return _finish(fabric, cfg, runs, show_progress, engine)
-
-
-ANNOUNCED_AFTER_SECONDS = 600  # training left that is worth a line before it starts
-
-
-def _announce(cfg: DictConfig, round_: int, seconds: float) -> None:
-    """Once the first warm round is measured: what the rest of the run will take (a paper budget on a
-    CPU is hours; the bar's rate alone does not say so up front)."""
-    fed = cfg.federation
-    left = fed.rounds - round_
-    evaluations = len(
-        {r for r in range(round_ + 1, fed.rounds + 1) if r % fed.eval_every == 0} | {fed.rounds}
-    )
-    if left * seconds < ANNOUNCED_AFTER_SECONDS:  # a short run's bar says enough
-        return
-    hours = left * seconds / 3600
-    took = f"{hours:.1f} h" if hours >= 1 else f"{left * seconds / 60:.0f} min"
-    log.info(
-        f"{left} rounds left at {seconds:.2f} s a round: about {took} of training, and {evaluations} "
-        f"evaluation{'s' if evaluations > 1 else ''} (each its own bar; federation.rounds and "
-        "federation.eval_every set both)"
-    )
-
-
-def _round_bar(fabric: Fabric, cfg: DictConfig, seeds: int, engine: Engine, first: int, show_progress: bool):
-    """The rounds from ``first`` with a progress bar that says once how the run runs."""
-    label = (
-        f"{cfg.method.name} {cfg.dataset.name}-{cfg.partition.name}"
-        + (f" ×{seeds} seeds" if seeds > 1 else "")
-        + f" [{fabric.device.type}, {engine.label()}]"
-    )
-    return tqdm(
-        range(first, cfg.federation.rounds + 1),
-        desc=label,
-        disable=not (show_progress and fabric.is_global_zero),
-        unit="round",
-        initial=first - 1,
-        total=cfg.federation.rounds,
-        postfix="first round: its kernels and caches warm up" if first == 1 else None,
-    )
 
 
 def _train_round(

@@ -186,10 +186,10 @@ def test_a_run_says_what_its_rounds_will_take_once_a_warm_round_is_measured(
     tmp_path, mnist_dir, caplog, monkeypatch
 ):
     """A long run (here: any, the threshold lowered) says it once; a short one's bar says enough."""
-    import fedmeta.loop
+    import fedmeta.progress
     from fedmeta.loop import train
 
-    monkeypatch.setattr(fedmeta.loop, "ANNOUNCED_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(fedmeta.progress, "ANNOUNCED_AFTER_SECONDS", 0.0)
 
     args = ["method=local", "federation.rounds=12", "federation.eval_every=6", "federation.num_new_clients=2"]
     args += ["personalization.steps=1", "logger=[]", f"dataset.dir={mnist_dir}", f"output.root={tmp_path}"]
