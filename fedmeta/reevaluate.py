@@ -54,13 +54,15 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
         ) from None
     base, ranges = compose_with_choices(choices)
     test_time = rescorable_keys(ranges)
+    scoring = {*test_time, "evaluation.protocol"}  # which clients are scored changes no model
     model_keys = [
-        o for o in overrides if not o.startswith("personalization.") and o.split("=", 1)[0] not in test_time
+        o for o in overrides if not o.startswith("personalization.") and o.split("=", 1)[0] not in scoring
     ]
     if model_keys:
         its = f", and {saved.method.name}'s {', '.join(sorted(test_time))}" if test_time else ""
         raise FedmetaError(
-            f"evaluate changes only personalization.* settings{its} (the model is the run's; a method "
+            f"evaluate changes only personalization.* settings, evaluation.protocol{its} (the model is the "
+            "run's; a method "
             f"file marks a setting new clients read with test_time: true in its ranges): got {model_keys}"
         )
     named = OmegaConf.select(saved, "method.algorithm", default=None)
@@ -90,9 +92,10 @@ def evaluate_run(run_dir: Path, overrides: list[str], unfinished: bool = False) 
         )
     if keeps_test_splits(cfg) and not trained_apart:
         raise FedmetaError(
-            f"{run_dir} trained on all of its training clients' data: personalization.lr_rule=selected "
-            "would choose the step size on data the model was trained on; it needs a run trained with test "
-            "splits kept out (lr_rule=selected, or evaluation.protocol=both or training_clients)"
+            f"{run_dir} trained on all of its training clients' data: scoring them "
+            "(evaluation.protocol=both or training_clients) or choosing the step size on them "
+            "(personalization.lr_rule=selected) would read data the model was trained on; it needs a run "
+            "trained with their test splits kept out"
         )
     lock = RunLock(
         run_dir
@@ -114,7 +117,8 @@ def _evaluate_run(run_dir: Path, cfg: DictConfig, test_time: set[str]) -> dict:
         if cfg.evaluation.protocol != "new_clients" and algorithm.keeps_client_models and kept["left_out"]:
             raise FedmetaError(
                 f"{run_dir / checkpoint.MODEL} left out {', '.join(kept['left_out'])} (over "
-                "output.keep_model_mib): its training clients cannot be scored from it; its checkpoint can"
+                "output.keep_model_mib): its training clients cannot be scored from it (its checkpoint can); "
+                "score its new clients alone with evaluation.protocol=new_clients"
             )
         source = f"{checkpoint.MODEL} ({kept['dtype']})"
     else:

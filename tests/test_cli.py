@@ -248,7 +248,10 @@ def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path,
     capsys.readouterr()
     assert main(["evaluate", str(run), "federation.rounds=3"]) == 2
     said = capsys.readouterr().err
-    assert said.count("\n") == 1 and "only personalization.* settings, and ditto's method.lam" in said
+    assert (
+        said.count("\n") == 1
+        and "only personalization.* settings, evaluation.protocol, and ditto's method.lam" in said
+    )
     (run / "checkpoint.ckpt").write_bytes(b"not a checkpoint")
     assert main(["evaluate", str(run)]) == 2
     error = capsys.readouterr().err

@@ -165,6 +165,8 @@ def test_evaluate_never_chooses_on_data_the_model_trained_on_nor_takes_a_chosen_
     assert main(["evaluate", str(own), "personalization.lr_rule=selected"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trained on all of its training clients' data" in err
+    assert main(["evaluate", str(own), "evaluation.protocol=both"]) == 2  # nor score clients it trained on
+    assert "trained on all of its training clients' data" in capsys.readouterr().err
     assert main(["evaluate", str(selected), "personalization.lr=0.05"]) == 2
     assert "add personalization.lr_rule=method" in capsys.readouterr().err
 
@@ -184,3 +186,6 @@ def test_a_model_over_its_size_leaves_out_the_client_states_and_says_so(tmp_path
         and "left out client_states" in err
         and "training clients cannot be scored" in err
     )
+    assert main(["evaluate", str(run), "evaluation.protocol=new_clients"]) == 0  # its new clients alone
+    record = json.loads((run / "evaluations.jsonl").read_text().splitlines()[-1])
+    assert record["protocol"] == "new_clients" and "training_clients" not in record
