@@ -473,6 +473,10 @@ class Notes(logging.Handler):
     rest as warnings. Resolves stderr when it writes (tests and callers may replace it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+        if record.levelno < logging.WARNING and getattr(rank_zero_only, "rank", 0) != 0:
+            return  # a note is the run's, said once: by the first of its processes (DDP starts several)
         kind = "note" if record.levelno < logging.WARNING else "warning"
         print(f"fedmeta: {kind}: {record.getMessage()}", file=sys.stderr)
 

@@ -218,3 +218,22 @@ def test_the_round_bars_rate_is_trainings_an_evaluation_has_its_own(tmp_path, mn
     shown = re.findall(r"([\d.]+)(s/round|round/s)", capsys.readouterr().err)
     seconds = [float(v) if unit == "s/round" else 1 / float(v) for v, unit in shown]
     assert seconds and seconds[-1] < 1.0, shown  # a local round here takes far less than the 2 s evaluations
+
+
+def test_a_note_is_said_by_the_first_process_only_and_a_warning_by_every_one(capsys, monkeypatch):
+    """DDP starts a process per device: a note (nothing to act on) once per run, not once per process."""
+    import logging
+
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from fedmeta.cli import Notes
+
+    log = logging.getLogger("fedmeta.test-notes")
+    log.propagate, log.handlers = False, [Notes()]
+    log.setLevel(logging.INFO)
+    for rank in (0, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank, raising=False)
+        log.info("a note")
+        log.warning("a warning")
+    err = capsys.readouterr().err
+    assert err.count("fedmeta: note: a note") == 1 and err.count("fedmeta: warning: a warning") == 2
