@@ -886,7 +886,7 @@ def _unit_rows(campaign: DictConfig, kept: Path, jobs: list[dict]) -> tuple[list
         speed_shown = "-" if not per_seed_round else f"{mark}{per_seed_round:.4f}"
         rows.append(
             f"| {i} | {unit.setting} | {unit.method} | {shown} | {speed_shown} | {evaluations} | "
-            f"{'-' if seconds is None else f'{seconds / 3600:.2f}'} |"
+            f"{'-' if seconds is None else f'{seconds / 3600:.2f} h'} |"  # a projection: its unit beside it
         )
     return rows, left
 

@@ -52,6 +52,7 @@ def test_a_presets_section_of_the_tables_is_what_its_runs_give(name, tmp_path, m
         ("configs/campaign.yaml", "results/campaign.md"),
         ("configs/campaign_cpu.yaml", "results/campaign-cpu.md"),
         ("configs/campaign_protocols.yaml", "results/campaign-protocols.md"),
+        ("configs/campaign_headline.yaml", "results/campaign-headline.md"),
     ],
 )
 def test_a_campaigns_state_page_is_what_its_runs_and_jobs_give(plan_file, page, monkeypatch):

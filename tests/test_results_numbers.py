@@ -101,6 +101,9 @@ def given(named: tuple[str, ...]) -> tuple[frozenset, frozenset]:
                 if float(written) <= 1:
                     add(100 * float(written))  # a fraction the pages write as a percentage
             pairs.update(PAIR.findall(text))
+            pairs.update(
+                re.findall(r"\[(\d+\.\d\d), (\d+\.\d\d)\]", text)
+            )  # [mean, sd] (configs/paper_results.yaml)
     for group in groups.values():
         for seeds in group.values():
             add(min(seeds))
@@ -115,6 +118,14 @@ ITEM = re.compile(r"\s*(?:[-*] |\| |\d+\. )")  # a list item or a table row star
 
 def _named(lines: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(SOURCE.findall("\n".join(lines))))
+
+
+PAPER = ("configs/paper_results.yaml",)  # "paper 98.82 ± 0.11" beside a table's cell: the paper's number
+
+
+def _papers(line: str, match: re.Match) -> bool:
+    """Whether a table cell writes the number as the paper's (``paper 98.82 ± 0.11``)."""
+    return line[: match.start()].endswith("paper ")
 
 
 def stated(text: str):
@@ -145,11 +156,14 @@ def stated(text: str):
         for first, end in zip([0, *items], [*items, len(block)]):
             scope = _named(block[first:end]) or paragraph or section
             for offset in range(first, end):
-                for mean, spread in PAIR.findall(block[offset]):
-                    yield start + offset + 1, f"{mean} ± {spread}", scope, (mean, spread)
-                for match in NUMBER.finditer(block[offset]):
+                line = block[offset]
+                for match in PAIR.finditer(line):
+                    own = PAPER if _papers(line, match) else scope
+                    yield start + offset + 1, match[0], own, match.groups()
+                for match in NUMBER.finditer(line):
                     if float(match[1]) >= 1:  # below 1, two decimals are mostly settings (lr 0.01)
-                        yield start + offset + 1, match[1], scope, None
+                        own = PAPER if _papers(line, match) else scope
+                        yield start + offset + 1, match[1], own, None
 
 
 def unclaimed(text: str) -> str:
