@@ -48,9 +48,8 @@ def identity(cfg: DictConfig) -> dict:
     ident["dataset"] = {k: v for k, v in ident["dataset"].items() if k not in ("dir", "download")}
     protocol = (container.get("evaluation") or {}).get("protocol", "new_clients")
     selected = (container.get("personalization") or {}).get("lr_rule") == "selected"
-    if (
-        protocol != "new_clients" or selected
-    ):  # training clients then keep a test split out of their training data
+    # training clients then keep a test split out of their training data (fedmeta.data.keeps_test_splits)
+    if protocol != "new_clients" or selected:
         ident["evaluation"] = {"training_clients_test_split": True}
     return ident
 
@@ -147,26 +146,27 @@ def save_model(path: Path, algorithm: Algorithm, cfg: DictConfig) -> dict:
     state = algorithm.federation_state()
     if not algorithm.keeps_client_models:
         state.pop("client_states", None)  # training-only (an optimizer's moments): no score reads them
+    model = compact(state["model"])
     parts = {key: compact(value) for key, value in state.items() if key != "model"}
     sizes = {key: len(_bytes(value)) for key, value in parts.items()}
     left_out = []
     limit = cfg.output.keep_model_mib * 2**20
-    total = len(_bytes(compact(state["model"]))) + sum(sizes.values())
+    total = len(_bytes(model)) + sum(sizes.values())
     for key in sorted(parts, key=lambda k: (k != "client_states", -sizes[k])):
         if total <= limit:
             break
         total -= sizes[key]
         left_out.append(key)
         parts.pop(key)
-    model = {
+    kept = {
         "format": 1,
         "identity": identity(cfg),
         "dtype": cfg.output.keep_model,
-        "model": compact(state["model"]),
+        "model": model,
         "parts": parts,
         "left_out": left_out,
     }
-    buffer = _bytes(model)
+    buffer = _bytes(kept)
     atomic_write(path, buffer)
     return {"dtype": cfg.output.keep_model, "mib": round(len(buffer) / 2**20, 3), "left_out": left_out}
 
