@@ -103,8 +103,9 @@ def _data_parser(commands) -> None:
     download_cmd = data_cmd.add_parser("download", help="fetch a data set from its publisher and convert it")
     download_cmd.add_argument(
         "name",
-        help="mnist, cifar10, cifar100, omniglot, gtsrb32, dtd32, femnist; through learn2learn: "
-        "fgvc_aircraft32, cu_birds32, vgg_flowers32, cifar_fs32, mini_imagenet32",
+        help="mnist, cifar10, cifar100, fmnist, emnist, svhn, usps, tiny_imagenet, omniglot, gtsrb32, "
+        "dtd32, femnist; through learn2learn: fgvc_aircraft32, cu_birds32, vgg_flowers32, cifar_fs32, "
+        "mini_imagenet32; a data set's name (rmnist, mini_imagenet) fetches its file",
     )
     download_cmd.add_argument("--dir", help="where <name>.npz goes (default: $FEDMETA_DATA, else ./data)")
     download_cmd.add_argument(
@@ -716,9 +717,10 @@ def _bench_command(args: argparse.Namespace) -> int:
 def _data_command(args: argparse.Namespace) -> int:
     if args.data_command == "download":
         from fedmeta.data.download import download
-        from fedmeta.data.sources import data_dir
+        from fedmeta.data.sources import CANONICAL, data_dir
 
-        print(f"wrote {download(args.name, data_dir(args.dir), args.mirror, verify=not args.no_verify)}")
+        name = CANONICAL.get(args.name, args.name)  # dataset=rmnist reads mnist.npz: fetch that
+        print(f"wrote {download(name, data_dir(args.dir), args.mirror, verify=not args.no_verify)}")
         return 0
     from fedmeta.config import compose
     from fedmeta.describe import describe

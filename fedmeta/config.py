@@ -728,13 +728,20 @@ def _validate_partition_and_method(cfg: DictConfig) -> None:
 
 
 def _validate_model(model: DictConfig) -> None:
-    layers = {f"model.{k}": model[k] for k in ("conv_channels", "dense_units")}
+    """A text model (``kind: lstm``) has no conv stack: its own widths are checked instead."""
+    text = model.kind == "lstm"
+    widths = ("lstm_units",) if text else ("conv_channels", "dense_units")
+    layers = {f"model.{k}": model[k] for k in widths}
     layers |= {f"model.modulator.{k}": v for k, v in model.modulator.items()}
+    if text:
+        layers["model.embedding_dim"] = [model.embedding_dim]
     for key, units in layers.items():
         _require(
             all(isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units),
             f"{key} must list integers ≥ 1 (units per layer), e.g. {key}=[64,64]; got {list(units)}",
         )
+    if text:
+        return
     _require(model.kernel_size >= 1, f"model.kernel_size must be ≥ 1, got {model.kernel_size}")
     padding = model.padding
     _require(

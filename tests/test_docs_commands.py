@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from fedmeta import bench, campaign, grid
 from fedmeta.cli import parse
 from fedmeta.config import CONFIG_DIR, GROUPS, compose, compose_with_choices, load_mapping
-from fedmeta.data.download import CATALOG, LEARN2LEARN
+from fedmeta.data.download import known
+from fedmeta.data.sources import CANONICAL
 from fedmeta.reevaluate import rescorable_keys
 from fedmeta.tune import Study
 
@@ -162,7 +163,7 @@ def dry_run(argv: list[str], tmp_path: Path) -> None:
         check_config(compose(args.overrides), args.overrides)
     elif args.command == "data":
         if args.data_command == "download":
-            assert args.name in CATALOG or args.name in LEARN2LEARN
+            assert CANONICAL.get(args.name, args.name) in known()  # a data set's name fetches its file
         else:
             compose(
                 [

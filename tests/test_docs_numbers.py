@@ -43,3 +43,19 @@ def test_versions_are_said_where_they_are_set():
             floor,
             pinned,
         )  # install.sh installs the oldest version declared
+
+
+def test_the_model_table_is_what_the_models_count(capsys):
+    """docs/models.md's parameters and FLOPs are scripts/model_sizes.py's output, row for row."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("model_sizes", ROOT / "scripts" / "model_sizes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    documented = [
+        line for line in (ROOT / "docs" / "models.md").read_text().splitlines() if line.startswith("| ")
+    ]
+    assert len(printed) == len(module.MODELS) + 1
+    assert all(line in documented for line in printed), sorted(set(printed) - set(documented))

@@ -49,8 +49,8 @@ def add_to(path: Path, code: str) -> None:
     path.write_text(text)
 
 
-def fashion_like(path: Path, seed: int = 0) -> None:
-    """A stand-in for fashion_mnist.npz (no download here): 10 classes of 28×28 grey images, each a
+def kmnist_like(path: Path, seed: int = 0) -> None:
+    """A stand-in for kmnist.npz (no download here): 10 classes of 28×28 grey images, each a
     class template plus noise — easy enough that 20 short rounds must learn it."""
     rng = np.random.default_rng(seed)
     templates = rng.integers(0, 256, (10, 28, 28))
@@ -81,7 +81,7 @@ def extended(tmp_path_factory):
         "fedmeta/algorithms/__init__.py",
         "configs/method/fedavgm.yaml",
         "fedmeta/data/datasets.py",
-        "configs/dataset/fashion_mnist.yaml",
+        "configs/dataset/kmnist.yaml",
         "fedmeta/data/partition.py",
         "configs/partition/quantity.yaml",
         "fedmeta/algorithms/feddyn.py",
@@ -98,7 +98,7 @@ def extended(tmp_path_factory):
             target.parent.mkdir(parents=True, exist_ok=True)  # examples/
             target.write_text(code)
     (root / "data").mkdir()
-    fashion_like(root / "data" / "fashion_mnist.npz")
+    kmnist_like(root / "data" / "kmnist.npz")
     (root / "work").mkdir()
     return root
 
@@ -153,12 +153,12 @@ def test_following_the_guide_gives_a_method_a_data_set_and_a_partition_that_trai
     help_, train, tune = guide_commands()
     listed = fedmeta(extended, help_)
     assert listed.returncode == 0, listed.stderr
-    for name in ("fedavgm", "fashion_mnist", "quantity"):
+    for name in ("fedavgm", "kmnist", "quantity"):
         assert re.search(rf"^\s+{name}\s+\S", listed.stdout, re.M), name  # with its file's first sentence
 
     run = fedmeta(extended, train)
     assert run.returncode == 0, run.stderr[-2000:]
-    folder = extended / "work" / "runs" / "fashion_mnist-quantity" / "fedavgm" / "seed0"
+    folder = extended / "work" / "runs" / "kmnist-quantity" / "fedavgm" / "seed0"
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["rounds"] == 20 and summary["accuracy"] > 0.5  # chance: 0.1
     losses = [float(row.split(",")[1]) for row in (folder / "metrics.csv").read_text().splitlines()[1:]]
@@ -230,7 +230,7 @@ def test_a_method_with_server_and_per_client_state_added_by_the_guide_trains_and
     (train,) = guide_commands("extending-state")
     run = fedmeta(extended, [*train, "output.root=feddyn-runs"])
     assert run.returncode == 0, run.stderr[-2000:]
-    folder = extended / "work" / "feddyn-runs" / "fashion_mnist-quantity" / "feddyn" / "seed0"
+    folder = extended / "work" / "feddyn-runs" / "kmnist-quantity" / "feddyn" / "seed0"
     losses = [float(row.split(",")[1]) for row in (folder / "metrics.csv").read_text().splitlines()[1:]]
     assert len(losses) == 6 and losses[-1] < 0.7 * losses[0]
     assert json.loads((folder / "summary.json").read_text())["accuracy"] > 0.5  # chance: 0.1

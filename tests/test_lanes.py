@@ -92,15 +92,17 @@ def federations(rmnist):
     return built
 
 
-def run(algorithm: str, federations: dict, seeds: tuple[int, ...], vectorize: bool) -> list[dict]:
+def run(algorithm: str, federations: dict, seeds: tuple[int, ...], vectorize: bool, cfg=None) -> list[dict]:
     """``seeds``' runs of ``algorithm`` together (stacked when vectorized): per seed, the round
     losses, the dropped clients, the federation state after the last round, the new clients'
-    curves and the training clients' (the training-clients protocol)."""
-    cfg = config(algorithm)
+    curves and the training clients' (the training-clients protocol). ``cfg``: another config of
+    the method (another model, tests/test_model_kinds.py)."""
+    cfg = cfg or config(algorithm)
+    classes = federations[seeds[0]].num_classes
     runs = []
     for seed in seeds:
         torch.manual_seed(seed)
-        runs.append(Federated(build_algorithm(cfg, 10).double(), federations[seed], seed))
+        runs.append(Federated(build_algorithm(cfg, classes).double(), federations[seed], seed))
     engine = Engine(
         vectorize, max_lanes=3
     )  # a round's lanes in several vmapped calls, seeds split across them

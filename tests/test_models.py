@@ -12,6 +12,7 @@ from fedmeta.algorithms import CAFeMe
 from fedmeta.data import ImageDataset, build_federation
 from fedmeta.functional import adam, adam_first_step, adam_state, sgd
 from fedmeta.models import ConvNet, ModulatedNet, Modulator, lanes, modulate
+from fedmeta.models.cnn import ConvFeatures
 
 TINY = dict(in_channels=1, image_size=8, num_classes=3, conv_channels=[2], kernel_size=3, padding=1)
 
@@ -27,8 +28,10 @@ def tiny_cafeme(
 ) -> CAFeMe:
     torch.manual_seed(seed)
     base = ConvNet(**TINY, dense_units=[4])
+    features = ConvFeatures(**{k: v for k, v in TINY.items() if k != "num_classes"})
     modulator = Modulator(
-        **TINY,
+        features,
+        TINY["num_classes"],
         before_mean=[5],
         after_mean=[5],
         layer_sizes=base.hidden_sizes(),

@@ -9,7 +9,7 @@ tuning study; where a run scored its training clients too, their mean and sample
 likewise. A mean ± std must be a pair one source gives together. A section whose numbers carry
 claims (fedmeta/claims.py) is checked by tests/test_claims.py instead, against the statistic each
 claims: this test is the weaker check of the pages not yet written so. Numbers with units of size or
-of a time span (MB, GB, min, h, ×, …) and approximate ones (fewer decimals) are not read."""
+of a time span (MB, GB, M, min, h, ×, …) and approximate ones (fewer decimals) are not read."""
 
 import csv
 import json
@@ -31,7 +31,7 @@ SOURCE = re.compile(r"(?:results|configs)/[\w./*<>{}-]*[\w*>}]")
 # (``1.25/δ``), not followed by a unit of size, a time span or a factor
 NUMBER = re.compile(
     r"(?<![\w.+-])(?<!Python )(?<!PyTorch )(?<!torch )(?<!CUDA )(?<!= )(\d{1,3}\.\d\d)(?![\d./])"
-    r"(?!\s*(?:s\b|ms\b|µs|GB|MB|MiB|GiB|KB|TB|×|x\b|h\b|min\b|GFLOP|TFLOP|seconds|points))"
+    r"(?!\s*(?:s\b|ms\b|µs|GB|MB|MiB|GiB|KB|TB|M\b|×|x\b|h\b|min\b|GFLOP|TFLOP|seconds|points))"
 )
 PAIR = re.compile(r"(\d{1,3}\.\d\d) ± (\d{1,3}\.\d\d)")
 

@@ -23,13 +23,28 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
 from fedmeta.algorithms.base import Algorithm, ClientData, ClientUpdate, Context, LocalResult
 from fedmeta.data.federation import STREAMS, Batch, Client
 from fedmeta.functional import Params, adam, adam_first_step, grad_and_value, sgd
 from fedmeta.models import ModulatedNet, Modulator
+from fedmeta.models.cnn import ConvFeatures
+from fedmeta.models.lstm import SequenceFeatures
 
 log = logging.getLogger("fedmeta")
+
+
+def extractor(cfg, num_classes: int) -> nn.Module:
+    """The modulator's h_x for the base network's kind: the data set's conv blocks for images (a
+    ResNet's modulator reads the images with them too), an embedding and the LSTM layers of
+    ``model.modulator.lstm_units`` for text."""
+    if cfg.model.kind == "lstm":
+        return SequenceFeatures(num_classes, cfg.model.embedding_dim, list(cfg.model.modulator.lstm_units))
+    m = cfg.model
+    return ConvFeatures(
+        cfg.dataset.in_channels, cfg.dataset.image_size, m.conv_channels, m.kernel_size, m.padding
+    )
 
 
 class CAFeMe(Algorithm):
@@ -40,12 +55,8 @@ class CAFeMe(Algorithm):
         """The base CNN and the modulator that reads a client's batch and gates its activations."""
         base = super().build_model(cfg, num_classes)
         modulator = Modulator(
-            in_channels=cfg.dataset.in_channels,
-            image_size=cfg.dataset.image_size,
-            num_classes=num_classes,
-            conv_channels=cfg.model.conv_channels,
-            kernel_size=cfg.model.kernel_size,
-            padding=cfg.model.padding,
+            extractor(cfg, num_classes),
+            num_classes,
             before_mean=cfg.model.modulator.before_mean,
             after_mean=cfg.model.modulator.after_mean,
             layer_sizes=base.hidden_sizes(include_flatten=cfg.method.modulate_flatten),

@@ -31,7 +31,8 @@ class FedBN(FedPer):
         norms = tuple(f"{name}." for name, m in self.model.named_modules() if isinstance(m, _BatchNorm))
         if not norms:
             raise FedmetaError(
-                "FedBN keeps each client's batch norms, and model.batch_norm=false has none: drop it"
+                "FedBN keeps each client's batch norms, and this model has none (model.batch_norm=false, "
+                "model.norm=group or model.kind=lstm): choose a model with batch norms, or another method"
             )
         return self.split_names(norms)
 

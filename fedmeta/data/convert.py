@@ -1,12 +1,14 @@
 """Upstream file formats → fedmeta's canonical arrays (x uint8, y int64, split uint8, classes, …).
 
-Each function reads files exactly as their publishers ship them (MNIST's idx files, CIFAR's
-pickled batches, TensorFlow Federated's EMNIST HDF5, ImageFolder trees in folders, zip or tar
+Each function reads files exactly as their publishers ship them (MNIST's, Fashion-MNIST's and
+EMNIST's idx files, CIFAR's pickled batches, SVHN's MATLAB files, USPS's LIBSVM text, the
+Tiny-ImageNet zip, TensorFlow Federated's EMNIST HDF5, ImageFolder trees in folders, zip or tar
 archives) and returns the arrays to save; a file in another format raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import gzip
 import io
@@ -20,6 +22,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from fedmeta.errors import FedmetaError
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".ppm", ".bmp", ".gif", ".tif", ".tiff"}
 VALID_FOLDERS = ("valid", "val", "validation")  # the validation split's folders (split 2)
 SPLIT_FOLDERS = {"train", "test", *VALID_FOLDERS}
@@ -27,27 +31,189 @@ LAYOUT = "a folder data set is <class>/<image> or train|test|valid/<class>/<imag
 
 
 def mnist_idx(
-    train_images: Path, train_labels: Path, test_images: Path, test_labels: Path
+    train_images: Path,
+    train_labels: Path,
+    test_images: Path,
+    test_labels: Path,
+    classes: list[str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """MNIST's four gzipped idx files (train images/labels, t10k images/labels)."""
-    train_x, test_x = _idx(train_images, dims=3), _idx(test_images, dims=3)
-    train_y, test_y = _idx(train_labels, dims=1), _idx(test_labels, dims=1)
+    """MNIST's four gzipped idx files (train images/labels, t10k images/labels); Fashion-MNIST
+    ships the same four, and names its ``classes``."""
+    train_x, test_x = (_idx(p.name, p.read_bytes(), dims=3) for p in (train_images, test_images))
+    train_y, test_y = (_idx(p.name, p.read_bytes(), dims=1) for p in (train_labels, test_labels))
+    return _idx_splits(train_x, train_y, test_x, test_y, classes)
+
+
+def _idx_splits(
+    train_x: np.ndarray,
+    train_y: np.ndarray,
+    test_x: np.ndarray,
+    test_y: np.ndarray,
+    classes: list[str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Training and test images and labels of idx files as one canonical set (split 0, then 1)."""
     if len(train_x) != len(train_y) or len(test_x) != len(test_y):
-        raise ValueError("MNIST's image and label files hold different numbers of items")
-    return {
+        raise ValueError("the image and label idx files hold different numbers of items")
+    arrays = {
         "x": np.concatenate([train_x, test_x]),
         "y": np.concatenate([train_y, test_y]).astype(np.int64),
         "split": np.repeat(np.array([0, 1], np.uint8), [len(train_y), len(test_y)]),
     }
+    return arrays | ({"classes": np.array(classes)} if classes else {})
 
 
-def _idx(path: Path, dims: int) -> np.ndarray:
-    """An idx file of unsigned bytes: magic 0x0000 08 <dims>, then <dims> big-endian sizes, then data."""
-    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+def _idx(name: str, raw: bytes, dims: int) -> np.ndarray:
+    """An idx file of unsigned bytes (gunzipped first if its name ends in .gz): magic 0x0000 08
+    <dims>, then <dims> big-endian sizes, then data."""
+    if name.endswith(".gz"):
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise ValueError(f"{name} is not a gzip file ({exc})") from None
     if raw[:4] != bytes([0, 0, 8, dims]):
-        raise ValueError(f"{path.name} is not an idx file of {dims}-dimensional unsigned bytes")
+        raise ValueError(f"{name} is not an idx file of {dims}-dimensional unsigned bytes")
     shape = [int.from_bytes(raw[4 + 4 * d : 8 + 4 * d], "big") for d in range(dims)]
+    if len(raw) != 4 + 4 * dims + int(np.prod(shape)):
+        raise ValueError(
+            f"{name} holds {len(raw) - 4 - 4 * dims} bytes of data, not the {shape} its header says"
+        )
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
+EMNIST_CLASSES = [*"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"]  # byclass's 62
+
+
+def emnist_zip(archive: Path, split: str = "byclass") -> dict[str, np.ndarray]:
+    """EMNIST's ``gzip.zip`` (NIST): ``gzip/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte.gz``.
+    Its images are stored transposed (column by column); they are transposed back here, so that
+    characters stand upright as MNIST's do (torchvision's EMNIST class leaves them transposed)."""
+    wanted = {
+        f"emnist-{split}-{part}-{kind}-ubyte.gz": (part, kind)
+        for part in ("train", "test")
+        for kind in ("images-idx3", "labels-idx1")
+    }
+    read = {}
+    with zipfile.ZipFile(archive) as z:
+        for name in z.namelist():
+            if (key := wanted.get(PurePosixPath(name).name)) is not None:
+                read[key] = _idx(name, z.read(name), dims=3 if key[1] == "images-idx3" else 1)
+    if missing := sorted(n for n, key in wanted.items() if key not in read):
+        raise ValueError(f"{archive.name} lacks {', '.join(missing)}")
+    train_x, test_x = (read[part, "images-idx3"].transpose(0, 2, 1) for part in ("train", "test"))
+    classes = EMNIST_CLASSES if split == "byclass" else None
+    return _idx_splits(train_x, read["train", "labels-idx1"], test_x, read["test", "labels-idx1"], classes)
+
+
+def svhn_mats(train: Path, test: Path) -> dict[str, np.ndarray]:
+    """SVHN's cropped digits, ``train_32x32.mat`` and ``test_32x32.mat`` (MATLAB 5): ``X`` 32×32×3×N
+    uint8 and ``y`` N×1 in 1…10, where 10 is the digit 0 — stored here as label 0."""
+    try:
+        from scipy.io import loadmat
+        from scipy.io.matlab import MatReadError
+    except ImportError:
+        raise FedmetaError("reading SVHN's .mat files needs scipy: pip install scipy") from None
+    xs, ys = [], []
+    for path in (train, test):
+        try:
+            mat = loadmat(path)
+        except MatReadError as exc:
+            raise ValueError(f"{path.name} is not a MATLAB file scipy can read ({exc})") from None
+        if "X" not in mat or "y" not in mat or mat["X"].shape[:3] != (32, 32, 3):
+            raise ValueError(f"{path.name} holds no 32×32×3×N images X and labels y")
+        y = mat["y"].reshape(-1).astype(np.int64)
+        if len(y) != mat["X"].shape[3] or (len(y) and (y.min() < 1 or y.max() > 10)):
+            raise ValueError(
+                f"{path.name}: SVHN has a label in 1…10 per image, found {len(y)} in {y.min()}…{y.max()}"
+            )
+        xs.append(np.ascontiguousarray(mat["X"].transpose(3, 0, 1, 2)).astype(np.uint8))
+        ys.append(y % 10)
+    return _labelled_splits(xs, ys, [str(d) for d in range(10)])
+
+
+def usps_libsvm(train: Path, test: Path) -> dict[str, np.ndarray]:
+    """USPS in LIBSVM's format (``usps.bz2``, ``usps.t.bz2``): a line per image, ``label index:value …``
+    with labels 1…10 (digits 0…9) and 256 pixel values in [−1, 1] (an index left out is 0)."""
+    xs, ys = [], []
+    for path in (train, test):
+        with bz2.open(path, "rt") as lines:
+            rows = [line.split() for line in lines if line.strip()]
+        x = np.zeros((len(rows), 256), np.float32)
+        for i, row in enumerate(rows):
+            for item in row[1:]:
+                index, value = item.split(":")
+                x[i, int(index) - 1] = float(value)
+        ys.append(np.array([int(float(row[0])) - 1 for row in rows], np.int64))
+        if len(ys[-1]) and (ys[-1].min() < 0 or ys[-1].max() > 9):
+            raise ValueError(
+                f"{path.name}: USPS labels are 1…10, found {ys[-1].min() + 1}…{ys[-1].max() + 1}"
+            )
+        xs.append(np.round((x.clip(-1, 1) + 1) / 2 * 255).astype(np.uint8).reshape(-1, 16, 16))
+    return _labelled_splits(xs, ys, [str(d) for d in range(10)])
+
+
+def _labelled_splits(xs: list[np.ndarray], ys: list[np.ndarray], classes: list[str]) -> dict[str, np.ndarray]:
+    """A training part and a test part (images, labels) as one canonical set."""
+    return {
+        "x": np.concatenate(xs),
+        "y": np.concatenate(ys),
+        "split": np.repeat(np.array([0, 1], np.uint8), [len(y) for y in ys]),
+        "classes": np.array(classes),
+    }
+
+
+def tiny_imagenet_zip(archive: Path) -> dict[str, np.ndarray]:
+    """Tiny-ImageNet-200's zip (cs231n): ``train/<wnid>/images/*.JPEG`` (split 0) and ``val/images/*.JPEG``
+    with ``val/val_annotations.txt`` naming each file's wnid (split 1); ``test/`` has no labels and
+    is left out. Classes are the wnids of ``wnids.txt``, sorted; images 64×64 RGB (a few are grey)."""
+    from PIL import Image
+
+    with zipfile.ZipFile(archive) as z:
+        names = z.namelist()
+        wnids = sorted(_member_text(z, names, "wnids.txt").split())
+        annotations = _member_text(z, names, "val_annotations.txt").splitlines()
+        val = dict(line.split("\t")[:2] for line in annotations if line.strip())
+        index = {w: i for i, w in enumerate(wnids)}
+        images, labels, splits = [], [], []
+        for name in names:
+            if (found := _tiny_imagenet_class(name, val)) is None:
+                continue
+            wnid, split = found
+            if wnid not in index:
+                raise ValueError(f"{name}: its class {wnid} is not in wnids.txt (nor val_annotations.txt)")
+            with Image.open(io.BytesIO(z.read(name))) as image:
+                image = image.convert("RGB")
+                images.append(np.asarray(image if image.size == (64, 64) else image.resize((64, 64))))
+            labels.append(index[wnid])
+            splits.append(split)
+    if not images:
+        raise ValueError(f"{archive.name} holds no train/<wnid>/images/*.JPEG")
+    return {
+        "x": np.stack(images),
+        "y": np.array(labels, np.int64),
+        "split": np.array(splits, np.uint8),
+        "classes": np.array(wnids),
+    }
+
+
+def _tiny_imagenet_class(name: str, val: dict[str, str]) -> tuple[str | None, int] | None:
+    """(wnid, split) of a Tiny-ImageNet member: ``train/<wnid>/images/<file>`` or ``val/images/<file>``
+    (its wnid from the annotations); None for anything else (test images, boxes, folders)."""
+    path = PurePosixPath(name)
+    if path.suffix.lower() != ".jpeg" or len(path.parts) < 3 or path.parts[-2] != "images":
+        return None
+    if len(path.parts) >= 4 and path.parts[-4] == "train":
+        return path.parts[-3], 0
+    if path.parts[-3] == "val":
+        return val.get(path.name), 1
+    return None
+
+
+def _member_text(z: zipfile.ZipFile, names: list[str], base: str) -> str:
+    """The text of the one member of ``z`` named ``base`` (in any folder)."""
+    found = [n for n in names if PurePosixPath(n).name == base]
+    if not found:
+        raise ValueError(f"{z.filename} holds no {base}")
+    return z.read(found[0]).decode()
 
 
 class _ArraysOnly(pickle.Unpickler):

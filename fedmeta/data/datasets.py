@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from fedmeta.data.memory import refuse_beyond_memory
-from fedmeta.data.sources import SPLITS, load_npz, load_source
+from fedmeta.data.sources import CANONICAL, SPLITS, load_npz, load_source
 from fedmeta.errors import FedmetaError
 
 
@@ -141,6 +143,49 @@ def build_femnist(directory: Path, seed: int, download: bool = True) -> ImageDat
     )
 
 
+def build_image_set(
+    name: str, directory: Path, seed: int, download: bool = True, num_classes: int | None = None
+) -> ImageDataset:
+    """A labelled image set read from its canonical file (``CANONICAL[name]``, e.g. ``svhn.npz``):
+    its training split, standardized per channel, as stored (no resizing: the config's shape is the
+    file's). ``num_classes`` — the model's outputs — is the config's, else the file's class count.
+
+    A file whose splits hold different classes (learn2learn's mini-ImageNet, split by class for
+    meta-learning) is used whole: its training split alone would lack most classes."""
+    source = f"{CANONICAL[name]}.npz"
+    arrays = load_npz(CANONICAL[name], directory, download)
+    train = np.ones(len(arrays["y"]), bool) if class_splits(arrays) else training_split(arrays, source)
+    labels = torch.from_numpy(arrays["y"][train]).long()
+    count = num_classes or (len(arrays["classes"]) if "classes" in arrays else int(arrays["y"].max()) + 1)
+    if int(labels.max()) >= count:
+        raise FedmetaError(
+            f"{source} holds label {int(labels.max())}, beyond the {count} classes of "
+            f"dataset.options.num_classes: raise it, or check that {source} is {name}'s file"
+        )
+    refuse_beyond_memory(
+        int(train.sum()) * int(np.prod(arrays["x"].shape[1:])) * 4,
+        f"dataset={name}: {int(train.sum()):,} images of {source} as float32",
+        "use a machine with more memory, or a smaller file of the same form",
+    )
+    return ImageDataset(
+        x=standardize(images_to_tensor(arrays["x"][train]), source), y=labels, num_classes=count
+    )
+
+
+def class_splits(arrays: dict[str, np.ndarray]) -> bool:
+    """Whether the file's splits share no class (a meta-learning split by class), not images of the
+    same classes."""
+    if "split" not in arrays or len(np.unique(arrays["split"])) < 2:
+        return False
+    train = arrays["split"] == 0
+    return not np.isin(arrays["y"][~train], arrays["y"][train]).any()
+
+
+def image_set(name: str) -> Callable[..., ImageDataset]:
+    """The builder of the labelled image set ``name`` (``build_image_set``), as BUILDERS calls it."""
+    return functools.partial(build_image_set, name)
+
+
 def to_shape(x: np.ndarray, channels: int, size: int) -> torch.Tensor:
     """Any canonical images → float (N, channels, size, size) in [0, 1]: grey copied to 3 channels
     or colour averaged to grey, resized where the size differs."""
@@ -221,12 +266,28 @@ def build_folder(
     )
 
 
+def build_shakespeare(directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:
+    """Shakespeare's text, a client per speaking role (fedmeta.data.shakespeare, which builds on
+    this module: imported when called)."""
+    from fedmeta.data.shakespeare import build_shakespeare as build
+
+    return build(directory, seed, download, **options)
+
+
 BUILDERS = {
+    "shakespeare": build_shakespeare,
     "rmnist": build_rmnist,
     "cifar10": build_cifar10,
     "femnist": build_femnist,
     "meta_dataset": build_meta_dataset,
     "folder": build_folder,
+    "cifar100": image_set("cifar100"),
+    "fmnist": image_set("fmnist"),
+    "emnist": image_set("emnist"),
+    "svhn": image_set("svhn"),
+    "usps": image_set("usps"),
+    "tiny_imagenet": image_set("tiny_imagenet"),
+    "mini_imagenet": image_set("mini_imagenet"),
 }
 
 

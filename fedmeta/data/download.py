@@ -2,9 +2,10 @@
 the publisher's checksum, convert them to the canonical ``<name>.npz`` in the data folder.
 
 URLs and checksums are torchvision's own where torchvision knows the data set, so they stay in step
-with it. The Meta-Dataset sources torchvision lacks (Aircraft, CUB Birds, VGG Flowers, CIFAR-FS,
-mini-ImageNet) are fetched by learn2learn's own data set classes, which hold their publishers'
-URLs (and fallbacks) and read their layouts; learn2learn publishes no checksums for them.
+with it; Tiny-ImageNet, which torchvision lacks, is cs231n's zip with its published MD5. The
+Meta-Dataset sources torchvision lacks (Aircraft, CUB Birds, VGG Flowers, CIFAR-FS, mini-ImageNet)
+are fetched by learn2learn's own data set classes, which hold their publishers' URLs (and
+fallbacks) and read their layouts; learn2learn publishes no checksums for them.
 ``mirror`` replaces the folder of every URL (an institutional mirror, or a loopback server in the
 tests), for both kinds.
 """
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from torchvision.datasets import CIFAR10, CIFAR100, DTD, MNIST, Omniglot
+from torchvision.datasets import CIFAR10, CIFAR100, DTD, EMNIST, MNIST, SVHN, USPS, FashionMNIST, Omniglot
 from torchvision.datasets.utils import USER_AGENT
 from tqdm.auto import tqdm
 
@@ -42,6 +43,8 @@ from fedmeta.waiting import said_after
 GTSRB_URL = "https://sid.erda.dk/public/archives/daaeac0d7ce1152aea9b61d9f1e19370/GTSRB-Training_fixed.zip"
 GTSRB_MD5 = "513f3c79a4c5141765e10e952eaa2478"  # torchvision's GTSRB.download()
 TFF_EMNIST_URL = "https://storage.googleapis.com/tff-datasets-public/fed_emnist.tar.bz2"
+TINY_IMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"  # torchvision has no Tiny-ImageNet
+TINY_IMAGENET_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,31 @@ CATALOG: dict[str, Upstream] = {
         ((CIFAR100.url, CIFAR100.tgz_md5),),
         functools.partial(convert.cifar_pickles, label_key="fine_labels", names_key="fine_label_names"),
         "CIFAR-100, 60,000 32×32 colour images, 100 classes (python batches)",
+    ),
+    "fmnist": Upstream(
+        tuple((FashionMNIST.mirrors[0] + f, md5) for f, md5 in FashionMNIST.resources),
+        functools.partial(convert.mnist_idx, classes=FashionMNIST.classes),
+        "Fashion-MNIST, 70,000 28×28 grey images of clothing, 10 classes (idx files)",
+    ),
+    "emnist": Upstream(
+        ((EMNIST.url, EMNIST.md5),),
+        convert.emnist_zip,
+        "EMNIST ByClass, 814,255 28×28 grey characters, 62 classes (idx files in NIST's gzip.zip, over 500 MB)",
+    ),
+    "svhn": Upstream(
+        tuple((SVHN.split_list[part][0], SVHN.split_list[part][2]) for part in ("train", "test")),
+        convert.svhn_mats,
+        "SVHN cropped digits, 99,289 32×32 colour images, 10 classes (MATLAB files; extra left out)",
+    ),
+    "usps": Upstream(
+        tuple((USPS.split_list[part][0], USPS.split_list[part][2]) for part in ("train", "test")),
+        convert.usps_libsvm,
+        "USPS, 9,298 16×16 grey digits, 10 classes (LIBSVM text, bz2)",
+    ),
+    "tiny_imagenet": Upstream(
+        ((TINY_IMAGENET_URL, TINY_IMAGENET_MD5),),
+        convert.tiny_imagenet_zip,
+        "Tiny-ImageNet-200, 110,000 labelled 64×64 colour images, 200 classes (JPEG zip; test unlabelled, left out)",
     ),
     "omniglot": Upstream(
         tuple(
@@ -124,13 +152,34 @@ LEARN2LEARN: dict[str, Learn2LearnSource] = {
 }
 
 
+# Text data sets, kept as the publisher's file (its name in the data folder): nothing to convert.
+TINY_SHAKESPEARE = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/6f9487a6fe5b420b7ca9afb0d7c078e37c1d1b4e/"
+    "data/tinyshakespeare/input.txt"
+)
+TEXTS: dict[str, tuple[str, str, str]] = {
+    "shakespeare": (TINY_SHAKESPEARE, "6fb458f1232090904fb40fe944165e91", "shakespeare.txt"),
+}
+
+
 def known() -> list[str]:
-    return sorted({*CATALOG, *LEARN2LEARN})
+    return sorted({*CATALOG, *LEARN2LEARN, *TEXTS})
+
+
+def download_text(name: str, directory: Path, mirror: str | None = None, verify: bool = True) -> Path:
+    """A text data set's file into ``directory``, checked against its MD5, written atomically."""
+    url, md5, filename = TEXTS[name]
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=f".{name}-download-") as tmp:
+        os.replace(_fetch(url, md5 if verify else None, Path(tmp), mirror), directory / filename)
+    return directory / filename
 
 
 def download(name: str, directory: Path, mirror: str | None = None, verify: bool = True) -> Path:
     """Fetch ``name``'s files (into a temporary folder), convert them, and write
     ``directory/<name>.npz`` atomically. Returns that path."""
+    if name in TEXTS:
+        return download_text(name, directory, mirror, verify)
     if name not in CATALOG and name not in LEARN2LEARN:
         raise FedmetaError(
             f"no download known for {name!r}: choose one of {known()}, "

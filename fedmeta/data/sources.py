@@ -121,7 +121,18 @@ def is_available(entry: str, directory: Path) -> bool:
     return path.exists() or (directory / path).exists() or _find_or_convert(entry, directory).exists()
 
 
-CANONICAL = {"rmnist": "mnist", "cifar10": "cifar10", "femnist": "femnist"}  # a built-in data set → its file
+CANONICAL = {  # a built-in data set → its file
+    "rmnist": "mnist",
+    "cifar10": "cifar10",
+    "femnist": "femnist",
+    "cifar100": "cifar100",
+    "fmnist": "fmnist",
+    "emnist": "emnist",
+    "svhn": "svhn",
+    "usps": "usps",
+    "tiny_imagenet": "tiny_imagenet",
+    "mini_imagenet": "mini_imagenet32",  # the Meta-Dataset source's file, all 100 classes
+}
 
 
 def missing_files(dataset) -> str | None:

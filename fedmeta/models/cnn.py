@@ -173,7 +173,27 @@ class ConvNet(nn.Module):
 CLASSIFIER, DENSE = "head.", "dense."
 
 
-def build_base_net(model_cfg, in_channels: int, image_size: int, num_classes: int) -> ConvNet:
+def build_base_net(model_cfg, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
+    """The base network ``model.kind`` names (the values configs/config.yaml accepts): the data set's
+    CNN (``cnn``), ResNet-18 with the CIFAR stem (``resnet18``, ``model.norm`` batch or group) or
+    the character LSTM (``lstm``: its input alphabet is its classes, the next character's)."""
+    kind = model_cfg.get("kind", "cnn")
+    if kind == "resnet18":
+        from fedmeta.models.resnet import ResNet18
+
+        return ResNet18(
+            in_channels,
+            num_classes,
+            model_cfg.get("norm", "batch"),
+            int(model_cfg.get("groups", 2)),
+            int(model_cfg.get("width", 64)),
+        )
+    if kind == "lstm":
+        from fedmeta.models.lstm import CharLSTM
+
+        return CharLSTM(
+            num_classes, num_classes, int(model_cfg["embedding_dim"]), list(model_cfg["lstm_units"])
+        )
     return ConvNet(
         in_channels,
         image_size,

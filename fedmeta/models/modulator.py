@@ -12,8 +12,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fedmeta.models.cnn import ConvFeatures, ConvNet
-
 # c1 (sigmoid gating) is the paper's; c2 (FiLM) and c0 (additive) are the alternatives it discusses.
 MODULATIONS = {
     "c0": lambda a, z: a + z[0],
@@ -37,14 +35,13 @@ def mlp(sizes: Sequence[int]) -> list[nn.Module]:
 
 
 class Modulator(nn.Module):
+    """``extractor``: h_x, a feature stack with a ``flat_dim`` (the base network's kind: conv blocks
+    for images, fedmeta.models.lstm's SequenceFeatures for text)."""
+
     def __init__(
         self,
-        in_channels: int,
-        image_size: int,
+        extractor: nn.Module,
         num_classes: int,
-        conv_channels: Sequence[int],
-        kernel_size: int,
-        padding: int | str,
         before_mean: Sequence[int],
         after_mean: Sequence[int],
         layer_sizes: Sequence[int],
@@ -52,7 +49,7 @@ class Modulator(nn.Module):
         use_labels: bool = True,
     ):
         super().__init__()
-        self.extractor = ConvFeatures(in_channels, image_size, conv_channels, kernel_size, padding)
+        self.extractor = extractor
         self.num_classes = num_classes
         self.use_labels = use_labels
         self.modulation = modulation
@@ -89,7 +86,7 @@ class ModulatedNet(nn.Module):
     """ω = {μ, ψ}: ``forward(x, context_x, context_y)`` classifies x with f_ψ | g_μ(context); the
     masks mark the real samples of padded batches (fedmeta.models.cnn)."""
 
-    def __init__(self, base: ConvNet, modulator: Modulator, modulate_flatten: bool = False):
+    def __init__(self, base: nn.Module, modulator: Modulator, modulate_flatten: bool = False):
         super().__init__()
         self.base = base
         self.modulator = modulator
