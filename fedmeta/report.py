@@ -583,6 +583,10 @@ def procedure(folders: list[Path]) -> str:
         said.append("on FedPAC's loss with the global centroids, from the averaged extractor and head")
     if method.get("algorithm") == "fedrod":
         said.append("on a personalized head alone, from zero, over the trained generic model")
+    if method.get("algorithm") == "fedgh":
+        said.append("from the initial extractor under the global header")
+    if method.get("algorithm") == "pfedhn":
+        said.append("from the model the hypernetwork makes for the mean embedding")
     return "; ".join(said)
 
 
@@ -755,6 +759,16 @@ FAMILIES = {  # family → its methods (a variant, "fedrep-tuned", is its method
         "fedproto",
     ),
     "clusters and interpolation": ("ifca", "ifca_ft", "apfl", "fedala"),
+    # families added after the first ones, last: the looks of the earlier methods stay as they were
+    "a global model, its local updates contrasted or normalized": ("moon", "fednova"),
+    "a model per client, mixed from the others' on the server": ("fedamp", "fedfomo"),
+    "features split per client; a header or models trained by the server": (
+        "fedgh",
+        "feddbe",
+        "gpfl",
+        "fedcp",
+        "pfedhn",
+    ),
 }
 LINE_AND_BAND = (
     "Line: the mean over seeds (a method with one point: a marker alone); band: ± 1 standard deviation over "

@@ -193,6 +193,15 @@ FAST = {
     "fedpac": ["method.local_epochs=1"],
     "fedala": ["method.local_epochs=1", "method.first_epochs=2"],
     "local": [],
+    "moon": ["method.local_epochs=1"],
+    "fednova": ["method.local_epochs=1"],
+    "fedfomo": ["method.local_epochs=1"],
+    "fedamp": ["method.local_epochs=1"],
+    "fedgh": ["method.local_epochs=1"],
+    "feddbe": ["method.local_epochs=1"],
+    "gpfl": ["method.local_epochs=1"],
+    "fedcp": ["method.local_epochs=1"],
+    "pfedhn": ["method.local_epochs=1"],
 }
 
 

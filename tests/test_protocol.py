@@ -8,9 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedmeta.algorithms import build_algorithm
 from fedmeta.algorithms.apfl import ALPHA, PERSONAL
+from fedmeta.algorithms.fedcp import CONTEXT
+from fedmeta.algorithms.gpfl import CONDITION
 from fedmeta.config import compose
 from fedmeta.data import ImageDataset, build_federation
 from fedmeta.engine import Engine
@@ -121,10 +124,39 @@ HAND = {
         **{k: v.double() for k, v in a.prototypes.items()},
     },
     "fedpac": lambda a, g, i: {**g, **a.heads.get(i, {}), **{k: v.double() for k, v in a.prototypes.items()}},
+    "fedfomo": lambda a, g, i: _sent(a, i),  # its own last model, as the server keeps it
+    "fedamp": lambda a, g, i: _sent(a, i),
+    "fedgh": lambda a, g, i: {  # its own extractor (float16) under the global header
+        **g,
+        **{k: v.double() for k, v in a.client_states.get(i, {}).get("body", {}).items()},
+    },
+    "feddbe": lambda a, g, i: _own(a, g, i),  # its own PRBM
+    "gpfl": lambda a, g, i: {  # its own head, its label shares' mix of the global embeddings
+        **g,
+        **{n: a.client_states[i][n] for n in a.head_names if i in a.client_states},
+        CONDITION: (a.client_states[i]["share"] if i in a.client_states else torch.full((10,), 0.1).double())
+        @ g["gce.weight"],
+    },
+    "fedcp": lambda a, g, i: {  # its own personalized head, and the sum of its weights as v_i
+        **g,
+        **a.client_states.get(i, {}),
+        CONTEXT: F.normalize({**g, **a.client_states.get(i, {})}["personal_head.weight"].sum(0), dim=0),
+    },
+    "pfedhn": lambda a, g, i: {  # the model the server's network makes for it
+        n: t[0].double() for n, t in a.network.made(torch.tensor([i])).items()
+    },
 }
+# per-client state the server keeps (pFedHN: the clients whose embeddings it trained)
+STORED = {"fedpac": "heads", "fedfomo": "sent", "fedamp": "sent", "pfedhn": "took_part"}
+
+
+def _sent(a, i):
+    """The client's last model as the server keeps it (float16), or the initial model before it trained."""
+    return {k: v.double() for k, v in a.sent.get(i, a.initial).items()}
 
 
 LONGER = {m: ["method.local_lr=0.1", "method.local_epochs=3"] for m in ("fedbn", "fedrod", "fedala")}
+LONGER["pfedhn"] = [*LONGER["fedbn"], "method.server_lr=0.1"]  # the network's few steps move it further
 
 
 @pytest.mark.parametrize("method", sorted(HAND))
@@ -139,7 +171,7 @@ def test_a_training_client_is_scored_with_the_model_its_method_keeps_for_it(meth
     result = evaluate_on_ranks(world, [run], cfg.personalization, Engine(False), protocol="both")[0]
     training = result.training
     assert training.clients == "training" and training.curves.shape == (6, 1)  # scored as kept: no step
-    stored = algorithm.heads if method == "fedpac" else algorithm.client_states  # FedPAC keeps heads apart
+    stored = getattr(algorithm, STORED.get(method, "client_states"))  # FedPAC's heads, the kept models
     trained = [c for c in run.federation.train_clients if c.id in stored]
     assert 0 < len(trained) < 6  # some clients kept state, some never trained
     global_params = algorithm.global_params()

@@ -77,6 +77,15 @@ FAST = {
     ],  # β ≠ 1: the mixing aggregate
     "apfl": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's v and α kept
     "apfl method.mixing=outputs": ["method.local_epochs=1", "method.local_lr=0.05"],
+    "moon": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's previous model, float16
+    "fednova": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's steps, idle not counted
+    "fedfomo": ["method.local_epochs=1", "method.local_lr=0.05", "method.models=2"],  # kept models, P
+    "fedamp": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's cloud model
+    "fedgh": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's extractor, the trained header
+    "feddbe": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's PRBM, the global mean
+    "gpfl": ["method.local_epochs=1", "method.local_lr=0.05"],  # each client's head and label shares
+    "fedcp": ["method.local_epochs=1", "method.local_lr=0.05"],  # the policy's noise, each personalized head
+    "pfedhn": ["method.local_epochs=1", "method.local_lr=0.05"],  # the server's network, a step per client
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -1061,6 +1062,8 @@ def test_the_federation_itself_learned(method, trained):
         ("fedrod", "50 steps at lr 0.001; on a personalized head alone, from zero"),
         ("fedpac", "50 steps at lr 0.001; on FedPAC's loss with the global centroids"),
         ("feddyn", "50 steps at lr 0.001"),
+        ("fedgh", "50 steps at lr 0.001; from the initial extractor under the global header"),
+        ("pfedhn", "50 steps at lr 0.001; from the model the hypernetwork makes for the mean embedding"),
     ],
 )
 def test_the_table_says_how_a_methods_new_clients_are_scored(method, said, tmp_path):
@@ -1089,3 +1092,690 @@ def test_a_table_row_says_each_data_sets_step_size_where_they_differ(tmp_path):
         "50 steps at lr 0.01 (rmnist, femnist)<br>50 steps at lr 0.05 (meta_dataset)"
     )
     assert report._procedures(firsts[:2]) == "50 steps at lr 0.01"
+
+
+# ---- MOON ------------------------------------------------------------------------------------------
+MOON = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_moon_learns_and_each_client_keeps_its_previous_model_in_float16(trained):
+    algorithm, federation, _, _ = learned(trained, "moon", *MOON)
+    assert set(algorithm.client_states) == clients_that_took_part(federation)
+    previous = [s["previous"] for s in algorithm.client_states.values()]
+    assert all(t.dtype == torch.float16 for p in previous for t in p.values())  # method.kept_dtype
+    assert not torch.equal(previous[0]["head.weight"], previous[1]["head.weight"])  # each client its own
+    before = pooled_loss(algorithm, federation, starting_params("moon", *MOON))
+    assert pooled_loss(algorithm, federation) < before - 0.2  # the global model learned
+
+
+def test_moon_with_mu_0_is_fedavg_bit_for_bit(trained):
+    """μ = 0 leaves the cross-entropy alone: the same global model as FedAvg's, to the last bit, with
+    previous models kept (clients took part more than once) that a μ > 0 would have contrasted."""
+    fedavg, federation, _, _ = trained("fedavg_ft", *MOON)
+    moon, _, _, _ = trained("moon", *MOON, "method.mu=0")
+    contrasted, _, _, _ = trained("moon", *MOON)
+    took_part = [c.id for r in range(1, ROUNDS + 1) for c in federation.sample_round(r, 5, 0)]
+    assert len(took_part) > len(set(took_part))  # some clients contrasted with a previous model
+    plain, same, other = fedavg.global_params(), moon.global_params(), contrasted.global_params()
+    assert all(torch.equal(plain[k], same[k]) for k in plain)
+    assert any(not torch.equal(plain[k], other[k]) for k in plain)
+
+
+def test_moon_loss_is_the_papers_and_a_first_round_has_no_contrastive_gradient(zoo_data):
+    """CE + μ·mean −log(e^{sim(z, z_glob)/τ} / (e^{sim(z, z_glob)/τ} + e^{sim(z, z_prev)/τ})), z the
+    classifier's input, by hand in float64; with the global model as the previous one (a client's
+    first round) the term is log 2 and adds no gradient."""
+    cfg = compose(["method=moon", *TINY, "method.mu=2.0", "method.tau=0.5"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    _, (batch, _) = two_batches(algorithm, zoo_data)
+    w = algorithm.global_params()
+    torch.manual_seed(1)
+    glob, prev = ({k: p + 0.05 * torch.randn_like(p) for k, p in w.items()} for _ in range(2))
+
+    def features(params):
+        return algorithm.run_model(algorithm.model, params, batch.x, embedding=True)
+
+    def cosine(a, b):
+        return (a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1))
+
+    z = features(w)
+    positive, negative = cosine(z, features(glob)) / 0.5, cosine(z, features(prev)) / 0.5
+    contrast = -torch.log(positive.exp() / (positive.exp() + negative.exp()))
+    expected = algorithm.loss(w, batch) + 2.0 * contrast.mean()
+    torch.testing.assert_close(algorithm.contrastive_loss(w, batch, (glob, prev)), expected)
+    first = algorithm.client_state(12345, w)["previous"]  # a client that never trained: the global model
+    assert all(torch.equal(first[k], value) for k, value in w.items())
+    torch.testing.assert_close(
+        algorithm.contrastive_loss(w, batch, (w, first)), algorithm.loss(w, batch) + 2.0 * math.log(2)
+    )
+    moon = gradient_of(lambda p: algorithm.contrastive_loss(p, batch, (w, first)), w)
+    plain = gradient_of(lambda p: algorithm.loss(p, batch), w)
+    for k in w:
+        torch.testing.assert_close(moon[k], plain[k], rtol=0, atol=1e-12)
+
+
+def gradient_of(loss, params):
+    params = {k: p.clone().requires_grad_() for k, p in params.items()}
+    return dict(zip(params, torch.autograd.grad(loss(params), list(params.values()))))
+
+
+# ---- FedNova ---------------------------------------------------------------------------------------
+FEDNOVA = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fednova_learns_and_with_equal_steps_is_fedavg_bit_for_bit(trained):
+    """The zoo's shards give every client 150 samples, so every client takes the same steps: the
+    normalized average is FedAvg's, to the last bit."""
+    algorithm, federation, _, _ = learned(trained, "fednova", *FEDNOVA)
+    assert algorithm.client_states == {}
+    assert len({c.num_samples for c in federation.train_clients}) == 1
+    fedavg, _, _, _ = trained("fedavg_ft", *FEDNOVA)
+    nova, plain = algorithm.global_params(), fedavg.global_params()
+    assert all(torch.equal(nova[k], plain[k]) for k in plain)
+
+
+def test_fednova_counts_a_clients_real_steps_and_normalizes_the_average_by_hand(zoo_data):
+    """τ_i counts the steps a client took (an idle step of a padded lane does not count); the server
+    steps x ← x − τ_eff·Σ p_i (x − y_i)/τ_i with τ_eff = Σ p_i τ_i, p_i by sample count (a client of
+    no step adds nothing but its share)."""
+    from fedmeta.algorithms.base import ClientUpdate
+    from fedmeta.algorithms.fednova import STEPS
+
+    cfg = compose(["method=fednova", *TINY, "method.local_lr=0.1"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    idle = batches[1]._replace(active=torch.tensor(False))
+    x = {k: p.clone() for k, p in algorithm.global_params().items()}
+    result = algorithm.local_update(x, {}, {"epochs": [batches[0], idle, batches[1]]})
+    assert algorithm.to_update(client, result).params[STEPS].item() == 2.0
+    torch.manual_seed(1)
+    sent = [{k: p + 0.1 * torch.randn_like(p) for k, p in x.items()} for _ in range(3)]
+    steps, sizes = [2.0, 5.0, 0.0], [30.0, 10.0, 20.0]
+    sent[2] = dict(x)  # no step: y = x
+    updates = [
+        ClientUpdate(i, {**y, STEPS: torch.tensor(tau)}, n, 0.0)
+        for i, (y, tau, n) in enumerate(zip(sent, steps, sizes))
+    ]
+    algorithm.aggregate(updates)
+    shares = [n / sum(sizes) for n in sizes]
+    effective = sum(p * tau for p, tau in zip(shares, steps))
+    for k, p in algorithm.global_params().items():
+        step = sum(s * (x[k] - y[k]) / tau for s, y, tau in zip(shares, sent, steps) if tau)
+        torch.testing.assert_close(p, x[k] - effective * step)
+        mean = sum(s * y[k] for s, y in zip(shares, sent))  # FedAvg's: another model
+        assert not torch.allclose(p, mean)
+
+
+# ---- FedFomo ---------------------------------------------------------------------------------------
+FEDFOMO = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedfomo_learns_and_the_server_keeps_each_clients_model_and_affinities(trained):
+    algorithm, federation, _, _ = learned(trained, "fedfomo", *FEDFOMO)
+    took_part = clients_that_took_part(federation)
+    assert algorithm.client_states == {}  # the models are the server's, not the clients'
+    assert set(algorithm.sent) == took_part
+    assert all(t.dtype == torch.float16 for m in algorithm.sent.values() for t in m.values())
+    rows = set(torch.nonzero(algorithm.affinity.abs().sum(1)).flatten().tolist())
+    assert rows and rows <= took_part  # a row for each client that weighed others' models
+    client, params = next(iter(algorithm.sent)), algorithm.global_params()
+    own = algorithm.kept_model(params, algorithm.client_state(client, params))
+    assert all(torch.equal(own[k], algorithm.sent[client][k].float()) for k in own)  # scored: its own θ_i
+    assert_personal_models_learned(algorithm, federation)  # measured 0.83 against the mean's 0.18
+
+
+def assert_personal_models_learned(algorithm, federation) -> None:
+    """The model the method keeps for each client that took part, on that client's held-out data:
+    well above chance and above the server's mean model (which no client trains from)."""
+    params, own, mean = algorithm.global_params(), [], []
+    for client in (c for c in federation.train_clients if c.id in algorithm.sent):
+        batch = client.batch("held_out", None)
+        kept = algorithm.kept_model(params, algorithm.client_state(client.id, params))
+        with torch.no_grad():
+            own.append((algorithm(kept, batch.x).argmax(1) == batch.y).float().mean().item())
+            mean.append((algorithm(params, batch.x).argmax(1) == batch.y).float().mean().item())
+    print(f"personal models {np.mean(own):.4f}, the server's mean model {np.mean(mean):.4f}")
+    assert np.mean(own) > max(0.6, np.mean(mean) + 0.2)
+
+
+def test_fedfomo_weights_are_nonnegative_and_favour_the_models_that_help(trained, zoo_data):
+    """Client i's own model is the initial one; it downloads a trained client's model (lower loss on
+    its validation split), a worse one and an empty slot. Raw weights (L(θ_i) − L(θ_n))/(‖θ_n − θ_i‖ +
+    10⁻⁵), by hand; the start mixes only the helpful models, by their positive weights summed to one."""
+    trained_algorithm, federation, _, _ = trained("fedfomo", *FEDFOMO)
+    cfg = compose(["method=fedfomo", *TINY, *FEDFOMO])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client = federation.train_clients[0]
+    validation = client.batch("held_out", None)
+    validation = validation._replace(x=validation.x.double())
+    own = algorithm.global_params()
+    torch.manual_seed(1)
+    kept = [{k: v.double() for k, v in m.items()} for m in trained_algorithm.sent.values()]
+    good = min(kept, key=lambda m: algorithm.loss(m, validation).item())  # the most helpful of them
+    bad = {k: p + 0.5 * torch.randn_like(p) for k, p in own.items()}
+    models = [good, bad, own]
+    state = {
+        "own": own,
+        "others": {k: torch.stack([m[k] for m in models]) for k in own},
+        "ids": torch.tensor([3, 7, -1]),
+    }
+    raw, shares = algorithm.weights(state, validation)
+
+    def by_hand(model):
+        distance = sum(((model[k] - own[k]) ** 2).sum() for k in own).sqrt()
+        return (algorithm.loss(own, validation) - algorithm.loss(model, validation)) / (distance + 1e-5)
+
+    torch.testing.assert_close(raw[:2], torch.stack([by_hand(good), by_hand(bad)]))
+    assert raw[0] > 0 > raw[1] and raw[2] == 0  # the trained model helps, the noisy one hurts
+    assert (shares >= 0).all() and shares.tolist() == [1.0, 0.0, 0.0]
+    start = algorithm.local_update(own, state, {"epochs": [], "validation": validation}).params
+    assert all(torch.equal(start[k], own[k] + (good[k] - own[k])) for k in own)  # no epochs: the start
+    hurt = {**state, "others": {k: torch.stack([bad[k], bad[k], own[k]]) for k in own}}
+    nothing = algorithm.local_update(own, hurt, {"epochs": [], "validation": validation}).params
+    assert all(torch.equal(nothing[k], own[k]) for k in own)  # no model helps: its own
+
+
+def test_fedfomo_sends_the_most_affine_models_and_keeps_the_most_recent():
+    from fedmeta.algorithms.base import ClientUpdate
+
+    cfg = compose(["method=fedfomo", *TINY, "method.models=2", "method.kept_models=3"])
+    algorithm = build_algorithm(cfg, 10)
+    params = algorithm.global_params()
+    for i in (4, 1, 2, 5):  # sent in this order: 5 most recently, 4 dropped beyond 3 kept models
+        algorithm.aggregate([ClientUpdate(i, dict(params), 1.0, 0.0)])
+    assert list(algorithm.sent) == [1, 2, 5]
+    assert algorithm.downloads(1) == [5, 2]  # equal affinities: the most recent first, not its own
+    algorithm.affinity[1, 2] = 0.5
+    assert algorithm.downloads(1) == [2, 5]
+    assert algorithm.client_state(1, params)["ids"].tolist() == [2, 5]
+    ids = algorithm.client_state(9, params)["ids"].tolist()  # a client with no model: the initial one
+    assert ids == [5, 2]
+
+
+# ---- FedAMP ----------------------------------------------------------------------------------------
+FEDAMP = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedamp_learns_and_the_server_keeps_each_clients_model(trained):
+    algorithm, federation, _, _ = learned(trained, "fedamp", *FEDAMP)
+    assert algorithm.client_states == {} and set(algorithm.sent) == clients_that_took_part(federation)
+    assert all(t.dtype == torch.float16 for m in algorithm.sent.values() for t in m.values())
+    assert_personal_models_learned(algorithm, federation)  # measured 0.95 against the mean's 0.23
+
+
+def test_fedamp_attention_weights_sum_to_one_and_favour_similar_models(trained):
+    """ξ_ii = self_weight, ξ_ij = (1 − ξ_ii)·softmax_j(σ·cos(w_i, w_j)), by hand: a row sums to one,
+    the most similar model weighs most; u_i is the weighted sum of the kept models."""
+    algorithm, _, cfg, _ = trained("fedamp", *FEDAMP)
+    client = next(iter(algorithm.sent))
+    ids, weights = algorithm.attention(client)
+    assert ids[0] == client and sorted(ids) == sorted(algorithm.sent)
+    flat = [torch.cat([algorithm.sent[j][k].double().flatten() for k in algorithm.names]) for j in ids]
+    similarity = torch.stack([torch.nn.functional.cosine_similarity(flat[0], f, 0) for f in flat[1:]])
+    xi = cfg.method.self_weight
+    others = (1 - xi) * torch.softmax(cfg.method.sigma * similarity, 0)
+    expected = torch.cat([torch.tensor([xi]).double(), others])
+    torch.testing.assert_close(weights, expected)
+    assert weights.sum().item() == pytest.approx(1.0, abs=1e-12) and (weights >= 0).all()
+    assert weights[1:].argmax() == similarity.argmax() and weights[1:].max() > weights[1:].min()
+    params = algorithm.global_params()
+    cloud = algorithm.client_state(client, params)["cloud"]
+    for k in params:
+        mixed = sum(w * algorithm.sent[j][k].double() for j, w in zip(ids, weights.tolist()))
+        torch.testing.assert_close(cloud[k], mixed.float())
+
+
+def test_fedamp_local_steps_pull_toward_the_cloud_model_by_hand(zoo_data):
+    """From u: w1 = u − η∇F(u) (the pull is 0 there), w2 = w1 − η(∇F(w1) + λ/α_k·(w1 − u))."""
+    cfg = compose(["method=fedamp", *TINY, "method.local_lr=0.1", "method.lam=2.0", "method.alpha_k=4.0"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    _, batches = two_batches(algorithm, zoo_data)
+    torch.manual_seed(1)
+    u = {k: p + 0.01 * torch.randn_like(p) for k, p in algorithm.global_params().items()}
+    g0 = gradient(algorithm, u, batches[0])
+    w1 = {k: u[k] - 0.1 * g0[k] for k in u}
+    g1 = gradient(algorithm, w1, batches[1])
+    w2 = {k: w1[k] - 0.1 * (g1[k] + 0.5 * (w1[k] - u[k])) for k in u}
+    result = algorithm.local_update(algorithm.global_params(), {"cloud": u}, {"epochs": batches})
+    for k in u:
+        torch.testing.assert_close(result.params[k], w2[k])
+
+
+def test_fedamp_and_fedfomo_kept_models_are_checkpointed(trained, tmp_path):
+    for method, overrides in (("fedamp", FEDAMP), ("fedfomo", FEDFOMO)):
+        algorithm, _, cfg, _ = trained(method, *overrides)
+        torch.save(algorithm.federation_state(), tmp_path / "state.pt")
+        fresh = build_algorithm(cfg, 10)
+        fresh.load_federation_state(torch.load(tmp_path / "state.pt", weights_only=True))
+        assert list(fresh.sent) == list(algorithm.sent)  # the order too: the most recent last
+        client = next(iter(algorithm.sent))
+        kept, back = (a.client_state(client, a.global_params()) for a in (algorithm, fresh))
+        for key in kept:
+            for got, expected in zip(_tensors(back[key]), _tensors(kept[key])):
+                assert torch.equal(got, expected), (method, key)
+        node = build_algorithm(cfg, 10)  # a Flower node: none of the kept models, only what arrives
+        node.load_broadcast_state(algorithm.broadcast_state(client), client)
+        arrived = node.client_state(client, node.global_params())
+        assert arrived.keys() == kept.keys()
+        assert all(
+            torch.equal(a, b) for key in kept for a, b in zip(_tensors(arrived[key]), _tensors(kept[key]))
+        )
+
+
+def _tensors(tree):
+    return [t for key in sorted(tree) for t in _tensors(tree[key])] if isinstance(tree, dict) else [tree]
+
+
+# ---- FedGH, FedDBE, GPFL, FedCP, pFedHN --------------------------------------------------------------
+def kept_and_server_accuracy(algorithm, federation, ids) -> tuple[float, float]:
+    """The mean held-out accuracy, over the training clients ``ids``, of the model the method keeps
+    for each, and of the server's model on the same clients."""
+    params, own, server = algorithm.global_params(), [], []
+    for client in (c for c in federation.train_clients if c.id in ids):
+        batch = client.batch("held_out", None)
+        kept = algorithm.kept_model(params, algorithm.client_state(client.id, params))
+        with torch.no_grad():
+            own.append((algorithm(kept, batch.x).argmax(1) == batch.y).float().mean().item())
+            server.append((algorithm(params, batch.x).argmax(1) == batch.y).float().mean().item())
+    print(f"kept models {np.mean(own):.4f}, the server's model {np.mean(server):.4f}")
+    return float(np.mean(own)), float(np.mean(server))
+
+
+def doubled(batch):
+    return batch._replace(x=batch.x.double())
+
+
+FEDGH = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedgh_learns_each_client_keeps_its_extractor_and_the_server_trains_the_header(trained):
+    from fedmeta.models import CLASSIFIER
+
+    algorithm, federation, _, _ = learned(trained, "fedgh", *FEDGH)
+    took_part = clients_that_took_part(federation)
+    assert set(algorithm.client_states) == took_part
+    bodies = [algorithm.client_states[c]["body"] for c in sorted(took_part)]
+    assert all(t.dtype == torch.float16 for b in bodies for t in b.values())  # method.kept_dtype
+    assert set(bodies[0]) == set(algorithm.body_names)  # the extractor only: the header is global
+    assert not torch.equal(bodies[0]["features.blocks.0.0.weight"], bodies[1]["features.blocks.0.0.weight"])
+    initial, now = starting_params("fedgh", *FEDGH), algorithm.global_params()
+    assert all(torch.equal(now[n], initial[n]) for n in algorithm.body_names)  # no extractor is sent
+    assert not torch.equal(now[CLASSIFIER + "weight"], initial[CLASSIFIER + "weight"])  # the header trained
+    own, server = kept_and_server_accuracy(algorithm, federation, took_part)
+    assert own > max(0.6, server + 0.3)  # measured 0.78 against the server model's 0.10
+
+
+def test_fedgh_local_training_representations_and_header_steps_by_hand(zoo_data):
+    """The client trains its own extractor under the global header (two SGD steps on the cross-
+    entropy), sends its class means of the trained extractor's representations; the server takes
+    one SGD step on the header per (representation, class), client after client, classes in order."""
+    from fedmeta.algorithms.fedproto import HELD, PROTOTYPE
+
+    cfg = compose(
+        ["method=fedgh", *TINY, "method.local_lr=0.1", "method.server_lr=0.5", "method.kept_dtype=float32"]
+    )
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    torch.manual_seed(1)
+    own = {k: w[k] + 0.01 * torch.randn_like(w[k]) for k in algorithm.body_names}
+    algorithm.client_states = {client.id: {"body": dict(own)}}
+    theta = {**w, **own}
+    for batch in batches:
+        g = gradient(algorithm, theta, batch)
+        theta = {k: theta[k] - 0.1 * g[k] for k in theta}
+    everything = doubled(client.batch("all", None))
+    result = algorithm.local_update(
+        w, algorithm.client_state(client.id, w), {"epochs": batches, "all": everything}
+    )
+    for k in algorithm.body_names:
+        torch.testing.assert_close(result.state["body"][k], theta[k])
+    with torch.no_grad():
+        z = algorithm.run_model(algorithm.model, theta, everything.x, embedding=True)
+    classes = sorted(set(everything.y.tolist()))
+    for j in range(10):
+        expected = z[everything.y == j].mean(0) if j in classes else torch.zeros(32, dtype=torch.float64)
+        torch.testing.assert_close(result.params[PROTOTYPE][j], expected)
+    assert result.params[HELD].tolist() == [float(j in classes) for j in range(10)]
+    update = algorithm.to_update(client, result)
+    other_means = torch.randn(10, 32, dtype=torch.float64)
+    other_held = torch.zeros(10, dtype=torch.float64)
+    other_held[[7, 2]] = 1
+    other = type(update)(client.id + 1, {PROTOTYPE: other_means, HELD: other_held}, 1.0, 0.0, None)
+    head = {k: w[k].clone().requires_grad_() for k in ("head.weight", "head.bias")}
+    pairs = [(result.params[PROTOTYPE], j) for j in classes] + [(other_means, 2), (other_means, 7)]
+    for means, label in pairs:  # the client's classes in order, then the other client's
+        loss = torch.nn.functional.cross_entropy(
+            (head["head.weight"] @ means[label] + head["head.bias"]).unsqueeze(0), torch.tensor([label])
+        )
+        grads = torch.autograd.grad(loss, list(head.values()))
+        head = {k: (p - 0.5 * g).detach().requires_grad_() for (k, p), g in zip(head.items(), grads)}
+    algorithm.aggregate([update, other])
+    for k, p in head.items():
+        torch.testing.assert_close(algorithm.global_params()[k], p.detach())
+    assert all(torch.equal(algorithm.global_params()[k], w[k]) for k in algorithm.body_names)
+    kept = algorithm.client_states[client.id]["body"]["dense.0.0.weight"]  # in method.kept_dtype
+    assert torch.equal(kept, theta["dense.0.0.weight"].to(kept.dtype))
+
+
+FEDDBE = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_feddbe_learns_and_each_client_keeps_only_its_representation_bias(trained):
+    from fedmeta.algorithms.feddbe import MEAN, PRBM, READY
+
+    algorithm, federation, _, _ = learned(trained, "feddbe", *FEDDBE)
+    took_part = clients_that_took_part(federation)
+    assert set(algorithm.client_states) == took_part
+    assert all(set(s) == {PRBM} and s[PRBM].shape == (32,) for s in algorithm.client_states.values())
+    biases = [algorithm.client_states[c][PRBM] for c in sorted(took_part)]
+    assert not torch.equal(biases[0], biases[1]) and all(b.abs().max() > 0 for b in biases)
+    assert algorithm.global_mean[READY] == 1 and algorithm.global_mean[MEAN].abs().max() > 0
+    assert torch.equal(algorithm.global_params()[PRBM], torch.zeros(32))  # never sent, never averaged
+    before = pooled_loss(algorithm, federation, starting_params("feddbe", *FEDDBE))
+    assert pooled_loss(algorithm, federation) < before - 0.2  # the global model learned
+
+
+def test_feddbe_first_round_is_fedavg_bit_for_bit_and_fixes_the_global_mean(zoo_data):
+    """The initialization period: the first round's clients train without DBE — FedAvg's round to the
+    last bit — and their running means (μ = 1: the mean representation of the last batch, under the
+    model before its step), weighted by sample count, are z̄^g, which no later round moves."""
+    from fedmeta.algorithms.feddbe import MEAN, PRBM, READY
+
+    federation, runs = federation_of(zoo_data), {}
+    for method in ("fedavg_ft", "feddbe"):
+        cfg = compose([f"method={method}", *TINY, *FEDDBE])
+        make_fabric(cfg).seed_everything(0, verbose=False)
+        runs[method] = build_algorithm(cfg, 10)
+    plain, dbe = runs["fedavg_ft"], runs["feddbe"]
+    w = dbe.global_params()
+    clients = federation.sample_round(1, 5, 0)
+    updates = [dbe.run_client(client, 1) for client in clients]
+    for client, update in zip(clients, updates):
+        batches = list(dbe.draw(client, 1)["epochs"])
+        before_last, _ = plain.local_sgd({k: w[k] for k in plain.global_params()}, batches[:-1], 0.05)
+        with torch.no_grad():
+            z = dbe.run_model(dbe.model, {**w, **before_last}, batches[-1].x, embedding=True)
+        torch.testing.assert_close(update.params[MEAN], z.mean(0))
+    federated_round(plain, federation, 1, 5, seed=0)
+    federated_round(dbe, federation, 1, 5, seed=0)
+    assert all(torch.equal(plain.global_params()[k], dbe.global_params()[k]) for k in plain.global_params())
+    assert all(torch.equal(s[PRBM], torch.zeros(32)) for s in dbe.client_states.values())  # no DBE yet
+    total = sum(u.weight for u in updates)
+    expected = sum(u.params[MEAN] * u.weight / total for u in updates)
+    assert dbe.global_mean[READY] == 1
+    torch.testing.assert_close(dbe.global_mean[MEAN], expected)
+    fixed = dbe.global_mean[MEAN].clone()
+    federated_round(dbe, federation, 2, 5, seed=0)
+    assert torch.equal(dbe.global_mean[MEAN], fixed)  # fixed from then on
+    assert any(s[PRBM].abs().max() > 0 for s in dbe.client_states.values())  # the PRBMs train now
+
+
+def test_feddbe_local_steps_add_the_bias_and_pull_the_running_mean_by_hand(zoo_data):
+    """With z̄^g measured: each step descends CE(h(z + b̄)) + κ·mean ½(z̄ − z̄^g)², z̄ = (1 − μ)·z̄_prev +
+    μ·mean_batch(z) (z̄_prev held fixed, 0 at the start), for the model and the client's b̄ together."""
+    from fedmeta.algorithms.feddbe import MEAN, PRBM, READY
+
+    cfg = compose(
+        ["method=feddbe", *TINY, "method.local_lr=0.1", "method.kappa=2.0", "method.mean_momentum=0.5"]
+    )
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, batches = two_batches(algorithm, zoo_data)
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    torch.manual_seed(1)
+    target, bias = torch.rand(32, dtype=torch.float64), 0.1 * torch.randn(32, dtype=torch.float64)
+    algorithm.global_mean = {MEAN: target, READY: torch.tensor(1.0, dtype=torch.float64)}
+    algorithm.client_states = {client.id: {PRBM: bias}}
+
+    def loss(params, batch, running):
+        z = algorithm.run_model(algorithm.model, params, batch.x, embedding=True)
+        logits = z + params[PRBM]
+        logits = logits @ params["head.weight"].T + params["head.bias"]
+        tracked = 0.5 * running + 0.5 * z.mean(0)
+        return (
+            torch.nn.functional.cross_entropy(logits, batch.y) + 2.0 * (0.5 * (tracked - target) ** 2).mean()
+        )
+
+    theta, running = {**w, PRBM: bias}, torch.zeros(32, dtype=torch.float64)
+    for batch in batches:
+        leaves = {k: p.clone().requires_grad_() for k, p in theta.items()}
+        g = dict(zip(leaves, torch.autograd.grad(loss(leaves, batch, running), list(leaves.values()))))
+        with torch.no_grad():
+            z = algorithm.run_model(algorithm.model, theta, batch.x, embedding=True)
+        running = 0.5 * running + 0.5 * z.mean(0)
+        theta = {k: theta[k] - 0.1 * g[k] for k in theta}
+    result = algorithm.local_update(w, algorithm.client_state(client.id, w), {"epochs": batches})
+    for k in w:
+        torch.testing.assert_close((result.state["own"] if k == PRBM else result.params)[k], theta[k])
+    torch.testing.assert_close(result.params[MEAN], running)
+    assert PRBM not in result.params  # the bias never leaves its client
+
+
+GPFL = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_gpfl_learns_each_client_keeps_its_head_and_label_shares(trained):
+    from fedmeta.algorithms.gpfl import EMBEDDINGS
+
+    algorithm, federation, _, _ = learned(trained, "gpfl", *GPFL)
+    took_part = clients_that_took_part(federation)
+    assert set(algorithm.client_states) == took_part
+    state = algorithm.client_states[next(iter(took_part))]
+    assert set(state) == {*algorithm.head_names, "share"}  # the head and the label distribution only
+    assert state["share"].sum().item() == pytest.approx(1.0) and (state["share"] > 0).sum() <= 3  # ~2 classes
+    initial, now = starting_params("gpfl", *GPFL), algorithm.global_params()
+    assert not torch.equal(now[EMBEDDINGS], initial[EMBEDDINGS])  # GCE averaged
+    assert not torch.equal(now["cov.gamma.0.weight"], initial["cov.gamma.0.weight"])  # CoV averaged
+    assert torch.equal(now["head.weight"], initial["head.weight"])  # heads never averaged
+    own, server = kept_and_server_accuracy(algorithm, federation, took_part)
+    assert own > max(0.6, server + 0.3)  # measured 0.82 against the server model's 0.16
+
+
+def test_gpfl_loss_conditional_inputs_and_weight_decay_by_hand(zoo_data):
+    """One step on CE(head(CoV(z, p_i))) + CE(cos(CoV(z, g), e)) + λ‖CoV(z, g) − ē_y‖, CoV(z, c) =
+    ReLU(z ⊙ (γ(c) + 1) + β(c)), g = mean e, p_i = Σ P_i(y) e_y from the received GCE ē, weight
+    decay μ on GCE and CoV only; the client keeps its head and P_i, sends the rest."""
+    from fedmeta.algorithms.gpfl import EMBEDDINGS
+
+    cfg = compose(["method=gpfl", *TINY, "method.local_lr=0.1", "method.lam=0.5", "method.mu=0.2"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, (batch, _) = two_batches(algorithm, zoo_data)
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    everything = doubled(client.batch("all", None))
+    share = torch.bincount(everything.y, minlength=10).double() / len(everything.y)
+    received = w[EMBEDDINGS]
+    layer_norm = torch.nn.functional.layer_norm
+
+    def cov(p, z, c):
+        def branch(name):
+            h = torch.relu(c @ p[f"cov.{name}.0.weight"].T + p[f"cov.{name}.0.bias"])
+            return layer_norm(h, (32,), p[f"cov.{name}.2.weight"], p[f"cov.{name}.2.bias"])
+
+        return torch.relu(z * (branch("gamma") + 1) + branch("beta"))
+
+    def loss(p):
+        z = algorithm.run_model(algorithm.model, p, batch.x, embedding=True)
+        personal, generic = cov(p, z, share @ received), cov(p, z, received.mean(0))
+        ce = torch.nn.functional.cross_entropy(personal @ p["head.weight"].T + p["head.bias"], batch.y)
+        e = p[EMBEDDINGS]
+        cosines = (generic / generic.norm(dim=1, keepdim=True)) @ (e / e.norm(dim=1, keepdim=True)).T
+        angular = torch.nn.functional.cross_entropy(cosines, batch.y)
+        return ce + angular + 0.5 * torch.linalg.norm(generic - received[batch.y])
+
+    leaves = {k: p.clone().requires_grad_() for k, p in w.items()}
+    g = dict(zip(leaves, torch.autograd.grad(loss(leaves), list(leaves.values()))))
+    decay = {k: 0.2 * w[k] if k.startswith(("gce.", "cov.")) else 0.0 for k in w}
+    expected = {k: w[k] - 0.1 * (g[k] + decay[k]) for k in w}
+    result = algorithm.local_update(
+        w, algorithm.client_state(client.id, w), {"epochs": [batch], "all": everything}
+    )
+    for k in w:
+        torch.testing.assert_close(
+            (result.state["own"] if k.startswith("head.") else result.params)[k], expected[k]
+        )
+    torch.testing.assert_close(result.state["share"], share)
+    kept = algorithm.kept_model(w, result.state)
+    torch.testing.assert_close(kept["gpfl.condition"], share @ received)
+
+
+FEDCP = ["method.local_lr=0.05", "method.local_epochs=1"]
+
+
+def test_fedcp_learns_each_client_keeps_its_personalized_head(trained):
+    algorithm, federation, _, _ = learned(trained, "fedcp", *FEDCP)
+    took_part = clients_that_took_part(federation)
+    assert set(algorithm.client_states) == took_part
+    assert all(set(s) == set(algorithm.personal_names) for s in algorithm.client_states.values())
+    initial, now = starting_params("fedcp", *FEDCP), algorithm.global_params()
+    assert torch.equal(now["personal_head.weight"], initial["personal_head.weight"])  # never averaged
+    assert not torch.equal(now["head.weight"], initial["head.weight"])  # the global head moved
+    assert not torch.equal(now["cpn.0.weight"], initial["cpn.0.weight"])  # the CPN averaged
+    own, server = kept_and_server_accuracy(algorithm, federation, took_part)
+    assert own > max(0.6, server + 0.3)  # measured 0.76 against the server model's 0.26
+
+
+def test_fedcp_policy_loss_and_the_uploaded_head_by_hand(zoo_data):
+    """One step on CE(W_p(z ⊙ r) + W_g(z ⊙ s)) + λ·MMD(z, z⁰), {r, s} = softmax over each feature's
+    pair of (ReLU(LN(A(z ⊙ v̂_i))) + Gumbel noise), v̂_i the normalized sum of W_p's rows; W_g held
+    fixed; the client sends ½(W_p + W_g) as the global head and keeps W_p."""
+    from fedmeta.algorithms.fedcp import BANDWIDTHS, gumbel
+
+    cfg = compose(["method=fedcp", *TINY, "method.local_lr=0.1", "method.lam=2.0"])
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    client, (batch, _) = two_batches(algorithm, zoo_data)
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    torch.manual_seed(1)
+    own = {k: w[k.replace("personal_", "")] + 0.05 * torch.randn_like(w[k]) for k in algorithm.personal_names}
+    algorithm.client_states = {client.id: dict(own)}
+    seed = torch.tensor(12345)
+    noise = gumbel(seed, 0, (len(batch.y), 2, 32), torch.float64)
+    context = own["personal_head.weight"].sum(0) / own["personal_head.weight"].sum(0).norm()
+    with torch.no_grad():
+        z0 = algorithm.run_model(algorithm.model, w, batch.x, embedding=True)
+
+    def kernel(a, b):
+        d = torch.cdist(a, b) ** 2
+        return sum(torch.exp(-0.5 * d / width) for width in BANDWIDTHS)
+
+    def loss(p):
+        z = algorithm.run_model(algorithm.model, p, batch.x, embedding=True)
+        h = (z * context) @ p["cpn.0.weight"].T + p["cpn.0.bias"]
+        h = torch.relu(torch.nn.functional.layer_norm(h, (64,), p["cpn.1.weight"], p["cpn.1.bias"]))
+        policy = torch.softmax(h.view(-1, 2, 32) + noise, dim=1)
+        logits = (z * policy[:, 0]) @ p["personal_head.weight"].T + p["personal_head.bias"]
+        logits = logits + (z * policy[:, 1]) @ w["head.weight"].T + w["head.bias"]
+        discrepancy = (kernel(z, z) + kernel(z0, z0) - 2 * kernel(z, z0)).mean()
+        return torch.nn.functional.cross_entropy(logits, batch.y) + 2.0 * discrepancy
+
+    trained = [k for k in w if not k.startswith("head.")]
+    leaves = {k: (own[k] if k in own else w[k]).clone().requires_grad_() for k in trained}
+    g = dict(zip(leaves, torch.autograd.grad(loss({**w, **leaves}), list(leaves.values()))))
+    expected = {k: leaves[k].detach() - 0.1 * g[k] for k in trained}
+    result = algorithm.local_update(
+        w, algorithm.client_state(client.id, w), {"epochs": [batch], "seed": seed}
+    )
+    for k in trained:
+        torch.testing.assert_close((result.state["own"] if k in own else result.params)[k], expected[k])
+    for k in ("weight", "bias"):
+        half = 0.5 * expected["personal_head." + k] + 0.5 * w["head." + k]
+        torch.testing.assert_close(result.params["head." + k], half)
+    assert not set(algorithm.personal_names) & set(result.params)  # the personalized head stays
+
+
+def test_fedcp_noise_is_gumbel_its_clients_own_and_the_same_however_a_batch_is_padded():
+    from fedmeta.algorithms.fedcp import gumbel
+
+    seed = torch.tensor(7)
+    draws = gumbel(seed, 3, (4000, 2, 32), torch.float64)
+    assert draws.mean().item() == pytest.approx(0.5772, abs=0.01)  # the Euler–Mascheroni constant
+    assert draws.std().item() == pytest.approx(math.pi / math.sqrt(6), abs=0.01)
+    assert torch.equal(gumbel(seed, 3, (10, 2, 32), torch.float64), draws[:10])  # padding adds rows after
+    assert not torch.equal(gumbel(seed, 4, (10, 2, 32), torch.float64), draws[:10])  # another step
+    assert not torch.equal(gumbel(torch.tensor(8), 3, (10, 2, 32), torch.float64), draws[:10])  # another seed
+
+
+PFEDHN = [
+    "method.local_lr=0.05",
+    "method.local_epochs=1",
+    "federation.num_clients=20",
+    "federation.num_new_clients=5",
+]
+
+
+def test_pfedhn_learns_and_makes_a_model_for_each_client(trained):
+    algorithm, federation, cfg, _ = learned(trained, "pfedhn", *PFEDHN)
+    took_part = clients_that_took_part(federation)
+    assert algorithm.client_states == {} and set(algorithm.took_part) == took_part
+    assert algorithm.network.embeddings.weight.shape == (20, 4)  # 1 + 15/4: the authors' rule
+    params = algorithm.global_params()
+    made = [algorithm.client_state(c, params)["own"] for c in sorted(took_part)[:2]]
+    assert not torch.equal(made[0]["head.weight"], made[1]["head.weight"])  # a model of its own each
+    with torch.no_grad():  # the server's model: the one made for the mean embedding of those clients
+        ids = torch.tensor(algorithm.took_part)
+        mean = algorithm.network(algorithm.network.mlp(algorithm.network.embeddings(ids).mean(0)))
+    assert all(torch.equal(params[n], mean[n]) for n in params)
+    before = pooled_loss(algorithm, federation, starting_params("pfedhn", *PFEDHN))
+    assert pooled_loss(algorithm, federation) < before - 0.05  # the network learned (measured 0.12)
+
+
+def test_pfedhn_first_models_are_the_initial_one_and_a_step_is_the_papers_gradient(zoo_data):
+    """Zero output weights, the initial model as biases: every client first gets the initial model.
+    A step on client i with plain SGD moves each output layer along ∂⟨h(v_i), Δθ_i⟩: its bias by
+    −η·Δθ_i, its weight by −η·Δθ_i ⊗ MLP(v_i); h(v_i) then moves toward the trained model."""
+    from fedmeta.algorithms.base import ClientUpdate
+
+    cfg = compose(
+        [
+            "method=pfedhn",
+            *TINY,
+            "method.server_lr=0.1",
+            "method.server_momentum=0",
+            "method.server_weight_decay=0",
+        ]
+    )
+    make_fabric(cfg).seed_everything(0, verbose=False)
+    algorithm = build_algorithm(cfg, 10).double()
+    w = {k: p.clone() for k, p in algorithm.global_params().items()}
+    for client_id in (0, 7):
+        assert all(torch.equal(t, w[n]) for n, t in algorithm.client_state(client_id, w)["own"].items())
+    torch.manual_seed(1)
+    trained = {k: p + 0.001 * torch.randn_like(p) for k, p in w.items()}
+    with torch.no_grad():
+        features = algorithm.network.mlp(algorithm.network.embeddings(torch.tensor(3)))
+    outputs = {n: algorithm.network.outputs[n.replace(".", "-")] for n in w}
+    before = {n: (layer.weight.detach().clone(), layer.bias.detach().clone()) for n, layer in outputs.items()}
+    algorithm.aggregate([ClientUpdate(3, trained, 1.0, 0.0)])
+    for n, layer in outputs.items():
+        change = (w[n] - trained[n]).flatten()
+        torch.testing.assert_close(layer.bias.detach(), before[n][1] - 0.1 * change)
+        torch.testing.assert_close(layer.weight.detach(), before[n][0] - 0.1 * torch.outer(change, features))
+    now = algorithm.client_state(3, w)["own"]
+    toward = sum(((now[n] - w[n]) * (trained[n] - w[n])).sum() for n in w)
+    assert toward > 0
+    assert algorithm.took_part == [3]
+
+
+def test_pfedhn_network_and_optimizer_are_checkpointed(trained, tmp_path):
+    algorithm, _, cfg, _ = trained("pfedhn", *PFEDHN)
+    torch.save(algorithm.federation_state(), tmp_path / "state.pt")
+    fresh = build_algorithm(cfg, 10)
+    fresh.load_federation_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert fresh.took_part == algorithm.took_part
+    client = algorithm.took_part[0]
+    kept, back = (a.client_state(client, a.global_params())["own"] for a in (algorithm, fresh))
+    assert all(torch.equal(kept[n], back[n]) for n in kept)
+    momentum = [s["momentum_buffer"] for s in algorithm.optimizer.state.values()]
+    restored = [s["momentum_buffer"] for s in fresh.optimizer.state.values()]
+    assert momentum and all(torch.equal(a, b) for a, b in zip(momentum, restored))
+    node = build_algorithm(cfg, 10)  # a Flower node: no network, only the θ_i that arrives
+    node.load_broadcast_state(algorithm.broadcast_state(client), client)
+    arrived = node.client_state(client, node.global_params())["own"]
+    assert all(torch.equal(arrived[n], kept[n]) for n in kept)

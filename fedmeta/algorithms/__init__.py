@@ -20,21 +20,30 @@ from fedmeta.algorithms.base import Algorithm, ClientUpdate
 from fedmeta.algorithms.cafeme import CAFeMe
 from fedmeta.algorithms.ditto import Ditto
 from fedmeta.algorithms.fedala import FedALA
+from fedmeta.algorithms.fedamp import FedAMP
 from fedmeta.algorithms.fedavg import FedAvg
 from fedmeta.algorithms.fedbabu import FedBABU
 from fedmeta.algorithms.fedbn import FedBN
+from fedmeta.algorithms.fedcp import FedCP
+from fedmeta.algorithms.feddbe import FedDBE
 from fedmeta.algorithms.feddyn import FedDyn
+from fedmeta.algorithms.fedfomo import FedFomo
+from fedmeta.algorithms.fedgh import FedGH
 from fedmeta.algorithms.fedmeta import FedMeta
+from fedmeta.algorithms.fednova import FedNova
 from fedmeta.algorithms.fedpac import FedPAC
 from fedmeta.algorithms.fedper import FedPer
 from fedmeta.algorithms.fedproto import FedProto
 from fedmeta.algorithms.fedprox import FedProx
 from fedmeta.algorithms.fedrep import FedRep
 from fedmeta.algorithms.fedrod import FedRoD
+from fedmeta.algorithms.gpfl import GPFL
 from fedmeta.algorithms.ifca import IFCA, ClusteredNets
 from fedmeta.algorithms.lgfedavg import LGFedAvg
 from fedmeta.algorithms.local import Local
+from fedmeta.algorithms.moon import MOON
 from fedmeta.algorithms.perfedavg import PerFedAvg
+from fedmeta.algorithms.pfedhn import PFedHN
 from fedmeta.algorithms.pfedme import PFedMe
 from fedmeta.algorithms.scaffold import SCAFFOLD
 from fedmeta.errors import FedmetaError
@@ -62,6 +71,15 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "fedala": FedALA,
     "fedpac": FedPAC,
     "local": Local,
+    "moon": MOON,
+    "fednova": FedNova,
+    "fedfomo": FedFomo,
+    "fedamp": FedAMP,
+    "fedgh": FedGH,
+    "feddbe": FedDBE,
+    "gpfl": GPFL,
+    "fedcp": FedCP,
+    "pfedhn": PFedHN,
 }
 
 
