@@ -362,6 +362,12 @@ def _gather_curves(fabric: Fabric, curves: torch.Tensor, total: int) -> torch.Te
     slots = -(-total // fabric.world_size)
     padded = torch.full((slots, curves.shape[1]), float("nan"))
     padded[: len(curves)] = curves
-    gathered = fabric.all_gather(padded.to(fabric.device)).cpu()  # (world, slots, steps + 1)
+    # torch.distributed's own gather: Fabric's goes through an autograd-aware collective that
+    # PyTorch now warns is deprecated, a warning every rank printed at every evaluation
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(padded, device=fabric.device) for _ in range(fabric.world_size)]
+    dist.all_gather(pieces, padded.to(fabric.device))
+    gathered = torch.stack(pieces).cpu()  # (world, slots, steps + 1)
     # client i sits at rank i % W, slot i // W: interleave; the padding lands past the last client
     return gathered.transpose(0, 1).reshape(-1, curves.shape[1])[:total]

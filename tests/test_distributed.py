@@ -59,6 +59,7 @@ def test_two_processes_compute_the_single_process_model(tmp_path, mnist_dir, met
     train(one, mnist_dir, 1, method, *extra)
     done = train(two, mnist_dir, 2, method, *extra)
     assert done.stdout.count("new-client accuracy") == 1  # only the main process reports
+    assert "deprecated" not in done.stderr, done.stderr[-2000:]  # nothing that reads like an error
 
     run = f"rmnist-shards/{method}/seed0"
     models = [
