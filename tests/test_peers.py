@@ -5,6 +5,7 @@ installed in CI: their drivers run only where a user points the runner at their 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,28 @@ def test_each_pair_runs_the_peers_in_the_other_order():
     peers = ["fedmeta-sequential", "pfllib", "flbench"]
     orders = [peers_run.run_order(peers, pair) for pair in range(4)]
     assert orders[0] == orders[2] == peers and orders[1] == orders[3] == peers[::-1]
+
+
+@pytest.mark.slow  # fedmeta train on all 60,000 images: half a minute
+def test_the_train_way_times_fedmeta_trains_own_rounds_and_evaluation(experiment, tmp_path, mnist_dir):
+    """``--fedmeta train``: ``fedmeta train`` itself, in the driver's process, its rounds and final
+    evaluation on the round clock, its training clients scored as the peers score theirs."""
+    argv, cwd = peers_run.command_fedmeta("false", "32-true", "--way", "train", "--batch-norm", "true")(
+        experiment, "fedavg", tmp_path
+    )
+    done = subprocess.run(
+        [sys.executable, *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "FEDMETA_DATA": str(mnist_dir), "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith(peer_common.RESULT_PREFIX))
+    result = json.loads(line[len(peer_common.RESULT_PREFIX) :])
+    assert [r["index"] for r in result["rounds"]] == [0, 1] and result["timed_rounds"] == [1]
+    assert len(result["evals"]) == 1 and result["cpu_s_per_round"] > 0
+    assert "model.batch_norm=true" in result["settings"]["overrides"]
+    assert 0.1 < result["final_accuracy"] <= 1  # two rounds of FedAvg on 20 clients of MNIST

@@ -12,6 +12,14 @@ algorithm and model its registry builds (``model.batch_norm=false``: FedAvgCNN's
 precision plugin, the engine of ``federation.vectorize`` (one client at a time, or vmapped),
 ``federated_round`` and ``evaluate_on_ranks``.
 
+``--way train`` times fedmeta's own ``fedmeta train`` instead, run in-process (``fedmeta.cli.main``)
+as a user runs it: its RMNIST data path with no rotation (MNIST's 60,000 training images,
+standardized as the partition's), its own shards partition into the experiment's 20 clients of
+3,000 images (2 label shards each, a 75 % / 25 % split: the same sizes, its own draw of them), the
+default model with its batch norms (``--batch-norm false``: the peers' FedAvgCNN), its loop,
+metrics, checkpoints and progress bar; the round clock wraps the rounds ``fedmeta.loop`` trains and
+the evaluation it runs at the end. Its accuracy is the same protocol on its own clients.
+
 The accuracy is the peers' protocol, fedmeta's ``evaluation.protocol=training_clients``: every
 training client's test split scored with the model it has after the last round — the global model,
 or its kept model where its method keeps one (FedRep: the global body with its own head) —
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_common as pc  # noqa: E402
@@ -58,6 +67,65 @@ def overrides(a) -> list[str]:
     return [*common, f"method.local_epochs={a.local_epochs}"]
 
 
+def train_overrides(a, root: str) -> list[str]:
+    """``fedmeta train``'s own data, partition and model, sized as the experiment (``--way train``)."""
+    held_out = "federation.held_out_fraction=0.25"  # the 25 % test split of each client
+    common = [o for o in overrides(a) if not o.startswith(("dataset=", "model.batch_norm", "logger"))]
+    return [
+        *common,
+        "dataset=rmnist",
+        # the driver runs in its work folder: the data folder a user's run reads, else the repository's
+        f"dataset.dir={os.environ.get('FEDMETA_DATA') or Path(__file__).resolve().parents[2] / 'data'}",
+        "dataset.options.degrees_per_group=0",  # MNIST itself, standardized by its mean and deviation
+        "partition=shards",
+        held_out,
+        f"model.batch_norm={a.batch_norm}",
+        f"federation.rounds={a.rounds}",
+        f"federation.eval_every={a.rounds}",
+        "federation.checkpoint_minutes=0",
+        "evaluation.protocol=training_clients",
+        "logger=[]",
+        f"output.root={root}",
+        "output.overwrite=true",
+    ]
+
+
+def train_way(a) -> dict:
+    """``fedmeta train`` in this process, its rounds and final evaluation on the round clock."""
+    import json
+    import tempfile
+
+    import fedmeta.loop as loop
+    from fedmeta.cli import main as fedmeta_main
+
+    def clocked(function, start, end):
+        def call(*args, **kwargs):
+            start()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                end()
+
+        return call
+
+    loop.federated_rounds = clocked(loop.federated_rounds, CLOCK.round_start, CLOCK.round_end)
+    loop.evaluate_on_ranks = clocked(
+        loop.evaluate_on_ranks, CLOCK.eval_start, lambda: CLOCK.eval_end("training clients' test splits")
+    )
+    with tempfile.TemporaryDirectory() as root:
+        settings = train_overrides(a, root)
+        status = fedmeta_main(["train", *settings])
+        if status:
+            raise SystemExit(f"fedmeta train exited {status}")
+        summary = json.loads(next(Path(root).glob("*/*/seed*/summary.json")).read_text())
+    training = summary.get("training_clients") or {}
+    return {
+        "final_accuracy": training.get("weighted_accuracy"),
+        "mean_client_accuracy": training.get("accuracy"),
+        "settings": {"overrides": settings, "way": "fedmeta train"},
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="partition.npz written by run.py")
@@ -72,8 +140,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vectorize", choices=("false", "true"), default="false")
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--way", choices=("rounds", "train"), default="rounds")
+    ap.add_argument("--batch-norm", choices=("true", "false"), default="true", help="--way train's model")
     a = ap.parse_args()
     pc.limit_threads()
+    if a.way == "train":
+        result = {"peer": "fedmeta", "method": a.method, "status": "ok", "rounds_requested": a.rounds}
+        result |= train_way(a)
+        pc.emit({**result, **pc.summarize(CLOCK, a.warmup, a.rounds), "env": pc.environment()})
+        return
 
     import numpy as np
     import torch

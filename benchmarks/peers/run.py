@@ -51,7 +51,8 @@ cpu_s_per_round, wall_s_per_round, peak_rss_mb, final_accuracy, accuracy_protoco
 macs_per_sample}, status. A driver written in peer_common's style gets those for free.
 
 fedmeta itself is such an entry, once per way of running its clients (`--fedmeta sequential,vmap,
-bf16`; drive_fedmeta.py). Runs with fedmeta's venv: stdlib and numpy only.
+bf16`; drive_fedmeta.py), and through its own `fedmeta train` (`train`: its default model, with batch
+norms; `train-fedavgcnn`: the peers' model). Runs with fedmeta's venv: stdlib and numpy only.
 """
 
 from __future__ import annotations
@@ -576,7 +577,7 @@ def prepare_fedmeta(exp: Experiment, part: Partition, work: Path):
     _stamp(work, part.fingerprint)
 
 
-def command_fedmeta(vectorize: str, precision: str):
+def command_fedmeta(vectorize: str, precision: str, *extra: str):
     def command(exp: Experiment, method: str, work: Path):
         argv = [
             str(HERE / "drive_fedmeta.py"),
@@ -591,6 +592,7 @@ def command_fedmeta(vectorize: str, precision: str):
             vectorize,
             "--precision",
             precision,
+            *extra,
         ]
         return argv, work
 
@@ -605,6 +607,9 @@ def fedmeta_peers(ways: str) -> list[Peer]:
         "vmap": ("true", "32-true"),
         "bf16": ("false", "bf16-mixed"),
         "vmap-bf16": ("true", "bf16-mixed"),
+        # fedmeta train itself (its data path, partition, loop), with its default model or the peers'
+        "train": ("false", "32-true", "--way", "train", "--batch-norm", "true"),
+        "train-fedavgcnn": ("false", "32-true", "--way", "train", "--batch-norm", "false"),
     }
     peers = []
     for way in [w.strip() for w in ways.split(",") if w.strip()]:
@@ -678,7 +683,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument(
         "--fedmeta",
         default="sequential",
-        help="fedmeta's ways, comma-separated: sequential, vmap, bf16, vmap-bf16 ('' for none)",
+        help="fedmeta's ways, comma-separated: sequential, vmap, bf16, vmap-bf16, train, train-fedavgcnn ('' for none)",
     )
     ap.add_argument("--methods", default="fedavg,fedrep")
     ap.add_argument(
