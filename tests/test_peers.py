@@ -86,4 +86,6 @@ def test_the_train_way_times_fedmeta_trains_own_rounds_and_evaluation(experiment
     assert [r["index"] for r in result["rounds"]] == [0, 1] and result["timed_rounds"] == [1]
     assert len(result["evals"]) == 1 and result["cpu_s_per_round"] > 0
     assert "model.batch_norm=true" in result["settings"]["overrides"]
+    # every client trains on its 2,250 images beside its test split, as the driver's and the peers' do
+    assert "method.train_split=all" in result["settings"]["overrides"]
     assert 0.1 < result["final_accuracy"] <= 1  # two rounds of FedAvg on 20 clients of MNIST

@@ -70,9 +70,16 @@ def overrides(a) -> list[str]:
 def train_overrides(a, root: str) -> list[str]:
     """``fedmeta train``'s own data, partition and model, sized as the experiment (``--way train``)."""
     held_out = "federation.held_out_fraction=0.25"  # the 25 % test split of each client
-    common = [o for o in overrides(a) if not o.startswith(("dataset=", "model.batch_norm", "logger"))]
+    common = [
+        o
+        for o in overrides(a)
+        if not o.startswith(("dataset=", "model.batch_norm", "logger", "method.train_split"))
+    ]
     return [
         *common,
+        # the 75 % left beside the test split, every sample of it, as the peers' clients train: pers
+        # would also leave out the held-out quarter fedmeta keeps for new clients' procedure
+        "method.train_split=all",
         "dataset=rmnist",
         # the driver runs in its work folder: the data folder a user's run reads, else the repository's
         f"dataset.dir={os.environ.get('FEDMETA_DATA') or Path(__file__).resolve().parents[2] / 'data'}",
