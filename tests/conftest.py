@@ -185,3 +185,23 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: within a file, and among the rest, the order stays
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    """An HTTP server on 127.0.0.1 serving a folder, a publisher's files in the download tests;
+    yields (folder, base URL)."""
+    import functools
+    import http.server
+    import threading
+
+    class QuietHandler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    folder = tmp_path_factory.mktemp("mirror")
+    handler = functools.partial(QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()

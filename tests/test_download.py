@@ -1,9 +1,7 @@
 """``fedmeta data download`` against a real HTTP server on loopback that serves small files in
 each publisher's own format (built from real MNIST digits), and generic ImageFolder sources."""
 
-import functools
 import gzip
-import http.server
 import io
 import pickle
 import tarfile
@@ -24,22 +22,6 @@ from fedmeta.data.sources import load_npz
 def digits(mnist_dir):
     arrays = load_npz("mnist", mnist_dir, download=False)
     return arrays["x"][:400], arrays["y"][:400]
-
-
-@pytest.fixture(scope="module")
-def mirror(tmp_path_factory):
-    """An HTTP server on 127.0.0.1 serving a folder; yields (folder, base URL)."""
-    folder = tmp_path_factory.mktemp("mirror")
-    handler = functools.partial(QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield folder, f"http://127.0.0.1:{server.server_address[1]}/"
-    server.shutdown()
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
 
 
 def idx_gz(path, array, magic):

@@ -4,13 +4,10 @@ format and served from 127.0.0.1, go through ``fedmeta data download`` and come 
 ``load_dataset`` with the shape, labels, classes, orientation and split they should have."""
 
 import bz2
-import functools
 import gzip
-import http.server
 import io
 import pickle
 import tarfile
-import threading
 import zipfile
 from pathlib import Path
 
@@ -28,22 +25,6 @@ from fedmeta.errors import FedmetaError
 from fedmeta.models import build_base_net
 
 NAMES = ["cifar100", "fmnist", "emnist", "svhn", "usps", "tiny_imagenet", "mini_imagenet"]
-
-
-@pytest.fixture(scope="module")
-def mirror(tmp_path_factory):
-    """An HTTP server on 127.0.0.1 serving a folder; yields (folder, base URL)."""
-    folder = tmp_path_factory.mktemp("mirror")
-    handler = functools.partial(QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield folder, f"http://127.0.0.1:{server.server_address[1]}/"
-    server.shutdown()
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_download import mirror  # noqa: F401 — a fixture, used by name
 from test_lanes import CLIENTS, NEW, SEEDS, SHORT, TINY, assert_same, method_file, run
 
 from fedmeta.algorithms import ALGORITHMS, build_algorithm
@@ -105,7 +104,7 @@ def test_shakespeare_is_a_client_per_role_and_every_sample_the_next_character(tm
 
 
 def test_the_repositorys_tinyshakespeare_gives_141_roles_and_downloads_through_a_mirror(
-    mirror,  # noqa: F811 — the fixture imported above
+    mirror,
     tmp_path,
     capsys,
 ):
