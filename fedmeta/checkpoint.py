@@ -8,6 +8,7 @@ file, then a rename), so a run killed at any moment leaves the last complete che
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -269,18 +270,43 @@ def check_identity(path: Path, saved: dict, cfg: DictConfig, ignore: tuple[str, 
         )
 
 
-def differences(saved, ours, prefix: str = "", added_ok: bool = False) -> list[str]:
+def differences(saved, ours, prefix: str = "", added_ok: bool = False, defaults=...) -> list[str]:
     """Where the nested mapping ``saved`` differs from ``ours``, one "key: saved there, ours here"
-    each; ``added_ok``: a key ``saved`` lacks (added since it was written) is no difference."""
+    each. A key ``saved`` lacks was added to fedmeta after it was written: it is no difference where
+    ours holds that key's default (configs/config.yaml's: what the run did before the key existed),
+    or whatever ours holds with ``added_ok``."""
+    if defaults is ...:
+        defaults = base_defaults()
     if isinstance(saved, dict) and isinstance(ours, dict):
+        defaults = defaults if isinstance(defaults, dict) else {}
         return [
             d
             for key in sorted(set(saved) | set(ours))
-            for d in differences(saved.get(key), ours.get(key), f"{prefix}{key}.", added_ok)
+            for d in differences(
+                saved[key] if key in saved else ...,
+                ours.get(key),
+                f"{prefix}{key}.",
+                added_ok,
+                defaults.get(key, ...),
+            )
         ]
-    if saved == ours or (added_ok and saved is None):
+    if saved is ...:  # the key did not exist when ``saved`` was written
+        if added_ok or (defaults is not ... and defaults == ours):
+            return []
+        saved = None
+    if saved == ours:
         return []
     return [f"{prefix[:-1]}: {saved!r} there, {ours!r} here"]
+
+
+@functools.cache
+def base_defaults() -> dict:
+    """The identity sections of configs/config.yaml as written (every data set and method file
+    merges over them)."""
+    from fedmeta.config import CONFIG_DIR
+
+    base = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"), resolve=False)
+    return {key: base[key] for key in IDENTITY if isinstance(base.get(key), dict)}
 
 
 def _base_net(model: dict) -> dict:

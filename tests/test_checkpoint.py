@@ -166,3 +166,18 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path, mnist_dir, monkeypa
     directory = tmp_path / "rmnist-shards" / "fedavg" / "seed0"
     assert torch.load(directory / "checkpoint.ckpt", weights_only=True)["round"] == 2
     assert not (directory / "summary.json").exists()
+
+
+def test_a_setting_added_since_a_run_was_written_counts_at_its_default():
+    """A run written before ``model.kind`` existed (the CNN, as every run then) is the experiment of
+    a config at the default, for resume, re-scoring and a campaign's carry-in alike; a config that
+    asks for another value of the new key is another experiment."""
+    from fedmeta.checkpoint import differences, identity
+    from fedmeta.config import compose
+
+    ours = identity(compose([]))
+    written_before = {**ours, "model": {k: v for k, v in ours["model"].items() if k not in ("kind", "width")}}
+    assert differences(written_before, ours) == []
+    resnet = identity(compose(["model.kind=resnet18"]))
+    assert differences(written_before, resnet) == ["model.kind: None there, 'resnet18' here"]
+    assert differences(written_before, resnet, added_ok=True) == []
