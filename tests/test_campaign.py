@@ -324,11 +324,14 @@ def test_sigterm_while_a_job_sets_up_starts_no_run_and_still_records_the_job(
     assert json.loads((tmp_path / "kept" / "jobs.jsonl").read_text())["not_done"] == record["not_done"]
 
 
-def _signal_main_thread(signum: int) -> None:
-    """Deliver ``signum`` to this thread and let its handler run before the next: two signals sent
-    to the process at once (pytest-xdist's workers have other threads) can merge into one."""
+def _signal_main_thread(signum: int, handled=lambda: False) -> None:
+    """Deliver ``signum`` to this thread and wait (up to 5 s) until ``handled()`` says its handler
+    ran, so the next signal is not merged into it (pytest-xdist's workers have other threads, and a
+    loaded machine can leave a signal pending past a fixed pause)."""
     signal.pthread_kill(threading.main_thread().ident, signum)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while not handled() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler runs here, raising from the sleep where it raises
 
 
 def test_a_second_sigterm_to_a_run_lets_its_round_end_where_a_second_ctrl_c_does_not():
@@ -336,13 +339,14 @@ def test_a_second_sigterm_to_a_run_lets_its_round_end_where_a_second_ctrl_c_does
     grid): the round under way still ends and is checkpointed."""
     with Stopper(None) as stopper:
         stopper.rounds_started = True
-        _signal_main_thread(signal.SIGTERM)
-        _signal_main_thread(signal.SIGTERM)
+        _signal_main_thread(signal.SIGTERM, lambda: stopper.signalled is not None)
+        _signal_main_thread(signal.SIGTERM, lambda: True)
+        time.sleep(0.05)  # a second SIGTERM's handler, had it raised, would have by now
         assert stopper.reason(evaluating=False) == "SIGTERM"
     with Stopper(None) as stopper, pytest.raises(KeyboardInterrupt):
         stopper.rounds_started = True
-        _signal_main_thread(signal.SIGINT)
-        _signal_main_thread(signal.SIGINT)
+        _signal_main_thread(signal.SIGINT, lambda: stopper.signalled is not None)
+        _signal_main_thread(signal.SIGINT)  # waits for the KeyboardInterrupt its handler raises
 
 
 def test_two_jobs_at_once_each_take_only_the_settings_given_them(tmp_path, mnist_dir, monkeypatch, capsys):
