@@ -16,6 +16,7 @@ import pytest
 import scipy.io
 import torch
 from PIL import Image
+from test_download import add_bytes
 
 from fedmeta.cli import main
 from fedmeta.config import compose
@@ -177,12 +178,6 @@ def test_cifar100_python_batches_give_100_fine_classes(mirror, tmp_path):
     np.testing.assert_array_equal(arrays["x"], np.concatenate([parts["train"][0], parts["test"][0]]))
     assert len(arrays["classes"]) == 100 and arrays["classes"][99] == "class99"
     check_training_split(load_dataset("cifar100", tmp_path, seed=0), parts["train"][1], 100, (3, 32, 32))
-
-
-def add_bytes(tar, name, data):
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
 
 
 def jpeg(array):
