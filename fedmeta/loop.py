@@ -16,6 +16,7 @@ from lightning_fabric import Fabric
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from fedmeta.allocator import give_back_setup_memory
 from fedmeta.assemble import make_engine, make_fabric, seed_configs
 from fedmeta.clock import RoundClock
 from fedmeta.engine import Engine
@@ -184,6 +185,7 @@ def _train(
     if first > 1 and fabric.is_global_zero:
         log.info(f"resumed from round {first - 1} of {fed.rounds} ({runs[0].checkpoint_path})")
     _evaluate_pending(fabric, runs, cfg, engine, show_progress, on_evaluation)
+    give_back_setup_memory()
     for round_ in bar:
         active = [run for run in runs if run.error is None and run.first_round <= round_]
         if not active:

@@ -154,7 +154,7 @@ def main():
     if a.way == "train":
         result = {"peer": "fedmeta", "method": a.method, "status": "ok", "rounds_requested": a.rounds}
         result |= train_way(a)
-        pc.emit({**result, **pc.summarize(CLOCK, a.warmup, a.rounds), "env": pc.environment()})
+        pc.emit({**result, **pc.summarize(CLOCK, a.warmup, a.rounds), "env": pc.environment()}, CLOCK)
         return
 
     import numpy as np
@@ -227,7 +227,7 @@ def main():
         "hooks": ["federated_round (round)", "the scoring loop (eval)"],
         "env": pc.environment(),
     }
-    pc.emit(result)
+    pc.emit(result, CLOCK)
 
 
 if __name__ == "__main__":

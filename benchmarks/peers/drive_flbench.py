@@ -199,7 +199,7 @@ def main():
             "local_epoch": local_epoch,
             "order": "head epochs first (base grads zeroed after backward), then body epochs (classifier grads zeroed)",
         }
-    pc.emit(result)
+    pc.emit(result, CLOCK)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def main():
             "order": "head epochs first (base frozen by requires_grad=False), then body epochs (head frozen)",
             "aggregated": "base only",
         }
-    pc.emit(result)
+    pc.emit(result, CLOCK)
 
 
 if __name__ == "__main__":

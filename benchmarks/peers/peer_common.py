@@ -28,6 +28,37 @@ INPUT_SHAPE = (1, 1, 28, 28)
 RESULT_PREFIX = "PEER_RESULT "
 
 
+def status_mb(field: str) -> float | None:
+    """A field of /proc/self/status in MB (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+class AnonPeak:
+    """The largest anonymous resident memory (``RssAnon``: what the process allocated itself) seen,
+    sampled every ``interval`` s by a daemon thread. Peak RSS (``ru_maxrss``) also counts the pages of
+    shared libraries mapped from the page cache, which for torch's CUDA build vary by hundreds of MB
+    from one process to the next with what the cache holds; the anonymous part does not."""
+
+    def __init__(self, interval: float = 0.05):
+        import threading
+
+        self.peak = status_mb("RssAnon")
+        if self.peak is not None:
+            threading.Thread(target=self._watch, args=(interval,), daemon=True).start()
+
+    def _watch(self, interval: float):
+        while True:
+            self.peak = max(self.peak, status_mb("RssAnon") or 0.0)
+            time.sleep(interval)
+
+
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process so far (its children excluded): getrusage, whose
     microsecond fields resolve finer than os.times()' clock ticks."""
@@ -87,6 +118,7 @@ class RoundClock:
         self.evals: list[dict] = []
         self._round = None
         self._eval = None
+        self.anon = AnonPeak()
 
     def round_start(self):
         if self._round is not None:
@@ -198,9 +230,12 @@ def environment() -> dict:
     }
 
 
-def emit(result: dict):
+def emit(result: dict, clock: RoundClock | None = None):
     ru = resource.getrusage(resource.RUSAGE_SELF)
     result.setdefault("peak_rss_mb", ru.ru_maxrss / 1024.0)  # Linux: KiB
+    if clock is not None and clock.anon.peak is not None:
+        result.setdefault("peak_anon_mb", max(clock.anon.peak, status_mb("RssAnon") or 0.0))
+        result.setdefault("rss_file_mb_end", status_mb("RssFile"))
     result.setdefault("process_cpu_s", cpu_seconds())
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)  # processes the peer started and reaped (none expected)
     result.setdefault("children", {"cpu_s": ch.ru_utime + ch.ru_stime, "maxrss_mb": ch.ru_maxrss / 1024.0})

@@ -522,6 +522,9 @@ def summarize(runs: list[dict]) -> dict:
             "eval_cpu_s_total": _median(r.get("eval_cpu_s_total") for r in rs),
             # ru_maxrss of the driver process when it writes its result (setup, rounds and evaluation done)
             "peak_rss_mb": _median(r["peak_rss_mb"] for r in rs),
+            # the anonymous part of it (RssAnon, sampled): without the shared libraries' pages, whose
+            # count varies with the page cache from one process to the next
+            "peak_anon_mb": _median(r.get("peak_anon_mb") for r in rs),
             # the same from the runner's wait4: the process's whole life, interpreter teardown included
             # (torch's own teardown adds ~0.4-1 s CPU and ~100 MB there) and any child it reaped
             "peak_rss_mb_process": _median(
@@ -542,6 +545,7 @@ def print_table(summary: dict):
         "setup_wall_s",
         "setup_cpu_s",
         "peak_rss_mb",
+        "peak_anon_mb",
         "final_accuracy",
     )
     print(f"{'peer/method':16s} {'runs':>4s} " + " ".join(f"{c:>16s}" for c in cols))

@@ -274,8 +274,17 @@ def build_shakespeare(directory: Path, seed: int, download: bool = True, **optio
     return build(directory, seed, download, **options)
 
 
+def build_shakespeare_complete(directory: Path, seed: int, download: bool = True, **options) -> ImageDataset:
+    """Shakespeare's complete works, a client per (play, role) as in LEAF (fedmeta.data.shakespeare,
+    imported when called)."""
+    from fedmeta.data.shakespeare import build_shakespeare_complete as build
+
+    return build(directory, seed, download, **options)
+
+
 BUILDERS = {
     "shakespeare": build_shakespeare,
+    "shakespeare_complete": build_shakespeare_complete,
     "rmnist": build_rmnist,
     "cifar10": build_cifar10,
     "femnist": build_femnist,
