@@ -501,11 +501,12 @@ class Engine:
     def personalization_curves(
         self, lanes: list[Lane], cfg, done: Callable[[int], None] = lambda clients: None, kept: bool = False
     ) -> torch.Tensor:
-        """(lanes, steps + 1): each new client's held-out accuracy after 0…steps personalization steps.
+        """(lanes, steps + 1): each new client's held-out accuracy after 0…steps personalization steps
+        (lanes, 1 with ``cfg.every_step`` false: after the last).
         ``done(n)`` is called as each n clients are finished (a progress bar). ``kept``: the lanes are
         training clients (their scoring views), each starting from the model its method keeps for it."""
         if not lanes:
-            return torch.empty(0, cfg.steps + 1)
+            return torch.empty(0, cfg.steps + 1 if cfg.get("every_step", True) else 1)
         if self.vectorize and len(lanes) > 1:
             try:
                 return torch.stack(

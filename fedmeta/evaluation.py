@@ -106,8 +106,9 @@ def personalize(
     algorithm: Algorithm, params: Params, data: ClientData, cfg, kept: dict | None = None
 ) -> tuple[Params, torch.Tensor, torch.Tensor]:
     """From the global ``params``: the personalized parameters, the held-out accuracy after 0, 1, …,
-    ``cfg.steps`` steps and the loss of each step. Accuracy is the share of correct predictions
-    (written out rather than torchmetrics', whose input checks cannot run under vmap). ``kept``: a
+    ``cfg.steps`` steps (after the last only, with ``cfg.every_step`` false) and the loss of each
+    step. Accuracy is the share of correct predictions (written out rather than torchmetrics', whose
+    input checks cannot run under vmap). ``kept``: a
     training client's kept state (the training-clients protocol), the start its method's model of it."""
     start = algorithm.personal_params(params, data) if kept is None else algorithm.kept_model(params, kept)
     held_out: list[Batch] = data["held_out"] if isinstance(data["held_out"], list) else [data["held_out"]]
@@ -132,8 +133,13 @@ def personalize(
         )
         return (torch.stack(accuracies) * weights).sum() / weights.sum()
 
-    personal, accuracies, losses = start, [held_out_accuracy(start, data["context"])], []
-    for step, (batch, lr) in enumerate(zip(data["steps"], step_sizes(cfg))):
+    # every_step false (a step-size candidate of lr_rule=selected, whose score is its last step's):
+    # the held-out split is scored once, after the last step, not after each; the same last number
+    steps = list(zip(data["steps"], step_sizes(cfg)))
+    every_step = cfg.get("every_step", True) or not steps
+    personal, losses = start, []
+    accuracies = [held_out_accuracy(start, data["context"])] if every_step else []
+    for step, (batch, lr) in enumerate(steps):
         names = algorithm.adapted_names(step) or list(personal)
         trained = {n: personal[n] for n in names}
 
@@ -142,7 +148,8 @@ def personalize(
 
         grads, loss = grad_and_value(loss_of)(trained)
         personal = {**personal, **sgd(trained, grads, lr)[0]}
-        accuracies.append(held_out_accuracy(personal, batch))
+        if every_step or step == len(steps) - 1:
+            accuracies.append(held_out_accuracy(personal, batch))
         losses.append(loss.detach())
     return personal, torch.stack(accuracies), torch.stack(losses) if losses else torch.zeros(0)
 

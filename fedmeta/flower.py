@@ -43,7 +43,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from fedmeta.algorithms.base import ClientUpdate
 from fedmeta.config import compose
@@ -199,8 +199,12 @@ def make_client_app(overrides: str | None = None, dp: dict | None = None) -> Cli
         kept = bool(msg.content["config"]["kept"])
         if kept:
             _read_kept(context, algorithm, client)
-        steps = int(msg.content["config"]["steps"])  # the server's: 0 where a kept model is scored as it is
-        personalization = OmegaConf.merge(cfg.personalization, {"steps": steps})
+        sent = msg.content["config"]  # the server's: steps 0 where a kept model is scored as it is
+        personalization = OmegaConf.merge(
+            cfg.personalization, {"steps": int(sent["steps"]), "lr": float(sent["lr"])}
+        )
+        with open_dict(personalization):
+            personalization.every_step = bool(sent["every_step"])
         _, curve = personalize_client(algorithm, client, personalization, kept)
         return RecordDict({"metrics": MetricRecord({"client": client.id, "curve": curve.tolist()})})
 
@@ -301,7 +305,16 @@ class FlowerEngine:
         """Each client's curve, computed on the node that holds it (a training client on its test
         split; ``kept``: from the state its node keeps); a client whose node did not answer gets a row of NaN
         (left out). ``done(n)``: the engine's progress callback, called once all replies are in."""
-        replies = self._exchange(lanes, "evaluate", 0, kept=kept, steps=int(cfg.steps))
+        # the server's procedure: its steps, its step size (a candidate's, or the one lr_rule chose)
+        replies = self._exchange(
+            lanes,
+            "evaluate",
+            0,
+            kept=kept,
+            steps=int(cfg.steps),
+            lr=float(cfg.lr),
+            every_step=bool(cfg.get("every_step", True)),
+        )
         done(len(lanes))
         which = "training" if kept else "new"
         missing = [f"client {cid} {r}" for cid, r in replies.items() if isinstance(r, str)]
@@ -311,7 +324,7 @@ class FlowerEngine:
             raise FedmetaError(f"no {which} client answered the evaluation ({missing[0]})")
         return torch.stack(
             [
-                torch.full((cfg.steps + 1,), float("nan"))
+                torch.full((cfg.steps + 1 if cfg.get("every_step", True) else 1,), float("nan"))
                 if isinstance(r, str)
                 else torch.tensor(list(r.content["metrics"]["curve"]))
                 for r in replies.values()

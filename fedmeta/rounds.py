@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from lightning_fabric import Fabric
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fedmeta.algorithms import Algorithm, ClientUpdate
 from fedmeta.data import Federation
@@ -271,6 +271,8 @@ def _select_lr(
     scores: list[dict[float, float]] = [{} for _ in runs]
     for lr in personalization.lr_grid:
         at = OmegaConf.merge(personalization, {"lr": float(lr)})
+        with open_dict(at):  # a candidate's score is its last step's: no held-out scoring before it
+            at.every_step = False
         try:
             results = _scored(fabric, runs, at, engine, done, every, kept=False)
         except Diverged:  # that step size is too large for some client: it scores nothing

@@ -33,6 +33,7 @@ def two_concepts(rmnist):
     return build_federation(data, {"name": "groups"}, 10, 2, 0.2, seed=0)
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_ifca_assigns_different_distributions_to_different_models(two_concepts):
     _, ifca = algorithm_for("ifca", "method.clusters=2", "method.local_epochs=1", "method.local_lr=0.05")
     for round_ in range(1, 13):

@@ -626,6 +626,7 @@ def test_an_evaluation_costs_what_a_finished_runs_wall_time_leaves_over_its_roun
         assert campaign._evaluation_seconds(run) is None, other
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_a_jobs_profile_measures_the_next_unit_alone_and_the_state_reads_it_back(
     tmp_path, mnist_dir, monkeypatch, capsys
 ):
@@ -965,6 +966,7 @@ def test_a_profile_speaks_as_it_goes_and_ends_at_its_seconds(tmp_path, mnist_dir
     )
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_a_profile_evaluates_by_the_protocol_its_runs_score_by(tmp_path, mnist_dir, monkeypatch, capsys):
     """A campaign whose runs score the training clients too (evaluation.protocol=both) is projected
     with that evaluation's seconds, not the new clients' alone."""

@@ -163,6 +163,7 @@ def test_corrupt_data_file_is_reported(capsys, tmp_path):
     assert code == 2 and "is not a readable .npz archive" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_console_script_exits_nonzero_with_one_line(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "fedmeta.cli", "train", "method=nope", f"output.root={tmp_path}"],
@@ -209,6 +210,7 @@ def test_data_describe_prints_statistics_and_saves_histograms(capsys, tmp_path, 
     assert "unknown data set 'mnist'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_evaluate_repeats_a_runs_personalization_and_varies_it(capsys, tmp_path, mnist_dir, monkeypatch):
     monkeypatch.setenv("FEDMETA_DATA", str(mnist_dir))
     assert (
@@ -530,6 +532,7 @@ def test_a_method_file_that_inherits_personalization_steps_0_is_noted_once(tmp_p
 @pytest.mark.parametrize(
     "words,status", [(["train", "--help"], 0), (["train", "--print-config"], 141)]
 )  # argparse's help ignores a closed pipe itself
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_a_reader_that_stops_reading_ends_the_command_quietly(words, status):
     """`fedmeta … | grep -q x` under pipefail: the reader closes the pipe before fedmeta writes; that
     was "fedmeta: error: Broken pipe: check the path…" and exit 2 (or a traceback for --help)."""
@@ -634,6 +637,7 @@ def test_a_stopped_run_leaves_its_process_at_once_after_the_stop_line(monkeypatc
     assert main(["train"]) == RunStopped.EXIT_STATUS and len(exits) == 1
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_the_commands_that_only_read_runs_do_not_load_pytorch_or_lightning():
     """``fedmeta table --no-run`` reads kept runs: the grid, the report and a run's identity come
     without PyTorch and Lightning (seconds and a gigabyte at every start); a run's loggers bring them."""

@@ -152,6 +152,7 @@ def test_tff_femnist_keeps_writers_and_leaf_polarity(mirror, digits, tmp_path):
     assert ink > 1.0  # inverted back to MNIST's polarity: the ink is bright
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_image_folder_is_a_data_set_and_a_meta_dataset_source(digits, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDMETA_CACHE", str(tmp_path / "cache"))
     x, y = digits

@@ -6,10 +6,12 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf, open_dict
 
 from fedmeta.assemble import setup
 from fedmeta.cli import main
 from fedmeta.config import compose
+from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import Diverged
 from fedmeta.rounds import Federated, evaluate_on_ranks, validation_clients
@@ -66,6 +68,28 @@ def test_the_step_size_is_chosen_on_validation_clients_never_on_the_scored_ones(
             assert not set(client.held_out.tolist()) & set(train[client.id].indices("all").tolist())
     # the same clients at every candidate and every evaluation, drawn by the run's seed
     assert [c.id for c in validation_clients(run, 5)] == [c.id for c in choosing[0][1]]
+
+
+@pytest.mark.parametrize("vectorize", [False, True], ids=["one-at-a-time", "vmapped"])
+@pytest.mark.parametrize("method", ["fedavg_ft", "cafeme"])
+def test_a_candidate_scored_after_its_last_step_only_gets_its_curves_last_number(
+    method, vectorize, mnist_dir
+):
+    """A step-size candidate is scored once, after its last step (``every_step`` false), not after
+    each: exactly the full curve's last number, and not the one before it."""
+    cfg = compose([f"method={method}", *TINY, "personalization.lr_rule=selected", f"dataset.dir={mnist_dir}"])
+    fabric, federation, algorithm = setup(cfg)
+    lanes = [(algorithm, c) for c in validation_clients(Federated(algorithm, federation, cfg.seed), 5)]
+    engine = Engine(vectorize=vectorize)
+    full_curve = OmegaConf.merge(cfg.personalization, {"lr": 0.1})
+    last_only = OmegaConf.merge(full_curve, {})
+    with open_dict(last_only):
+        last_only.every_step = False
+    full = engine.personalization_curves(lanes, full_curve)
+    last = engine.personalization_curves(lanes, last_only)
+    assert full.shape == (5, cfg.personalization.steps + 1) and last.shape == (5, 1)
+    assert torch.equal(last[:, 0], full[:, -1])
+    assert not torch.equal(full[:, -1], full[:, -2])  # the last step changed some client's score
 
 
 def test_a_tie_takes_the_smaller_step_size_and_a_diverging_one_scores_nothing(federated):

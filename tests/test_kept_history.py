@@ -199,6 +199,7 @@ def test_a_run_says_what_its_rounds_will_take_once_a_warm_round_is_measured(
     assert len(said) == 1 and said[0].startswith("10 rounds left at ") and "and 2 evaluations" in said[0]
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_the_round_bars_rate_is_trainings_an_evaluation_has_its_own(tmp_path, mnist_dir, monkeypatch, capsys):
     """An evaluation (here held 2 s) is not counted in the rounds' rate: the last round's s/round was
     once the final evaluation's minutes."""

@@ -96,6 +96,7 @@ def killed_job(tmp_path: Path, name: str, identities: dict, delay: float, **opti
     return out
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_jobs_killed_at_random_moments_and_collected_in_any_order_never_lose_or_rewind(
     plan, identities, tmp_path, monkeypatch
 ):

@@ -38,6 +38,7 @@ def test_the_shared_partition_is_two_shards_a_client_split_three_to_one_and_the_
         assert len(set(part.y[np.concatenate([c["train"], c["test"]])].tolist())) <= 4
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_fedmetas_driver_trains_the_peers_cnn_and_prints_the_result_line(experiment, tmp_path):
     part = peers_run.make_partition(experiment)
     peers_run.prepare_fedmeta(experiment, part, tmp_path)

@@ -40,6 +40,7 @@ def fedmeta(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.C
     )
 
 
+@pytest.mark.slow  # seconds: out of the quick tier, which keeps to about 100 s
 def test_a_run_folder_that_names_a_module_runs_nothing(tmp_path, monkeypatch, capsys):
     """The three probes: the Zen of Python printed, $BROWSER started, a file of the folder imported
     by ``python -m fedmeta.cli`` run inside it. Each is refused in one line before any import."""
