@@ -95,6 +95,30 @@ def test_flower_simulation_trains_the_same_model_as_fedmeta_train(method, tmp_pa
     assert (run / "metrics.csv").read_text().count("\n") == 3 and (run / "curves.csv").exists()
 
 
+def test_under_one_step_size_rule_the_nodes_personalize_at_the_servers_candidates(tmp_path, mnist_dir):
+    """``lr_rule=selected`` on Flower: every candidate step size reaches the nodes (a node once used
+    its own), so the choice and the score are fedmeta train's."""
+    overrides = [
+        "method=fedavg_ft",
+        "personalization.lr_rule=selected",
+        "personalization.select_clients=3",
+        f"dataset.dir={mnist_dir}",
+        *SMALL,
+    ]
+    alone = train(compose([*overrides, f"output.root={tmp_path / 'alone'}"]), show_progress=False)
+    simulate([*overrides, f"output.root={tmp_path / 'flower'}"], "--nodes", "4")
+    import json
+
+    summary = json.loads(
+        (tmp_path / "flower" / "rmnist-shards" / "fedavg_ft" / "seed0" / "summary.json").read_text()
+    )
+    expected = json.loads(json.dumps(alone["lr_selection"]))  # its keys as the file writes them
+    assert len(set(expected.values())) > 1  # the candidates score differently: the step size matters
+    assert summary["lr_selection"] == pytest.approx(expected, abs=1e-6)
+    assert summary["personalization_lr"] == alone["personalization_lr"]
+    assert abs(summary["accuracy"] - alone["accuracy"]) < 1e-6
+
+
 TINY_FEDERATION = [
     "federation.num_clients=9",
     "federation.num_new_clients=3",
