@@ -156,7 +156,9 @@ QUICK_REPRESENTATIVES = {
         "fedproto",
     },
     "test_lanes.py::test_every_methods_kept_state_travels_to_a_flower_node_unchanged": {"fedala"},
-    "test_vectorize.py::test_clients_bucketed_by_size_compute_what_one_at_a_time_computes": {"fedavg_ft-none"},
+    "test_vectorize.py::test_clients_bucketed_by_size_compute_what_one_at_a_time_computes": {
+        "fedavg_ft-none"
+    },
     "test_baselines.py::test_every_baseline_trains_end_to_end": {"fedavg_ft"},
     "test_figures.py::test_a_presets_figures_are_redrawn_from_its_committed_runs": {"tiny", "paper"},
     # a training client scored with its kept model: a head of its own, a mixture

@@ -12,7 +12,8 @@ import torch
 
 from fedmeta.cli import main
 from fedmeta.data import load_dataset
-from fedmeta.data.shakespeare import ALPHABET, MIN_PLAYS, MIN_ROLES, play_roles
+from fedmeta.data.plays import MIN_PLAYS, MIN_ROLES, play_roles
+from fedmeta.data.shakespeare import ALPHABET
 from fedmeta.errors import FedmetaError
 
 NOTICE = """<<THIS ELECTRONIC VERSION OF THE WORKS IS GIVEN

@@ -38,6 +38,7 @@ from torchvision.datasets.utils import USER_AGENT
 from tqdm.auto import tqdm
 
 from fedmeta.data import convert
+from fedmeta.data.plays import check_complete_works
 from fedmeta.errors import FedmetaError
 from fedmeta.waiting import said_after
 
@@ -165,14 +166,6 @@ class Text:
     check: Callable[[Path], None] | None = None
 
 
-def _check_complete_works(path: Path) -> None:
-    """fedmeta.data.shakespeare's check, imported when called: that module imports the data sets'
-    module, which imports this one."""
-    from fedmeta.data.shakespeare import check_complete_works
-
-    check_complete_works(path)
-
-
 TINY_SHAKESPEARE = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/6f9487a6fe5b420b7ca9afb0d7c078e37c1d1b4e/"
     "data/tinyshakespeare/input.txt"
@@ -181,7 +174,7 @@ COMPLETE_WORKS = "https://www.gutenberg.org/files/100/old/old/1994-01-100.zip"  
 TEXTS: dict[str, Text] = {
     "shakespeare": Text(TINY_SHAKESPEARE, "6fb458f1232090904fb40fe944165e91", "shakespeare.txt"),
     "shakespeare_complete": Text(
-        COMPLETE_WORKS, None, "shakespeare_complete.txt", member="100.txt", check=_check_complete_works
+        COMPLETE_WORKS, None, "shakespeare_complete.txt", member="100.txt", check=check_complete_works
     ),
 }
 
