@@ -157,10 +157,14 @@ def stated(text: str):
             scope = _named(block[first:end]) or paragraph or section
             for offset in range(first, end):
                 line = block[offset]
+                papers = []  # the paper's pairs: their numbers are the paper's, read with the pair
                 for match in PAIR.finditer(line):
                     own = PAPER if _papers(line, match) else scope
+                    papers += [match] if own is PAPER else []
                     yield start + offset + 1, match[0], own, match.groups()
                 for match in NUMBER.finditer(line):
+                    if any(p.start() <= match.start(1) < p.end() for p in papers):
+                        continue  # a paper's sd of 1 or more, as in "paper 87.08 ± 3.39"
                     if float(match[1]) >= 1:  # below 1, two decimals are mostly settings (lr 0.01)
                         own = PAPER if _papers(line, match) else scope
                         yield start + offset + 1, match[1], own, None
@@ -206,6 +210,13 @@ def test_a_changed_digit_or_an_unnamed_source_is_caught():
         "3: 96.44 (names no kept run or log)",
         "3: 96.71 (names no kept run or log)",
     ]
+
+
+def test_the_papers_number_beside_a_cell_is_read_from_the_papers_file_whatever_its_sd():
+    kept = "results/runs/quick/rmnist-shards/cafeme"
+    said = f"## CAFeMe\n\nCAFeMe 96.44 ± 0.49 (n = 3; `{kept}`), FedAvg-FT's paper 87.08 ± 3.39.\n"
+    assert unkept(said) == []  # the sd 3.39 is the paper's, not a number of the kept run
+    assert unkept(said.replace("3.39", "3.38")) == ["3: 87.08 ± 3.38 (not in configs/paper_results.yaml)"]
 
 
 def test_a_source_named_outside_the_repository_confirms_nothing():
