@@ -245,14 +245,19 @@ def write_tables(preset_name: str, preset: DictConfig, root: Path, out: Path, ru
         f"## Preset `{preset_name}`",
         "",
         f"The plan: {preset.description}. New-client accuracy (%) after each method's test-time personalization "
-        f"of at most {_steps(runs)} steps (the last column gives each method's steps and step size, which differ "
-        f"between methods; 0 steps: scored as trained{_decay(firsts)}): "
+        f"of at most {_steps(runs)} steps ({_rule_said(shown)}; 0 steps: scored as trained{_decay(firsts)}): "
         "the mean ± the standard deviation over seeds (n: the seeds of the cell that have finished, which may be "
         "fewer than planned; one seed has no spread) — what ± means in every table of this file. Each column's "
         "header gives the rounds its runs trained. "
         + (
             "Beside a cell whose runs trained the paper's rounds: the paper's number (5 seeds) and ours minus it (Δ), "
-            "where the paper reports one. "
+            "where the paper reports one"
+            + (
+                " — the paper scored each method at its own step size, so where a cell's step size was chosen by "
+                "validation, Δ measures the rule as well as the run. "
+                if any(s.get("lr_rule") == "selected" for s in shown)
+                else ". "
+            )
             if compared
             else "No cell here trained the paper's rounds (1000 for RMNIST and CIFAR-10, 2000 for FEMNIST and "
             "Meta-Dataset), so the paper's numbers are not set beside them: the difference would mostly measure "
@@ -318,6 +323,40 @@ def _standing(cells: dict[tuple[str, str], list[float]], rounds: dict) -> dict[t
     return standing
 
 
+def _model_rounds(summary: dict) -> int:
+    """The rounds behind the model a run scored: its own, or, for a chain's stage that only scores
+    (0 rounds), those of the stage whose model it took: what bold compares cells by."""
+    if summary["rounds"] == 0 and summary.get("init_from"):
+        return summary["init_from"].get("rounds") or 0
+    return summary["rounds"]
+
+
+def _rule_said(shown: list[dict]) -> str:
+    """The caption's words on step sizes: one rule for all (chosen by validation), or each method's own."""
+    rules = {s.get("lr_rule", "method") for s in shown}
+    if rules == {"selected"}:
+        return (
+            "every method that takes steps at the step size one rule chose for it: the best of the same grid on "
+            'validation clients, at each evaluation (docs/protocol.md, "Equal footing"); the last column gives '
+            "the steps and the grid, a cell the step size each seed chose"
+        )
+    said = (
+        "the last column gives each method's steps and step size, its own (the paper's values, "
+        "`personalization.lr_rule=method`), which differ between methods: a column compares step sizes as much "
+        "as methods, and its bold is the best at these step sizes, not under one rule (docs/protocol.md, "
+        '"Equal footing"; the presets `cpu_fair` and `headline` use one rule)'
+    )
+    return said if rules == {"method"} else said + "; cells whose step size was chosen by validation say so"
+
+
+def _chosen(summaries: list[dict]) -> str:
+    """ "<br>lr 0.1, 0.03, 0.1": the step size each seed's last evaluation chose, where one was chosen."""
+    chosen = [s["personalization_lr"] for s in summaries if s.get("lr_selection")]
+    if not chosen:
+        return ""
+    return "<br>chosen lr " + ", ".join(f"{lr:g}" for lr in chosen)
+
+
 def _marked(mean: float, standing: str | None) -> str:
     """A cell's mean as printed: bold where it is the best, † where the seeds do not settle it apart."""
     return {"best": f"**{mean:.2f}**", "tie": f"{mean:.2f}{TIE}"}.get(standing, f"{mean:.2f}")
@@ -352,7 +391,7 @@ def _table_block(
             for m in members
             if runs.get((setting, m))
         },
-        {key: tuple(sorted({s["rounds"] for s in done})) for key, done in runs.items()},
+        {key: tuple(sorted({_model_rounds(s) for s in done})) for key, done in runs.items()},
     )
     for method in members:
         cells = []
@@ -364,6 +403,7 @@ def _table_block(
             mean, std = _mean_std([100 * s["accuracy"] for s in summaries])
             value = _marked(mean, standing.get((setting, method)))
             cell = value + (f" ± {std:.2f}" if len(summaries) > 1 else "") + f" (n={len(summaries)})"
+            cell += _chosen(summaries)
             if method in paper.get(setting, {}) and at_paper_budget(summaries, setting):
                 paper_mean, paper_std = paper[setting][method]
                 cell += f"<br>paper {paper_mean:.2f} ± {paper_std:.2f}, Δ {mean - paper_mean:+.2f}"
@@ -391,7 +431,7 @@ def _training_block(methods: list[str], settings: list[str], runs: dict, budget)
     if not any(scored.values()):
         return []
     rounds = {
-        key: tuple(sorted({s["rounds"] for s in done if "training_clients" in s}))
+        key: tuple(sorted({_model_rounds(s) for s in done if "training_clients" in s}))
         for key, done in runs.items()
     }
     standing = {}
@@ -653,7 +693,13 @@ def _runs(n: int) -> str:
     return f"{n} run" + ("" if n == 1 else "s")
 
 
-TABLES_TITLE = "# Results\n\nOne section per preset, each written by `fedmeta table --preset <name>`.\n"
+TABLES_TITLE = (
+    "# Results\n\nOne section per preset, each written by `fedmeta table --preset <name>`. Two rules set the "
+    'step size new clients are fine-tuned at (docs/protocol.md, "Equal footing"): most presets give each '
+    "method its own, the paper's (CAFeMe's larger than its baselines'), so their columns compare step sizes as "
+    "much as methods; `headline` and `cpu_fair` give every method a step size chosen the same way, by "
+    "validation. Each section's caption says which.\n"
+)
 
 
 def replace_section(path: Path, name: str, text: str) -> None:

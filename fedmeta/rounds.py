@@ -255,11 +255,27 @@ def validation_clients(federated: Federated, count: int) -> list[Client]:
     the run's seed, each as a new client would be — its training data to fine-tune on, its test split
     (kept out of training) to score — so the choice never sees a scored client's data."""
     clients = federated.federation.train_clients
+    return [clients[i].scoring() for i in _validation_indices(federated, count)]
+
+
+def _validation_indices(federated: Federated, count: int) -> list[int]:
     generator = torch.Generator().manual_seed(
         int(np.random.SeedSequence([federated.seed, 0x5E1EC7]).generate_state(1)[0])
     )
-    order = torch.randperm(len(clients), generator=generator)[:count].sort().values
-    return [clients[i].scoring() for i in order.tolist()]
+    order = torch.randperm(len(federated.federation.train_clients), generator=generator)
+    return order[:count].sort().values.tolist()
+
+
+def scored_training_clients(federated: Federated, personalization: DictConfig | None) -> list[Client]:
+    """The training clients the training-clients protocol scores, each on its test split: all of them,
+    except under ``lr_rule=selected``, where the validation clients are left out — their test splits
+    chose the step size — for every method alike (one without steps too), so every method of a seed
+    is scored on the same clients."""
+    clients = federated.federation.train_clients
+    left_out = set()
+    if personalization is not None and personalization.get("lr_rule", "method") == "selected":
+        left_out = set(_validation_indices(federated, personalization.select_clients))
+    return [c.scoring() for i, c in enumerate(clients) if i not in left_out]
 
 
 def _select_lr(
@@ -297,7 +313,7 @@ def _scored_by(
             fabric, runs, personalization, engine, done, [run.federation.new_clients for run in runs]
         )
     if protocol in ("training_clients", "both"):
-        every = [[c.scoring() for c in run.federation.train_clients] for run in runs]
+        every = [scored_training_clients(run, personalization) for run in runs]
         kept = runs[0].algorithm.keeps_client_models
         training = _scored(fabric, runs, personalization, engine, done, every, kept, "training")
     if new is None:
@@ -312,12 +328,11 @@ def scored_clients(
 ) -> tuple[int, str]:
     """How many clients this rank scores in an evaluation by ``protocol`` (with the validation
     clients of a step size chosen by ``personalization``), and what it does to them."""
-    kinds = {
-        "new_clients": ["new_clients"],
-        "training_clients": ["train_clients"],
-        "both": ["new_clients", "train_clients"],
-    }[protocol]
-    count = sum(len(getattr(run.federation, kind)[rank::world]) for run in runs for kind in kinds)
+    count = 0
+    if protocol in ("new_clients", "both"):
+        count += sum(len(run.federation.new_clients[rank::world]) for run in runs)
+    if protocol in ("training_clients", "both"):
+        count += sum(len(scored_training_clients(run, personalization)[rank::world]) for run in runs)
     if personalization is not None and selects_lr(personalization):
         per_run = min(personalization.select_clients, len(runs[0].federation.train_clients))
         count += len(range(rank, per_run, world)) * len(runs) * len(personalization.lr_grid)

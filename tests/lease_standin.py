@@ -3,9 +3,9 @@ advance a round every few milliseconds, each writing its checkpoint as fedmeta d
 renamed) and finishing with a summary, while a :class:`fedmeta.lease.Packer` packs them into OUT,
 exactly as ``fedmeta campaign --pack`` does. The simulator kills it with SIGKILL at chosen moments.
 
-    python tests/lease_standin.py SPEC.json
+    python tests/lease_standin.py PLAN.json
 
-SPEC: {"root", "out", "rounds", "step_s", "runs": {folder: [identity, start round, config's identity]}};
+PLAN: {"root", "out", "rounds", "step_s", "runs": {folder: [identity, start round, config's identity]}};
 a run's config.yaml holds its config's identity, of 3 rounds (the tiny campaign's).
 """
 
@@ -60,15 +60,15 @@ def write_round(folder: Path, identity: dict, config: dict, round_: int, rounds:
     os.replace(tmp, folder / "checkpoint.ckpt")
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    root, out, rounds = Path(spec["root"]), Path(spec["out"]), spec["rounds"]
-    state = {folder: start for folder, (_, start, _) in spec["runs"].items()}
+def main(plan_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    root, out, rounds = Path(plan["root"]), Path(plan["out"]), plan["rounds"]
+    state = {folder: start for folder, (_, start, _) in plan["runs"].items()}
     started, ended = time.time(), []
 
     def record() -> dict:
         return {
-            "id": spec["id"],
+            "id": plan["id"],
             "started": "2026-01-01T00:00:00+00:00",
             "hardware": "stand-in",
             "budget_seconds": 60,
@@ -79,15 +79,15 @@ def main(spec_path: str) -> None:
         }
 
     packer = lease.Packer(
-        root, out, lambda: [Path(f) for f in spec["runs"]], record, poll_s=0.002, every_s=0.05
+        root, out, lambda: [Path(f) for f in plan["runs"]], record, poll_s=0.002, every_s=0.05
     )
     packer.start()
     while any(r < rounds for r in state.values()):
-        for folder, (identity, _, config) in spec["runs"].items():
+        for folder, (identity, _, config) in plan["runs"].items():
             if state[folder] < rounds:
                 state[folder] += 1
                 write_round(root / folder, identity, config, state[folder], rounds)
-        time.sleep(spec["step_s"])
+        time.sleep(plan["step_s"])
     ended.append(True)
     packer.stop()
     print("stand-in: done", flush=True)

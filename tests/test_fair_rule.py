@@ -14,7 +14,13 @@ from fedmeta.config import compose
 from fedmeta.engine import Engine
 from fedmeta.errors import FedmetaError
 from fedmeta.evaluation import Diverged
-from fedmeta.rounds import Federated, evaluate_on_ranks, validation_clients
+from fedmeta.rounds import (
+    Federated,
+    evaluate_on_ranks,
+    scored_clients,
+    scored_training_clients,
+    validation_clients,
+)
 
 TINY = [
     "model.conv_channels=[8,16]",
@@ -68,6 +74,27 @@ def test_the_step_size_is_chosen_on_validation_clients_never_on_the_scored_ones(
             assert not set(client.held_out.tolist()) & set(train[client.id].indices("all").tolist())
     # the same clients at every candidate and every evaluation, drawn by the run's seed
     assert [c.id for c in validation_clients(run, 5)] == [c.id for c in choosing[0][1]]
+
+
+def test_the_training_clients_protocol_leaves_out_the_clients_that_chose_the_step_size(federated):
+    """Their test splits chose the step size: scoring them with it would score the choice on its own
+    data. Every method of a seed leaves out the same ones (one without steps too), so the methods'
+    training-client numbers are over the same clients."""
+    fabric, cfg, run = federated
+    engine = ScriptedEngine(lambda lr: 0.5)
+    evaluate_on_ranks(fabric, [run], cfg.personalization, engine, protocol="both")
+    *choosing, (_, new), (_, training) = engine.calls
+    chose = {client.id for client in choosing[0][1]}
+    every = {client.id for client in run.federation.train_clients}
+    assert {client.id for client in training} == every - chose and len(chose) == 5
+    assert scored_clients([run], "both", 0, 1, cfg.personalization)[0] == (
+        len(new) + len(training) + 5 * len(cfg.personalization.lr_grid)
+    )
+    own = cfg.personalization.copy()
+    own.lr_rule = "method"
+    assert len(scored_training_clients(run, own)) == len(every)
+    without_steps = OmegaConf.merge(cfg.personalization, {"steps": 0})
+    assert [c.id for c in scored_training_clients(run, without_steps)] == [c.id for c in training]
 
 
 @pytest.mark.parametrize("vectorize", [False, True], ids=["one-at-a-time", "vmapped"])

@@ -584,11 +584,18 @@ def test_the_table_sets_tuned_methods_apart_and_the_paper_beside_only_its_budget
 
 
 def scored_run(
-    folder: Path, accuracies, lr: float, steps: int = 50, algorithm: str = "fedavg", training=None
+    folder: Path,
+    accuracies,
+    lr: float,
+    steps: int = 50,
+    algorithm: str = "fedavg",
+    training=None,
+    chosen=None,
 ) -> None:
     """A cell of finished runs, one per accuracy (its seed), with the config.yaml the reports read its
     test-time procedure from (``steps`` steps at ``lr``, decayed ×0.8 every 5) and, where ``training``
-    gives (accuracy, steps) per seed, its training clients' score too (evaluation.protocol=both)."""
+    gives (accuracy, steps) per seed, its training clients' score too (evaluation.protocol=both), and
+    where ``chosen`` gives a step size per seed, the one ``personalization.lr_rule=selected`` chose."""
     for seed, accuracy in enumerate(accuracies):
         run = folder / f"seed{seed}"
         finished_run(run, accuracy, seed, steps=steps)
@@ -597,6 +604,12 @@ def scored_run(
             "personalization": {"steps": steps, "lr": lr, "decay": 0.8, "decay_every": 5},
             "method": {"algorithm": algorithm},
         }
+        if chosen:
+            config["personalization"] |= {"lr_rule": "selected", "lr_grid": [0.001, 0.01, 0.1]}
+            summary = json.loads((run / "summary.json").read_text())
+            summary |= {"lr_rule": "selected", "personalization_lr": chosen[seed]}
+            summary["lr_selection"] = {"0.001": 0.5, "0.01": 0.6, "0.1": 0.7} if steps else None
+            (run / "summary.json").write_text(json.dumps(summary))
         OmegaConf.save(OmegaConf.create(config), run / "config.yaml")
         if training:
             summary = json.loads((run / "summary.json").read_text())
@@ -649,6 +662,51 @@ def test_the_bold_is_the_best_mean_whatever_the_procedure_and_a_dagger_marks_wha
         "whatever their test-time procedure" in table and "† beside a mean: a cell of the same group" in table
     )
     assert "at most 50 steps" in table and "every step size decays ×0.8 every 5 steps" in table
+
+
+def test_under_one_rule_a_cell_says_the_step_size_each_seed_chose_and_the_caption_says_one_rule(
+    tmp_path, monkeypatch
+):
+    """Runs whose step size was chosen by validation: the caption says one rule chose every method's
+    from one grid, and each cell the step size each seed chose (none for FedAvg, which takes no step).
+    The default rule's caption says
+    the step sizes differ and its bold is not a verdict under one rule."""
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "results" / "runs" / "quick" / "rmnist-shards"
+    scored_run(kept / "cafeme", (0.97, 0.96), lr=0.01, algorithm="cafeme", chosen=(0.1, 0.01))
+    scored_run(kept / "fedavg", (0.5, 0.5), lr=0.001, steps=0, chosen=(0.001, 0.001))
+    assert main(["table", "--no-run"]) == 0
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    rows = table_rows(table)
+    assert "**96.50** ± 0.71 (n=2)<br>chosen lr 0.1, 0.01 |" in rows["CAFeMe"]
+    assert "50 steps at a step size chosen at each evaluation from 0.001, 0.01, 0.1" in rows["CAFeMe"]
+    assert "chosen" not in rows["FedAvg"]
+    assert "the step size one rule chose for it" in table and "which differ between methods" not in table
+
+    scored_run(kept / "cafeme", (0.97, 0.96), lr=0.01, algorithm="cafeme")
+    scored_run(kept / "fedavg", (0.5, 0.5), lr=0.001, steps=0)
+    assert main(["table", "--no-run"]) == 0
+    table = (tmp_path / "results" / "TABLES.md").read_text()
+    assert "chosen lr" not in table and "which differ between methods" in table
+    assert "its bold is the best at these step sizes, not under one rule" in table
+
+
+def test_a_chains_scoring_stage_is_compared_with_the_stages_of_its_models_rounds(tmp_path, monkeypatch):
+    """A stage of a chain that only scores (0 rounds) scores a model of 2 rounds: it is compared with
+    the 2-round cells, so the column has one bold mean, not one per recorded round count."""
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "results" / "runs" / "quick" / "rmnist-shards"
+    scored_run(kept / "cafeme", (0.97,), lr=0.01, algorithm="cafeme")
+    scored_run(kept / "fedavg", (0.5,), lr=0.001, steps=0)
+    for stage, accuracy in (("fedavg_ft", 0.8), ("ifca_ft", 0.85)):  # two of them: peers of each other
+        scored_run(kept / stage, (accuracy,), lr=0.001)
+        summary_file = kept / stage / "seed0" / "summary.json"
+        summary = json.loads(summary_file.read_text())
+        summary |= {"rounds": 0, "init_from": {"run": "runs/fedavg/seed0", "rounds": 2, "init_from": None}}
+        summary_file.write_text(json.dumps(summary))
+    assert main(["table", "--no-run"]) == 0
+    rows = table_rows((tmp_path / "results" / "TABLES.md").read_text())
+    assert "**97.00** (n=1)" in rows["CAFeMe"] and "| 85.00 (n=1) |" in rows["IFCA-FT"]
 
 
 def test_the_training_clients_block_bolds_alike_and_names_the_methods_scored_as_trained(

@@ -64,7 +64,7 @@ def start_job(
     configs: dict | None = None,
 ):
     """A stand-in job; its runs' config.yaml hold ``configs`` (identities, default: theirs) of 3 rounds."""
-    spec = {
+    plan = {
         "id": name,
         "root": str(tmp_path / name / "runs"),
         "out": str(tmp_path / name / "out"),
@@ -75,7 +75,7 @@ def start_job(
             for folder in identities
         },
     }
-    (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+    (tmp_path / f"{name}.json").write_text(json.dumps(plan))
     # forked: a process of its own that a SIGKILL ends, without importing torch again (seconds each)
     process = multiprocessing.get_context("fork").Process(
         target=lease_standin.main, args=(str(tmp_path / f"{name}.json"),)

@@ -220,5 +220,5 @@ def test_the_papers_number_beside_a_cell_is_read_from_the_papers_file_whatever_i
 
 
 def test_a_source_named_outside_the_repository_confirms_nothing():
-    assert _files("../shared/SPEC.md") == [] and _files("/etc/hostname") == [] and _files("/*") == []
+    assert _files("../shared/notes.md") == [] and _files("/etc/hostname") == [] and _files("/*") == []
     assert _files("results/NOTES.md") == [ROOT / "results" / "NOTES.md"]
