@@ -141,11 +141,10 @@ LONGEST_FIRST = [
 # others are marked slow here and run with the slow tests (make test-all, CI). A family's other
 # members repeat the same code path on another method, which the full suite still holds.
 QUICK_REPRESENTATIVES = {
-    # vmapped on the recorded layout ≡ one client at a time: second order, first order, a kept head
-    # (IFCA's model choice: make test-all)
+    # vmapped on the recorded layout ≡ one client at a time: second order, a kept head (first order:
+    # the bucketed test below; IFCA's model choice: make test-all)
     "test_vectorize.py::test_vectorized_rounds_and_evaluation_equal_sequential": {
         "cafeme-static",
-        "fedavg_ft-static",
         "fedrep-static",
     },
     # every lane its own: plain, a head per client, prototypes read in evaluation (second order: the
@@ -161,6 +160,13 @@ QUICK_REPRESENTATIVES = {
     },
     "test_baselines.py::test_every_baseline_trains_end_to_end": {"fedavg_ft"},
     "test_figures.py::test_a_presets_figures_are_redrawn_from_its_committed_runs": {"tiny", "paper"},
+    # the sections campaigns still rewrite; the finished grids' sections: make test-all
+    "test_generated_pages.py::test_a_presets_section_of_the_tables_is_what_its_runs_give": {
+        "paper",
+        "published",
+        "headline",
+        "cpu_fair",
+    },
     # a training client scored with its kept model: a head of its own, a mixture
     "test_protocol.py::test_a_training_client_is_scored_with_the_model_its_method_keeps_for_it": {
         "fedrep",

@@ -288,6 +288,7 @@ def test_a_job_stopped_by_sigterm_stops_its_runs_and_still_archives_and_records_
     ]
 
 
+@pytest.mark.slow  # the first SIGTERM's tests stay quick
 def test_a_second_sigterm_kills_the_runs_at_once_and_the_job_still_records_itself(
     tmp_path, mnist_dir, monkeypatch
 ):

@@ -127,6 +127,7 @@ def crowded(tmp_path_factory):
     return methods, drawn(tmp_path, methods, made_up_runs(tmp_path, methods), {"a": "A", "b": "B"})
 
 
+@pytest.mark.slow  # the crowded preset's figures: 15 s to draw
 def test_a_crowded_preset_is_drawn_a_row_per_family_with_cafeme_in_each(crowded):
     methods, figures = crowded
     fig = figures.figures["fig_personalization.png"]
@@ -153,6 +154,7 @@ def test_a_crowded_preset_is_drawn_a_row_per_family_with_cafeme_in_each(crowded)
     assert "one row of panels per family" in caption and "no_such_method" in caption
 
 
+@pytest.mark.slow  # the crowded preset's figures: 15 s to draw
 def test_no_two_methods_in_a_panel_share_colour_and_marker(crowded, tmp_path):
     few = EVERY_METHOD[: report.PANEL_METHODS]  # all in one panel
     for figures in (crowded[1], drawn(tmp_path, few, made_up_runs(tmp_path, few), {"a": "A", "b": "B"})):
@@ -233,6 +235,7 @@ def test_a_heterogeneity_axis_of_alphas_is_a_real_logarithmic_one_with_the_shard
     assert xs[0] < 0.1 and 0.2 < xs[1] < 0.45 and 500 < xs[2] < 2000
 
 
+@pytest.mark.slow  # the crowded preset's figures: 15 s to draw
 def test_a_method_looks_the_same_in_every_figure_and_one_seed_or_no_rounds_show(crowded, tmp_path):
     """A method's colour and marker are its own whichever figure or row draws it (colour-blind-safe
     colours, distinct within a family's row), a row's panels share their y scale, a one-seed curve is

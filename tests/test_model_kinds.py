@@ -204,7 +204,7 @@ def test_the_lstm_learns_the_next_character():
     assert accuracy > 0.12, accuracy
 
 
-@pytest.mark.parametrize("norm", ["batch", "group"])
+@pytest.mark.parametrize("norm", ["batch", pytest.param("group", marks=pytest.mark.slow)])
 def test_resnet18_learns(norm, rmnist):
     """ResNet-18 (width 16) on RMNIST at 9×9, FedAvg at 0.01: the loss falls and new clients end
     far above chance (10 %; 45 % when written) after six rounds."""
