@@ -338,7 +338,8 @@ def _rule_said(shown: list[dict]) -> str:
         return (
             "every method that takes steps at the step size one rule chose for it: the best of the same grid on "
             'validation clients, at each evaluation (docs/protocol.md, "Equal footing"); the last column gives '
-            "the steps and the grid, a cell the step size each seed chose"
+            "the steps and the grid, a cell the step size each seed chose; every training client trained on its "
+            "data less the test split the rule keeps out"
         )
     said = (
         "the last column gives each method's steps and step size, its own (the paper's values, "
