@@ -24,20 +24,25 @@ BENCH_FILE = Path(__file__).resolve().parent.parent / "results" / "bench.json"
 
 
 def hardware_name(device: torch.device) -> str:
-    """The card's name, or the CPU model and the threads torch uses: what a timing ran on."""
+    """The card's name, or the CPU and the threads torch uses: what a timing ran on. A virtual
+    machine's CPU name is often only the vendor's line ("AMD EPYC"), shared by generations that differ
+    in speed and in their kernels' last bits, so the CPU's family and model numbers and the
+    instruction set torch's kernels use are named with it."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     cpuinfo = Path("/proc/cpuinfo")
-    models = (
-        [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        if cpuinfo.exists()
-        else []
+    fields: dict[str, str] = {}
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    generation = (
+        f"family {fields['cpu family']} model {fields['model']}, "
+        if "cpu family" in fields and "model" in fields
+        else ""
     )
-    return f"{models[0] if models else platform.processor()}, {torch.get_num_threads()} thread(s)"
+    name = fields.get("model name") or platform.processor()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{name} ({generation}{capability}), {torch.get_num_threads()} thread(s)"
 
 
 def _rows(path: Path) -> list[dict]:
