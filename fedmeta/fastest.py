@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 BENCH_FILE = Path(__file__).resolve().parent.parent / "results" / "bench.json"
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def hardware_name(device: torch.device) -> str:
@@ -30,9 +31,8 @@ def hardware_name(device: torch.device) -> str:
     instruction set torch's kernels use are named with it."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
     fields: dict[str, str] = {}
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+    for line in CPUINFO.read_text().splitlines() if CPUINFO.exists() else []:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())  # the first processor's
     generation = (

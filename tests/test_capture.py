@@ -102,6 +102,28 @@ def test_auto_engine_vmaps_and_records_on_a_gpu_and_not_on_a_cpu():
         make_engine(compose(["federation.capture=graph"]), torch.device("cpu"))
 
 
+def test_two_cpu_generations_sold_under_one_name_are_told_apart(tmp_path, monkeypatch):
+    """A virtual machine's CPU name is often the vendor's line only; the family and model numbers
+    and torch's instruction set tell generations apart, so their timings and runs are not mixed."""
+    import fedmeta.fastest
+
+    def name(cpuinfo: str) -> str:
+        path = tmp_path / "cpuinfo"
+        path.write_text(cpuinfo)
+        monkeypatch.setattr(fedmeta.fastest, "CPUINFO", path)
+        return hardware_name(torch.device("cpu"))
+
+    processor = "processor\t: {}\nmodel name\t: AMD EPYC\ncpu family\t: {}\nmodel\t\t: {}\n\n"
+    zen4 = name(processor.format(0, 25, 17) + processor.format(1, 25, 17))
+    zen5 = name(processor.format(0, 26, 2))
+    capability = torch.backends.cpu.get_cpu_capability()
+    threads = torch.get_num_threads()
+    assert zen4 == f"AMD EPYC (family 25 model 17, {capability}), {threads} thread(s)"
+    assert zen5 == f"AMD EPYC (family 26 model 2, {capability}), {threads} thread(s)"
+    monkeypatch.setattr(fedmeta.fastest, "CPUINFO", tmp_path / "absent")
+    assert hardware_name(torch.device("cpu")).endswith(f"({capability}), {threads} thread(s)")
+
+
 def test_auto_on_a_cpu_takes_the_way_the_bench_measured_faster_on_this_cpu(tmp_path):
     cpu = torch.device("cpu")
     cfg = compose(["method=fedavg", "wandb.mode=disabled"])
