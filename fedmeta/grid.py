@@ -10,6 +10,7 @@ stacked seeds (``seeds=[…]``), each still writing its own run folder."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -134,6 +135,17 @@ class Job:
         )
 
 
+STEPS = "personalization.steps="
+
+
+@functools.cache
+def scored_as_trained(picks: tuple[str, ...]) -> bool:
+    """Whether the method (and variant) ``picks`` names takes no test-time steps of its own (FedAvg,
+    IFCA, …): a preset's or setting's ``personalization.steps`` sets how many steps the methods that
+    fine-tune take, and leaves these at 0, or FedAvg would become FedAvg-FT."""
+    return compose(list(picks)).personalization.steps == 0
+
+
 def plan(
     preset: DictConfig,
     root: Path,
@@ -173,6 +185,7 @@ def plan(
             *extra,
         ]
         own = setting.get("methods")  # a setting only some methods run (a figure's)
+        steps_set = any(str(o).startswith(STEPS) for o in common)
         for seed in seeds if seeds is not None else preset.seeds:
             for method in (  # "fedrep" or, with a variant, "fedrep-tuned" (its run folder's name)
                 m for m in methods or preset.methods if own is None or m in own
@@ -188,12 +201,15 @@ def plan(
                     if link
                     else ()
                 )
+                kept = common
+                if steps_set and scored_as_trained(picks):  # a preset's steps are the fine-tuners' only
+                    kept = [o for o in common if not str(o).startswith(STEPS)]
                 jobs.append(
                     Job(
                         label,
                         method,
                         int(seed),
-                        (*common, *picks, f"seed={seed}", *handed),
+                        (*kept, *picks, f"seed={seed}", *handed),
                         stage=stages[method],
                         source=link["from"] if link else "",
                     )

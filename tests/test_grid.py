@@ -865,6 +865,21 @@ def test_the_tiny_preset_runs_only_what_its_table_shows_and_writes_outside_resul
     assert len(jobs) == 12 and Path(preset.results).parts[0] == "runs"
 
 
+def test_a_presets_steps_are_the_fine_tuners_and_leave_the_methods_scored_as_trained_at_0():
+    """The breadth preset's Shakespeare column takes 20 personalization steps where the others take
+    50: FedAvg and IFCA, scored as trained, stay at 0 (else FedAvg would be FedAvg-FT), every method
+    that fine-tunes takes the 20, and the other column leaves each method its own."""
+    from fedmeta import grid
+    from fedmeta.config import compose
+
+    jobs = grid.plan(grid.load_preset("breadth"), Path("runs/breadth"), ["table"], seeds=[0])
+    steps = {(job.setting, job.method): compose(list(job.overrides)).personalization.steps for job in jobs}
+    assert steps[("shakespeare-writers", "fedavg")] == steps[("shakespeare-writers", "ifca")] == 0
+    assert steps[("shakespeare-writers", "fedavg_ft")] == steps[("shakespeare-writers", "cafeme")] == 20
+    assert steps[("mini_imagenet-dirichlet", "fedavg")] == 0
+    assert steps[("mini_imagenet-dirichlet", "fedavg_ft")] == 50
+
+
 def test_a_presets_results_folder_must_be_a_folder(tmp_path, monkeypatch):
     from fedmeta import grid
 
